@@ -1,0 +1,25 @@
+# One command for a new user: `make test` creates .venv, installs tritonshard with its test dependencies, and runs
+# the suite (kernels through the Triton interpreter on CPU, distributed tests with real gloo processes).
+#
+# TORCH_SPEC pins the CPU build used by CI (see ../shared/PLATFORM.md: an unpinned torch pulls a multi-GB CUDA
+# build). On a GPU machine, override it with your CUDA torch, e.g. `make test TORCH_SPEC=torch`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: test install clean
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,37 @@
+"""Run a function on N real processes joined by a gloo process group (no mocks).
+
+``run_on_ranks(fn, world_size, *args)`` spawns ``world_size`` processes; each initializes gloo through a
+FileStore in a fresh temporary directory, calls ``fn(rank, world_size, *args)``, and tears the group down.
+An exception on any rank fails the calling test with that rank's traceback. ``fn`` must be a module-level
+function (it is pickled into the children).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, store_path: str, fn, args, warnings_as_errors):
+    os.environ["OMP_NUM_THREADS"] = "1"  # 2 cores shared by up to 4 ranks
+    torch.set_num_threads(1)
+    if warnings_as_errors:
+        warnings.simplefilter("error", warnings_as_errors)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, warnings_as_errors: type[Warning] | None = None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.start_processes(_entry, args=(world_size, store, fn, args, warnings_as_errors), nprocs=world_size,
+                           join=True, start_method="spawn")

@@ -1,0 +1,8 @@
+"""tritonshard: mixed-precision sharded-gradient data parallelism for PyTorch, with fused Triton kernels."""
+
+from .buffer import DEFAULT_ALIGN, Buffer, LayoutMismatchError
+from .layout import Layout, ShardPiece
+
+__version__ = "0.1.0"
+
+__all__ = ["Buffer", "Layout", "ShardPiece", "LayoutMismatchError", "DEFAULT_ALIGN", "__version__"]

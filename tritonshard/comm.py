@@ -1,0 +1,45 @@
+"""Thin shims over ``torch.distributed`` collectives whose names changed across torch versions.
+
+torch 2.13 renamed ``reduce_scatter_tensor`` -> ``reduce_scatter_single`` and ``all_gather_into_tensor`` ->
+``all_gather_single``; the old names still exist there but emit a ``FutureWarning`` on every call. torch 2.11 and
+2.12 have only the old names. We resolve the name once, at import, preferring the new one, so neither version
+warns.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["reduce_scatter_single", "all_gather_single", "group_size", "group_rank", "is_initialized"]
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
+_all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                          group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
+    """Reduce ``input`` (``world_size * output.numel()`` elements) over ``group``; rank r receives chunk r."""
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor,
+                      group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
+    """Concatenate every rank's ``input`` into ``output`` (``world_size * input.numel()`` elements)."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    """World size of ``group`` (the default group for None); 1 when torch.distributed is not initialized."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """This process's rank inside ``group``; 0 when torch.distributed is not initialized."""
+    return dist.get_rank(group) if is_initialized() else 0
