@@ -110,3 +110,24 @@ def test_default_device_is_cpu_without_cuda():
 def test_bad_arguments(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         Buffer(*args, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flatten_from_writes_every_view_and_no_padding(dtype):
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(s, generator=g) for s in SHAPES]
+    srcs[1] = srcs[1].t()  # non-contiguous source
+    buf = Buffer([torch.empty(s.shape) for s in srcs], 1, 3, dtype=dtype, device="cpu", align=8)
+    buf.flatten_from(srcs)
+    buf.flatten_from(srcs, accumulate=True, scale=0.5)
+    for v, s in zip(buf.get_views(), srcs):
+        once = s.float().to(dtype).float()
+        assert torch.equal(v, (0.5 * s.float() + once).to(dtype))
+    owned = torch.zeros(buf.padded_numel, dtype=torch.bool)
+    for off, n in zip(buf.offsets, buf.numels):
+        owned[off:off + n] = True
+    assert bool((buf.get_data()[~owned] == 0).all())
+    with pytest.raises(ValueError, match=r"tensors\[0\] has 4 elements but view 0 has 5"):
+        buf.flatten_from([torch.ones(4)] + srcs[1:])
+    with pytest.raises(ValueError, match="5 entries"):
+        buf.flatten_from(srcs[:5])

@@ -188,6 +188,24 @@ class Buffer:
         """Pieces of each tensor inside ``rank``'s shard (default: this rank). See :meth:`Layout.shard_pieces`."""
         return self.layout.shard_pieces(self.rank if rank is None else rank)
 
+    def flatten_from(self, tensors: Sequence[torch.Tensor], *, accumulate: bool = False, scale: float = 1.0,
+                     backend: Optional[str] = None) -> None:
+        """Write ``tensors`` (one per view, same numels; fp32/bf16/fp16, any strides) into their views in one
+        kernel launch per source dtype: ``view = round(scale * t + (view if accumulate else 0))``.
+
+        See :func:`tritonshard.kernels.flatten_into`. Padding is never written.
+        """
+        from .kernels import flatten_into  # deferred: the Buffer's layout and collectives need no Triton
+
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+        if len(tensors) != len(self._views):
+            raise ValueError(f"tensors has {len(tensors)} entries but the Buffer has {len(self._views)} views")
+        for i, (t, n) in enumerate(zip(tensors, self.layout.numels)):
+            if isinstance(t, torch.Tensor) and t.numel() != n:
+                raise ValueError(f"tensors[{i}] has {t.numel()} elements but view {i} has {n}")
+        flatten_into(self._data, tensors, self.layout.offsets, accumulate=accumulate, scale=scale, backend=backend)
+
     def zero_(self) -> "Buffer":
         """Zero the whole buffer, padding included."""
         self._data.zero_()

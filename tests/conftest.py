@@ -1,0 +1,12 @@
+"""Test-wide setup.
+
+Without a GPU the kernels are tested through the Triton interpreter, which must be switched on before triton is
+first imported (triton.jit decides at decoration time). With a GPU, the compiled kernels are tested instead.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

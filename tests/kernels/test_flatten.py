@@ -1,0 +1,148 @@
+"""flatten_into: bit-exact against flatten_into_ref for every dtype pair, accumulate and scale; one launch per dtype."""
+
+import random
+
+import pytest
+import torch
+
+from tests.helpers import assert_bitwise_equal
+from tests.kernels.common import DEVICE, ODD_SIZES, randn, random_fp32_bits
+from tritonshard.kernels import Backend, flatten_into, flatten_into_ref, last_backend
+from tritonshard.kernels import flatten as flatten_module
+from tritonshard.layout import Layout
+
+SRC_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+OUT_DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _sources(sizes, dtype, seed):
+    ts = []
+    for i, n in enumerate(sizes):
+        t = randn(n, seed + i, torch.float32, scale=3.0)
+        if n > 10:  # a few specials where fp32 can hold them: overflow to inf in fp16, NaN, a bf16 tie
+            t[:3] = torch.tensor([7e4, float("nan"), 1 + 2 ** -8])
+        ts.append(t.to(dtype))
+    return ts
+
+
+def _run_both(out_dtype, tensors, offsets, numel, accumulate, scale, seed):
+    initial = randn(numel, seed + 999, out_dtype)
+    out, ref = initial.clone(), initial.clone()
+    flatten_into(out, tensors, offsets, accumulate=accumulate, scale=scale)
+    assert last_backend("flatten_into") is not Backend.TORCH
+    flatten_into_ref(ref, tensors, offsets, accumulate=accumulate, scale=scale)
+    return out, ref, initial
+
+
+@pytest.mark.parametrize("src_dtype", SRC_DTYPES)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_every_dtype_pair_matches_reference(src_dtype, out_dtype, accumulate, scale):
+    sizes = ODD_SIZES + [8191]  # 8191: a prime above BLOCK
+    tensors = _sources(sizes, src_dtype, seed=len(sizes))
+    layout = Layout(sizes, world_size=3, align=64)  # gaps between views: padding must stay untouched
+    out, ref, initial = _run_both(out_dtype, tensors, list(layout.offsets), layout.padded_numel, accumulate,
+                                  scale, seed=1)
+    assert_bitwise_equal(out, ref, f"flatten {src_dtype}->{out_dtype} acc={accumulate} scale={scale}")
+    owned = torch.zeros(layout.padded_numel, dtype=torch.bool, device=DEVICE)
+    for off, n in zip(layout.offsets, sizes):
+        owned[off:off + n] = True
+    assert_bitwise_equal(out[~owned], initial[~owned], "elements outside every tensor are not written")
+
+
+# numpy (under the interpreter) warns when it multiplies a signalling NaN, which random bit patterns include
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+def test_reference_is_round_to_nearest_even_of_fp32_math():
+    # the reference itself, checked against a formula written out independently, on random bit patterns
+    x = random_fp32_bits(5000, 11)
+    acc = randn(5000, 12, torch.bfloat16)
+    out = acc.clone()
+    flatten_into(out, [x], [0], accumulate=True, scale=0.5)
+    expected = ((x * 0.5) + acc.float()).to(torch.bfloat16)
+    assert_bitwise_equal(out, expected, "0.5 * x + acc")
+
+
+def test_non_contiguous_sources():
+    base = randn(37 * 41, 5).view(37, 41)
+    tensors = [base.t(), base[::3, 1::2], randn(6 * 5 * 4, 6).view(6, 5, 4).permute(2, 0, 1),
+               torch.randn(1, device=DEVICE).expand(7)]
+    sizes = [t.numel() for t in tensors]
+    layout = Layout(sizes, 2, align=8)
+    out = torch.zeros(layout.padded_numel, dtype=torch.bfloat16, device=DEVICE)
+    flatten_into(out, tensors, list(layout.offsets))
+    for t, off in zip(tensors, layout.offsets):
+        assert_bitwise_equal(out[off:off + t.numel()], t.flatten().to(torch.bfloat16), "non-contiguous source")
+
+
+def test_many_tensors_one_launch_per_dtype(monkeypatch):
+    launches = []
+    real = flatten_module._flatten_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(flatten_module, "_flatten_kernel", Counting())
+    rng = random.Random(0)
+    sizes = [rng.choice([0, 1, 2, 3, 17, 64, 199, 1000]) for _ in range(500)] + [9000]  # a big one among tiny
+    dtypes = [SRC_DTYPES[i % 3] for i in range(len(sizes))]
+    tensors = [randn(n, i, torch.float32).to(dt) for i, (n, dt) in enumerate(zip(sizes, dtypes))]
+    order = list(range(len(sizes)))
+    rng.shuffle(order)  # offsets in a different order from the list
+    sizes_in_order = [sizes[i] for i in order]
+    layout = Layout(sizes_in_order, 4, align=1)
+    offsets = [0] * len(sizes)
+    for pos, i in enumerate(order):
+        offsets[i] = layout.offsets[pos]
+    out = torch.zeros(layout.padded_numel, dtype=torch.bfloat16, device=DEVICE)
+    ref = out.clone()
+    flatten_into(out, tensors, offsets)
+    flatten_into_ref(ref, tensors, offsets)
+    assert_bitwise_equal(out, ref, "500 mixed tensors")
+    assert len(launches) == 3, f"one launch per source dtype, got {len(launches)}"
+    # single-dtype list of 1,000 tensors: exactly one launch
+    launches.clear()
+    tensors = [randn(rng.randint(1, 50), i) for i in range(1000)]
+    layout = Layout([t.numel() for t in tensors], 1)
+    out = torch.zeros(layout.padded_numel, dtype=torch.float32, device=DEVICE)
+    flatten_into(out, tensors, list(layout.offsets))
+    assert len(launches) == 1
+    assert_bitwise_equal(out[:layout.used_numel], torch.cat(tensors), "1,000 fp32 tensors")
+
+
+def test_empty_inputs_launch_nothing():
+    out = torch.zeros(4, device=DEVICE)
+    flatten_into(out, [], [])
+    flatten_into(out, [torch.empty(0, device=DEVICE)], [4])  # a zero-numel tensor at the very end is legal
+    assert bool((out == 0).all())
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: (torch.zeros(4, 4, device=DEVICE), [torch.ones(3, device=DEVICE)], [0]), ValueError, "1-D"),
+    (lambda: (torch.zeros(8, dtype=torch.float16, device=DEVICE), [torch.ones(3, device=DEVICE)], [0]), TypeError,
+     "out must be bfloat16 or float32"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, dtype=torch.int32, device=DEVICE)], [0]), TypeError,
+     r"tensors\[0\] must be float32"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, device=DEVICE)] * 2, [0, 2]), ValueError, "overlap"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, device=DEVICE)], [6]), ValueError, "outside out"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, device=DEVICE)], [-1]), ValueError, "outside out"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, device=DEVICE)], [0, 4]), ValueError, "same length"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, device="meta")], [0]), ValueError, "is on meta"),
+    (lambda: (torch.zeros(8, device=DEVICE), [[1.0, 2.0]], [0]), TypeError, r"tensors\[0\] must be a torch.Tensor"),
+    (lambda: (torch.zeros(8, device=DEVICE), [torch.ones(3, device=DEVICE)], [1.5]), TypeError, r"offsets\[0\]"),
+    (lambda: (torch.zeros(16, device=DEVICE)[::2], [torch.ones(3, device=DEVICE)], [0]), ValueError, "contiguous"),
+])
+def test_bad_input(make, exc, match):
+    out, tensors, offsets = make()
+    with pytest.raises(exc, match=match):
+        flatten_into(out, tensors, offsets)
+
+
+def test_torch_backend_is_explicit_and_observable():
+    out = torch.zeros(10, dtype=torch.bfloat16, device=DEVICE)
+    t = randn(10, 1)
+    flatten_into(out, [t], [0], backend="torch")
+    assert last_backend("flatten_into") is Backend.TORCH
+    assert_bitwise_equal(out, t.to(torch.bfloat16), "torch backend")

@@ -1,0 +1,72 @@
+"""scale_: in-place scale bit-exact against scale_ref; sum of squares against float64; non-finite flag."""
+
+import pytest
+import torch
+
+from tests.helpers import assert_bitwise_equal
+from tests.kernels.common import DEVICE, ODD_SIZES, randn
+from tritonshard.kernels import Backend, last_backend, scale_, scale_ref
+
+# fp32 sum of n positive terms, added pairwise/by blocks: relative error <= (tree depth) * 2^-24, depth < 40 for
+# any size tested here -> 2.4e-6. 1e-5 leaves room for the per-block partial + final sum structure.
+SUMSQ_REL = 1e-5
+
+
+@pytest.mark.parametrize("n", ODD_SIZES + [100_003])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("factor_kind", ["float", "tensor"])
+def test_matches_reference_and_float64(n, dtype, factor_kind):
+    x = randn(n, n, dtype, scale=2.0)
+    factor = 1 / 3 if factor_kind == "float" else torch.tensor(1 / 3, device=DEVICE)
+    ref = x.clone()
+    sumsq, nonfinite = scale_(x, factor)
+    assert last_backend("scale_") is not Backend.TORCH
+    ref_sumsq, ref_nonfinite = scale_ref(ref, factor)
+    assert_bitwise_equal(x, ref, f"scaled x ({n}, {dtype})")
+    assert sumsq.shape == () and sumsq.dtype == torch.float32 and sumsq.device == x.device
+    exact = float(x.double().square().sum())
+    assert abs(float(sumsq) - exact) <= SUMSQ_REL * exact, f"sumsq {float(sumsq)} vs float64 {exact}"
+    assert abs(float(ref_sumsq) - exact) <= SUMSQ_REL * exact
+    assert float(nonfinite) == 0.0 and float(ref_nonfinite) == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # inf * inf in the sum of squares
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("special, where", [(float("inf"), 0), (float("-inf"), 4098), (float("nan"), 9000)])
+def test_non_finite_flag(dtype, special, where):
+    x = randn(10_000, 3, dtype)
+    x[where] = special
+    _, nonfinite = scale_(x, 0.5)
+    assert float(nonfinite) == 1.0
+
+
+# numpy (the interpreter's arithmetic) warns on the overflow this test provokes on purpose
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_overflow_by_the_factor_is_flagged(dtype):
+    x = torch.full((5000,), 3e38, dtype=dtype, device=DEVICE)
+    _, nonfinite = scale_(x, 4.0)
+    assert float(nonfinite) == 1.0 and bool(x.isinf().all())
+
+
+def test_deterministic_sum():
+    x = randn(50_000, 9)
+    results = {scale_(x.clone(), 0.75)[0].view(torch.int32).item() for _ in range(3)}
+    assert len(results) == 1, "per-block partials summed in a fixed order give the same bits every run"
+
+
+def test_empty():
+    sumsq, nonfinite = scale_(torch.empty(0, device=DEVICE), 2.0)
+    assert float(sumsq) == 0.0 and float(nonfinite) == 0.0
+
+
+@pytest.mark.parametrize("x, factor, exc, match", [
+    (torch.ones(3, dtype=torch.float16), 1.0, TypeError, "x must be bfloat16 or float32"),
+    (torch.ones(4, 4).t(), 1.0, ValueError, "contiguous"),
+    (torch.ones(3), "2", TypeError, "factor"),
+    (torch.ones(3), torch.ones(2), ValueError, "1-element"),
+    (torch.ones(3), torch.ones(1, device="meta"), ValueError, "factor is on meta"),
+])
+def test_bad_input(x, factor, exc, match):
+    with pytest.raises(exc, match=match):
+        scale_(x.to(DEVICE), factor)

@@ -1,0 +1,19 @@
+"""Fused Triton kernels for the memory-bound steps of a sharded mixed-precision optimizer step.
+
+One family per module: private ``@triton.jit`` kernels, a validating launcher, and a ``*_ref`` PyTorch reference
+that the tests import (and that runs on CPU without the interpreter). Backends: see :mod:`._dispatch`.
+"""
+
+from ._dispatch import Backend, interpreter_enabled, last_backend
+from .adamw import adamw_step_, adamw_step_ref
+from .flatten import flatten_into, flatten_into_ref
+from .rounding import cast_to_bf16, cast_to_bf16_ref, stochastic_cast_to_bf16_ref
+from .scale import scale_, scale_ref
+
+__all__ = [
+    "flatten_into", "flatten_into_ref",
+    "scale_", "scale_ref",
+    "adamw_step_", "adamw_step_ref",
+    "cast_to_bf16", "cast_to_bf16_ref", "stochastic_cast_to_bf16_ref",
+    "Backend", "last_backend", "interpreter_enabled",
+]

@@ -1,0 +1,75 @@
+"""Backend selection for the kernel launchers: chosen by device and an explicit argument, and observable.
+
+* CUDA tensors: the compiled Triton kernels (``Backend.TRITON``).
+* CPU tensors with ``TRITON_INTERPRET=1`` set before triton was imported: the same Triton kernels through the
+  interpreter (``Backend.INTERPRETER``): how the tests check the real kernels without a GPU.
+* CPU tensors otherwise: the pure-PyTorch reference (``Backend.TORCH``), so a CPU user can train with gloo.
+
+``backend="torch"`` forces the reference anywhere; ``backend="triton"`` refuses to fall back. Every launch records
+what ran (:func:`last_backend`) and logs the first use of each (op, backend) pair on the ``tritonshard.kernels``
+logger.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Optional
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+__all__ = ["Backend", "select_backend", "last_backend", "interpreter_enabled"]
+
+log = logging.getLogger("tritonshard.kernels")
+
+
+class Backend(str, enum.Enum):
+    TRITON = "triton"
+    INTERPRETER = "triton-interpreter"
+    TORCH = "torch"
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set at decoration time. Every kernel in
+# this package is decorated at import of the package, so this one probe says how all of them will run.
+_INTERPRETED = isinstance(_probe, InterpretedFunction)
+_LAST: dict[str, Backend] = {}
+_LOGGED: set[tuple[str, Backend]] = set()
+
+
+def interpreter_enabled() -> bool:
+    """True when this process's Triton kernels run through the CPU interpreter."""
+    return _INTERPRETED
+
+
+def select_backend(op: str, device: torch.device, backend: Optional[str] = None) -> Backend:
+    """Pick the backend for ``op`` on ``device`` and record it. ``backend``: None/"auto", "triton" or "torch"."""
+    if backend not in (None, "auto", "triton", "torch"):
+        raise ValueError(f"backend must be None, 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "torch":
+        chosen = Backend.TORCH
+    elif _INTERPRETED:
+        chosen = Backend.INTERPRETER
+    elif device.type == "cuda":
+        chosen = Backend.TRITON
+    elif backend == "triton":
+        raise ValueError(f"backend='triton' for {op} on {device} needs a CUDA device, or TRITON_INTERPRET=1 set "
+                         "before triton is imported")
+    else:
+        chosen = Backend.TORCH
+    _LAST[op] = chosen
+    if (op, chosen) not in _LOGGED:
+        _LOGGED.add((op, chosen))
+        log.info("tritonshard.kernels.%s runs on %s (%s)", op, device, chosen.value)
+    return chosen
+
+
+def last_backend(op: str) -> Optional[Backend]:
+    """The backend the last call of ``op`` ("flatten_into", "scale_", "adamw_step_", "cast_to_bf16") used."""
+    return _LAST.get(op)

@@ -1,0 +1,179 @@
+"""Many-tensor gradient flatten: every tensor of a list written into one flat buffer, in one launch per dtype.
+
+``flatten_into(out, tensors, offsets, *, accumulate=False, scale=1.0)`` computes, in fp32, for every i::
+
+    out[offsets[i] : offsets[i] + n_i] = round(scale * tensors[i].flatten() + (out[...] if accumulate else 0))
+
+``round`` is round-to-nearest-even to bf16 (bit-identical to torch) or nothing for an fp32 ``out``.
+
+How one launch covers a list: an int64 table of source addresses, destination offsets and numels, and a block
+schedule (for program p: which tensor, which element to start at). Every program copies one BLOCK of one tensor,
+so 1,000 tiny tensors cost one launch and one huge tensor next to tiny ones still spreads over every SM. One launch
+per source dtype, because the element type of a pointer is a compile-time property of the kernel.
+
+Non-contiguous sources are made contiguous first (one extra copy of that tensor; ``t.flatten()``'s logical order is
+what lands in ``out``); contiguous ones are read in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import Backend, select_backend
+from .rounding import round_to_bf16, to_fp32
+
+__all__ = ["flatten_into", "flatten_into_ref"]
+
+_SRC_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+# 4096 elements per program: 8-16 KiB moved per program on a GPU, and few programs under the interpreter, whose
+# cost is per program (about 0.5 ms per copy-cast block, PLATFORM.md).
+BLOCK = 4096
+
+
+@triton.jit
+def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, out_ptr, scale,
+                    SRC_DTYPE: tl.constexpr, OUT_IS_BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    start = tl.load(block_start + pid)
+    n = tl.load(numels + t)
+    src = tl.load(src_ptrs + t).to(tl.pointer_type(SRC_DTYPE))
+    dst = out_ptr + tl.load(dst_offsets + t)
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    x = to_fp32(tl.load(src + offs, mask=mask)) * scale
+    if ACCUMULATE:
+        x = x + to_fp32(tl.load(dst + offs, mask=mask))
+    if OUT_IS_BF16:
+        tl.store(dst + offs, round_to_bf16(x), mask=mask)
+    else:
+        tl.store(dst + offs, x, mask=mask)
+
+
+def flatten_into_ref(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *,
+                     accumulate: bool = False, scale: float = 1.0) -> None:
+    """Pure-PyTorch reference (and the CPU fallback): the same arithmetic, one tensor at a time."""
+    for t, off in zip(tensors, offsets):
+        n = t.numel()
+        if n == 0:
+            continue
+        dst = out[off:off + n]
+        x = t.reshape(-1).float() * scale
+        if accumulate:
+            x = x + dst.float()
+        dst.copy_(x.to(out.dtype))
+
+
+def _validate(out, tensors, offsets, accumulate, scale) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous 1-D tensor, got shape {tuple(out.shape)}"
+                         f"{'' if out.is_contiguous() else ' (non-contiguous)'}")
+    if out.dtype not in _OUT_DTYPES:
+        raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+    if isinstance(offsets, torch.Tensor) or not isinstance(offsets, Sequence):
+        raise TypeError(f"offsets must be a list of ints, got {type(offsets).__name__}")
+    if len(tensors) != len(offsets):
+        raise ValueError(f"tensors and offsets must have the same length, got {len(tensors)} and {len(offsets)}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    ranges = []
+    for i, (t, off) in enumerate(zip(tensors, offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _SRC_DTYPES:
+            raise TypeError(f"tensors[{i}] must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.device != out.device:
+            raise ValueError(f"tensors[{i}] is on {t.device} but out is on {out.device}")
+        if isinstance(off, bool) or not isinstance(off, numbers.Integral):
+            raise TypeError(f"offsets[{i}] must be an int, got {type(off).__name__}")
+        if off < 0 or off + t.numel() > out.numel():
+            raise ValueError(f"offsets[{i}]={off} puts tensors[{i}] ({t.numel()} elements) outside out "
+                             f"({out.numel()} elements)")
+        if t.numel():
+            ranges.append((int(off), int(off) + t.numel(), i))
+    ranges.sort()
+    for (s0, e0, i0), (s1, e1, i1) in zip(ranges, ranges[1:]):
+        if s1 < e0:
+            raise ValueError(f"tensors[{i0}] at [{s0}, {e0}) and tensors[{i1}] at [{s1}, {e1}) overlap in out")
+
+
+class _ScheduleCache:
+    """Device-resident tables keyed by (device, source addresses, offsets, numels).
+
+    Gradient tensors are usually re-allocated at the same addresses every step (caching allocator), so the
+    tables are built and copied to the device once, not every step. Bounded LRU.
+    """
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, device, ptrs, offsets, numels, block):
+        key = (device, ptrs, offsets, numels, block)
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit
+        blocks_per_tensor = [triton.cdiv(n, block) for n in numels]
+        block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
+                                               torch.tensor(blocks_per_tensor, dtype=torch.int64))
+        first_block = torch.tensor([0] + blocks_per_tensor[:-1], dtype=torch.int64).cumsum(0)
+        block_start = (torch.arange(block_tensor.numel(), dtype=torch.int64) - first_block[block_tensor.long()]) * block
+        host = [torch.tensor(ptrs, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64),
+                torch.tensor(numels, dtype=torch.int64), block_tensor, block_start]
+        tables = tuple(x.to(device, non_blocking=True) for x in host) if device.type != "cpu" else tuple(host)
+        self._entries[key] = tables
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return tables
+
+
+_schedules = _ScheduleCache()
+
+
+def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *,
+                 accumulate: bool = False, scale: float = 1.0, backend: str | None = None) -> None:
+    """Write (or accumulate) every tensor, scaled and rounded, into the flat ``out`` at its offset.
+
+    Args:
+        out: contiguous 1-D bf16 or fp32 tensor.
+        tensors: fp32, bf16 or fp16 tensors of any shape, on ``out``'s device; zero-numel ones are skipped.
+        offsets: element offset of each tensor in ``out``; the ranges must not overlap nor leave ``out``.
+        accumulate: add to what ``out`` holds instead of overwriting it.
+        scale: multiplies every source element first (fp32).
+        backend: None (by device), "triton" or "torch"; see :mod:`tritonshard.kernels._dispatch`.
+    """
+    _validate(out, tensors, offsets, accumulate, scale)
+    chosen = select_backend("flatten_into", out.device, backend)
+    if chosen is Backend.TORCH:
+        flatten_into_ref(out, tensors, offsets, accumulate=accumulate, scale=scale)
+        return
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
+    for t, off in zip(tensors, offsets):
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append((t if t.is_contiguous() else t.contiguous(), int(off)))
+    for dtype, items in by_dtype.items():
+        srcs = [t for t, _ in items]
+        ptrs = tuple(t.data_ptr() for t in srcs)
+        offs = tuple(off for _, off in items)
+        numels = tuple(t.numel() for t in srcs)
+        ptr_tab, off_tab, numel_tab, block_tensor, block_start = _schedules.get(out.device, ptrs, offs, numels, BLOCK)
+        # no FMA contraction: scale * x + acc must round like the reference's separate multiply and add
+        _flatten_kernel[(block_tensor.numel(),)](
+            ptr_tab, off_tab, numel_tab, block_tensor, block_start, out, float(scale),
+            SRC_DTYPE=_SRC_DTYPES[dtype], OUT_IS_BF16=out.dtype == torch.bfloat16, ACCUMULATE=accumulate,
+            BLOCK=BLOCK, enable_fp_fusion=False)

@@ -1,0 +1,84 @@
+"""The kernels as ``torch.library.custom_op`` s, so a ``torch.compile`` d function calls them without graph breaks.
+
+``torch.ops.tritonshard.{flatten_into, scale_, adamw_step_}`` have a schema (no unions), so a scalar that may be
+a number or a tensor travels as two arguments: ``x`` (float, used when ``x_tensor`` is None) and ``x_tensor``.
+The wrappers below keep the launchers' signatures and route through the ops. Fake implementations say what
+is mutated and allocate the outputs' metadata only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .adamw import adamw_step_ as _adamw_step
+from .flatten import flatten_into as _flatten_into
+from .scale import scale_ as _scale
+
+__all__ = ["flatten_into", "scale_", "adamw_step_"]
+
+
+@torch.library.custom_op("tritonshard::flatten_into", mutates_args=("out",))
+def _flatten_into_op(out: Tensor, tensors: list[Tensor], offsets: list[int], accumulate: bool,
+                     scale: float) -> None:
+    _flatten_into(out, tensors, offsets, accumulate=accumulate, scale=scale)
+
+
+@_flatten_into_op.register_fake
+def _(out, tensors, offsets, accumulate, scale):
+    return None
+
+
+@torch.library.custom_op("tritonshard::scale_", mutates_args=("x",))
+def _scale_op(x: Tensor, factor: float, factor_tensor: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return _scale(x, factor_tensor if factor_tensor is not None else factor)
+
+
+@_scale_op.register_fake
+def _(x, factor, factor_tensor):
+    return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonshard::adamw_step_",
+                         mutates_args=("param", "exp_avg", "exp_avg_sq", "param_out"))
+def _adamw_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param_out: Optional[Tensor],
+              lr: float, lr_tensor: Optional[Tensor], step: float, step_tensor: Optional[Tensor],
+              grad_scale: float, grad_scale_tensor: Optional[Tensor], found_inf: Optional[Tensor],
+              beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool) -> None:
+    _adamw_step(param, grad, exp_avg, exp_avg_sq,
+                lr=lr_tensor if lr_tensor is not None else lr,
+                step=step_tensor if step_tensor is not None else step,
+                grad_scale=grad_scale_tensor if grad_scale_tensor is not None else grad_scale,
+                found_inf=found_inf, param_out=param_out, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, maximize=maximize)
+
+
+@_adamw_op.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, param_out, lr, lr_tensor, step, step_tensor, grad_scale,
+      grad_scale_tensor, found_inf, beta1, beta2, eps, weight_decay, maximize):
+    return None
+
+
+def _split(value) -> tuple[float, Optional[Tensor]]:
+    return (0.0, value) if isinstance(value, Tensor) else (float(value), None)
+
+
+def flatten_into(out: Tensor, tensors: Sequence[Tensor], offsets: Sequence[int], *, accumulate: bool = False,
+                 scale: float = 1.0) -> None:
+    """:func:`tritonshard.kernels.flatten_into` through ``torch.ops.tritonshard.flatten_into``."""
+    torch.ops.tritonshard.flatten_into(out, list(tensors), [int(o) for o in offsets], accumulate, float(scale))
+
+
+def scale_(x: Tensor, factor) -> tuple[Tensor, Tensor]:
+    """:func:`tritonshard.kernels.scale_` through ``torch.ops.tritonshard.scale_``."""
+    return torch.ops.tritonshard.scale_(x, *_split(factor))
+
+
+def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
+                found_inf=None, param_out=None, maximize=False) -> None:
+    """:func:`tritonshard.kernels.adamw_step_` through ``torch.ops.tritonshard.adamw_step_``."""
+    torch.ops.tritonshard.adamw_step_(param, grad, exp_avg, exp_avg_sq, param_out, *_split(lr), *_split(step),
+                                      *_split(grad_scale), found_inf, float(beta1), float(beta2), float(eps),
+                                      float(weight_decay), bool(maximize))

@@ -1,0 +1,122 @@
+"""Post-reduce-scatter scale: ``x *= factor`` in place, with the sum of squares and a non-finite flag, in one pass.
+
+``scale_(x, factor) -> (sum_sq, nonfinite)``: both are 0-d fp32 tensors on ``x``'s device, computed from the
+values as stored (after rounding to ``x``'s dtype), so they describe exactly what the optimizer will read.
+``nonfinite`` is 1.0 when any stored value is inf or NaN, else 0.0 (fp32, the convention of ``found_inf`` in
+``torch.amp``). Nothing waits on the host.
+
+Deterministic: each program writes its partial sum and flag to its own slot; one single-program kernel then adds
+the partials in a fixed order. No atomics, so the result is the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import Backend, select_backend
+from .rounding import round_to_bf16, to_fp32
+
+__all__ = ["scale_", "scale_ref"]
+
+BLOCK = 4096
+_FINALIZE_BLOCK = 1024
+
+
+@triton.jit
+def _is_nonfinite(y):
+    # exponent all ones <=> inf or NaN; integer test, so no float op ever sees the inf (the interpreter's numpy
+    # would warn on inf - inf)
+    return (y.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000
+
+
+@triton.jit
+def _scale_kernel(x_ptr, n, factor_ptr, factor_val, partial_sumsq, partial_nonfinite,
+                  FACTOR_IS_TENSOR: tl.constexpr, X_IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if FACTOR_IS_TENSOR:
+        factor = to_fp32(tl.load(factor_ptr))
+    else:
+        factor = factor_val
+    y = to_fp32(tl.load(x_ptr + offs, mask=mask)) * factor
+    if X_IS_BF16:
+        stored = round_to_bf16(y)
+        tl.store(x_ptr + offs, stored, mask=mask)
+        y = to_fp32(stored)
+    else:
+        tl.store(x_ptr + offs, y, mask=mask)
+    y = tl.where(mask, y, 0.0)
+    tl.store(partial_sumsq + pid, tl.sum(y * y, axis=0))
+    tl.store(partial_nonfinite + pid, tl.max(_is_nonfinite(y).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _finalize_kernel(partial_sumsq, partial_nonfinite, num_partials, sumsq_out, nonfinite_out, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    flag = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, num_partials, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < num_partials
+        acc += tl.load(partial_sumsq + offs, mask=mask, other=0.0)
+        flag = tl.maximum(flag, tl.load(partial_nonfinite + offs, mask=mask, other=0))
+    tl.store(sumsq_out, tl.sum(acc, axis=0))
+    tl.store(nonfinite_out, (tl.max(flag, axis=0) > 0).to(tl.float32))
+
+
+def scale_ref(x: torch.Tensor, factor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch reference (and the CPU fallback): same rounding; the sum is taken by torch, in fp32."""
+    f = factor.float() if isinstance(factor, torch.Tensor) else float(factor)
+    x.copy_((x.float() * f).to(x.dtype))
+    stored = x.float()
+    sumsq = stored.square().sum()
+    nonfinite = (~stored.isfinite()).any().float()
+    return sumsq, nonfinite
+
+
+def _validate(x, factor):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (it is scaled in place as a flat array)")
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or not factor.is_floating_point():
+            raise ValueError(f"factor must be a float or a 1-element floating tensor, got shape "
+                             f"{tuple(factor.shape)} {factor.dtype}")
+        if factor.device != x.device:
+            raise ValueError(f"factor is on {factor.device} but x is on {x.device}")
+    elif isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(f"factor must be a float or a 0-d tensor, got {type(factor).__name__}")
+
+
+def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x *= factor`` in place; returns ``(sum of squares of the new x, non-finite flag)`` as 0-d fp32 tensors.
+
+    Args:
+        x: contiguous bf16 or fp32 tensor (typically a reduce-scattered gradient shard).
+        factor: a Python number or a 1-element floating tensor on ``x``'s device (read on the device, no sync).
+        backend: None (by device), "triton" or "torch".
+    """
+    _validate(x, factor)
+    chosen = select_backend("scale_", x.device, backend)
+    if chosen is Backend.TORCH:
+        return scale_ref(x, factor)
+    n = x.numel()
+    num_blocks = triton.cdiv(n, BLOCK)
+    partial_sumsq = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    partial_nonfinite = torch.empty(num_blocks, dtype=torch.int32, device=x.device)
+    sumsq = torch.empty((), dtype=torch.float32, device=x.device)
+    nonfinite = torch.empty((), dtype=torch.float32, device=x.device)
+    is_tensor = isinstance(factor, torch.Tensor)
+    if num_blocks:
+        _scale_kernel[(num_blocks,)](
+            x, n, factor if is_tensor else x, 0.0 if is_tensor else float(factor), partial_sumsq, partial_nonfinite,
+            FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK, enable_fp_fusion=False)
+    _finalize_kernel[(1,)](partial_sumsq, partial_nonfinite, num_blocks, sumsq, nonfinite, BLOCK=_FINALIZE_BLOCK)
+    return sumsq, nonfinite
