@@ -2,7 +2,8 @@
 
 from .buffer import DEFAULT_ALIGN, Buffer, LayoutMismatchError
 from .layout import Layout, ShardPiece
+from .optim import ShardedAdamW, ShardedOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Layout", "ShardPiece", "LayoutMismatchError", "DEFAULT_ALIGN", "__version__"]
+__all__ = ["ShardedAdamW", "ShardedOptimizer", "Buffer", "Layout", "ShardPiece", "LayoutMismatchError", "DEFAULT_ALIGN", "__version__"]

@@ -1,0 +1,129 @@
+"""ShardedAdamW in one process (world size 1, torch.distributed not initialized): API, semantics, errors."""
+
+import pytest
+import torch
+
+from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
+from tritonshard import ShardedAdamW
+
+
+def test_single_process_without_torch_distributed_matches_reference():
+    model = make_model(0)
+    params = [p for g in param_groups(model) for p in g["params"]]
+    opt = ShardedAdamW(param_groups(model), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref = Reference(1)
+    for step in range(3):
+        train_step(model, opt, sched, 0, step)
+        ref.step(step)
+    assert opt.param_groups[0]["lr"] == LR * schedule(3), "the scheduler drives the groups' lr"
+    for p, want in zip(params, ref.bf16_weights()):
+        # same arithmetic up to fp32 op order in AdamW (see test_adamw_distributed); bf16 weights: at most one
+        # bf16 ulp apart where the master sits on a rounding boundary, i.e. 2^-7 relative
+        assert torch.allclose(p.float(), want.float(), rtol=2 ** -7, atol=0)
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert model.frozen.dtype == torch.float32
+
+
+def test_parameters_become_views_of_the_param_buffer_and_master_keeps_original_values():
+    model = make_model(0)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    (bucket,) = opt.buckets
+    data = bucket.param_buffer.get_data()
+    for p in bucket.params:
+        assert p.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for piece in bucket.param_buffer.shard_pieces():
+        p = bucket.params[piece.tensor_index]
+        want = original[by_id[id(p)]].reshape(-1)[piece.tensor_start:piece.tensor_end]
+        got = bucket.master[piece.shard_start:piece.shard_end]
+        assert torch.equal(got, want), "the master is the fp32 original, not the bf16-rounded copy"
+        assert torch.equal(p.detach().reshape(-1)[piece.tensor_start:piece.tensor_end], want.to(torch.bfloat16))
+    assert not any(p is model.frozen for p in bucket.params)
+
+
+def test_manually_set_grads_are_used_and_match_torch_adamw():
+    model = make_model(1)
+    ref = make_model(1)
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.05, foreach=False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in trainable]
+        for p, q, gr in zip(trainable, ref_params, grads):
+            p.grad, q.grad = gr, gr.float()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    for p, q in zip(trainable, ref_params):
+        # fp32 AdamW op-order differences only (a few ulps), then the same rounding to bf16: <= 1 bf16 ulp
+        assert torch.allclose(p.float(), q.detach().to(torch.bfloat16).float(), rtol=2 ** -7, atol=0)
+
+
+def test_zero_grad_then_backward_overwrites_without_a_fill():
+    model = make_model(0)
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    x1, x2 = torch.randn(4, 13).bfloat16(), torch.randn(4, 13).bfloat16()
+    model(x1).float().sum().backward()
+    opt.zero_grad(set_to_none=True)
+    model(x2).float().sum().backward()
+    first = opt.buckets[0].grad_buffer.get_data().clone()
+    opt.zero_grad(set_to_none=False)
+    assert bool((opt.buckets[0].grad_buffer.get_data() == 0).all()), "set_to_none=False zero-fills the buffers"
+    model(x2).float().sum().backward()
+    assert torch.equal(opt.buckets[0].grad_buffer.get_data(), first), "only the backward after zero_grad counts"
+    model(x2).float().sum().backward()
+    assert torch.equal(opt.buckets[0].grad_buffer.get_data(), (first.float() * 2).to(torch.bfloat16)), \
+        "a second backward accumulates"
+    assert all(p.grad is None for p in model.parameters()), "param.grad is released into the buffer"
+
+
+def test_memory_bytes():
+    model = make_model(0)
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    mem = opt.memory_bytes()
+    padded = sum(b.param_buffer.padded_numel for b in opt.buckets)
+    shard = sum(b.param_buffer.shard_numel for b in opt.buckets)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert mem["params"] == mem["grads"] == 2 * padded
+    assert mem["master"] == 4 * shard and mem["state"] == 8 * shard
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert padded >= n and padded - n < 64 * len(list(model.parameters()))  # align=64 padding per tensor at most
+
+
+def test_step_inside_no_sync_is_an_error():
+    model = make_model(0)
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    with opt.no_sync():
+        model(torch.randn(2, 13).bfloat16()).float().sum().backward()
+        with pytest.raises(RuntimeError, match="no_sync"):
+            opt.step()
+
+
+def _params():
+    return [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: ShardedAdamW([_params()[0]] * 2), ValueError, "passed twice"),
+    (lambda: ShardedAdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)]), TypeError,
+     "floating point"),
+    (lambda: ShardedAdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))]),
+     ValueError, "one device"),
+    (lambda: ShardedAdamW(_params(), lr=-1.0), ValueError, "lr must be >= 0"),
+    (lambda: ShardedAdamW(_params(), betas=(1.0, 0.999)), ValueError, r"betas\[0\] must be in \[0, 1\)"),
+    (lambda: ShardedAdamW(_params(), betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
+    (lambda: ShardedAdamW(_params(), eps=0.0), ValueError, "eps must be > 0"),
+    (lambda: ShardedAdamW(_params(), weight_decay=-1e-2), ValueError, "weight_decay must be >= 0"),
+    (lambda: ShardedAdamW([{"params": _params()[:1]}, {"params": _params()[1:], "lr": -1}]), ValueError,
+     r"lr must be >= 0, got -1 \(param_groups\[1\]\)"),
+    (lambda: ShardedAdamW(_params(), param_dtype=torch.float16), ValueError, "param_dtype"),
+    (lambda: ShardedAdamW(_params(), grad_dtype=torch.float16), ValueError, "grad_dtype"),
+    (lambda: ShardedAdamW(_params(), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+])
+def test_bad_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()

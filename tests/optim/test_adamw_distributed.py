@@ -1,0 +1,118 @@
+"""ShardedAdamW on 1, 2 and 4 gloo processes against a single-process reference (tests/optim/training.py)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_on_ranks
+from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
+from tritonshard import ShardedAdamW
+from tritonshard.comm import all_gather_single
+
+STEPS = 4
+
+
+def _gather_equal(t: torch.Tensor, what: str):
+    world = dist.get_world_size()
+    out = torch.empty(world * t.numel(), dtype=t.dtype)
+    all_gather_single(out, t.contiguous())
+    rows = out.view(world, -1).view(torch.uint8)  # compare bits
+    for r in range(1, world):
+        assert torch.equal(rows[r], rows[0]), f"{what} differs between rank 0 and rank {r}"
+
+
+def _master_error(opt, ref_master_by_param):
+    """max |ours - ref| / max |ref| over this rank's master shard pieces."""
+    worst, scale = 0.0, 0.0
+    for b in opt.buckets:
+        for piece in b.param_buffer.shard_pieces():
+            ref = ref_master_by_param[b.params[piece.tensor_index]].reshape(-1)[piece.tensor_start:piece.tensor_end]
+            ours = b.master[piece.shard_start:piece.shard_end]
+            worst = max(worst, float((ours.double() - ref.double()).abs().max()))
+            scale = max(scale, float(ref.abs().max()))
+    return worst / scale
+
+
+def _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, results):
+    model = make_model(0)
+    ours_params = [p for g in param_groups(model) for p in g["params"]]
+    opt = ShardedAdamW(param_groups(model), lr=LR, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref = Reference(world_size, grad_dtype=grad_dtype)
+    assert model.frozen.dtype == torch.float32, "frozen parameters are left out"
+    for step in range(STEPS):
+        norm = train_step(model, opt, sched, rank, step)
+        ref_norm = ref.step(step)
+        _gather_equal(torch.cat([p.detach().reshape(-1) for p in ours_params]), f"bf16 params after step {step}")
+        assert abs(float(norm) - float(ref_norm)) <= rel_tol * float(ref_norm) + 1e-7, \
+            f"step {step}: grad norm {float(norm)} vs reference {float(ref_norm)}"
+        err = _master_error(opt, dict(zip(ours_params, ref.master)))
+        assert err <= rel_tol, f"step {step}: master max|diff|/max|ref| = {err:.2e} > {rel_tol:.0e}"
+        results.append(err)
+    assert float(opt.skipped_steps) == 0 and all(float(b.step) == STEPS for b in opt.buckets)
+
+
+def _check(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol):
+    errs = []
+    _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, errs)
+    if os.environ.get("TS_PRINT_ERRORS"):  # `TS_PRINT_ERRORS=1 pytest -s ...` shows the margins
+        print(f"ws={world_size} {grad_dtype} rank {rank}: master errors per step {[f'{e:.1e}' for e in errs]}")
+
+
+# Tolerances, relative to max |master|:
+# * world size 1 and 2: our arithmetic is the reference's (bf16 accumulation rne(acc + g); a 2-rank bf16 sum
+#   is one correctly rounded add whatever the order), except the AdamW kernel's and torch's fp32 op order and
+#   the norm's summation order: a few fp32 ulps per step (measured <= 1e-7 after 4 steps) -> 1e-6. One lr-sized
+#   step is 2e-2 relative, so any real bug is 4 orders of magnitude above it.
+# * world size 4: gloo adds the 4 bf16 contributions in ring order, the reference in rank order; each of the
+#   3 adds rounds at 2^-9 relative, so the averaged gradient can differ by up to ~3 * 2^-9 = 6e-3 relative per
+#   element. Adam's update is ~lr * m/sqrt(v), whose relative change is of the same order: per step
+#   <= lr * 6e-3 ~ 1.2e-4 absolute, over 4 steps ~5e-4, against max|master| ~0.5-1: 1e-3.
+CASES = [
+    (1, torch.bfloat16, 25.0, 1e-6),
+    (2, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-6),   # ~200-element buckets: several buckets per group
+    (4, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-3),   # measured up to 5e-4
+    (2, torch.float32, 25.0, 1e-6),
+]
+
+
+@pytest.mark.parametrize("world_size, grad_dtype, bucket_cap_mb, rel_tol", CASES)
+def test_matches_single_process_reference(world_size, grad_dtype, bucket_cap_mb, rel_tol):
+    run_on_ranks(_check, world_size, grad_dtype, bucket_cap_mb, rel_tol)
+
+
+def _nan_on_one_rank(rank, world_size):
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=200 * 2 / 2 ** 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    train_step(model, opt, sched, rank, 0)
+    before = {
+        "params": [b.param_buffer.get_data().clone() for b in opt.buckets],
+        "master": [b.master.clone() for b in opt.buckets],
+        "state": [t.clone() for b in opt.buckets for t in b.state.values()],
+        "step": [b.step.clone() for b in opt.buckets],
+    }
+    norm = train_step(model, opt, sched, rank, 1, poison=(rank == world_size - 1))  # NaN on the last rank only
+    assert not bool(norm.isfinite()), "the global norm reports the non-finite gradient on every rank"
+    after = {
+        "params": [b.param_buffer.get_data() for b in opt.buckets],
+        "master": [b.master for b in opt.buckets],
+        "state": [t for b in opt.buckets for t in b.state.values()],
+        "step": [b.step for b in opt.buckets],
+    }
+    for key in before:
+        for x, y in zip(before[key], after[key]):
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), \
+                f"{key} changed on a skipped step"
+    assert int(opt.skipped_steps) == 1 and bool(opt.last_step_skipped)
+    # the next clean step goes through again
+    train_step(model, opt, sched, rank, 2)
+    assert int(opt.skipped_steps) == 1 and not bool(opt.last_step_skipped)
+    assert all(float(b.step) == 2 for b in opt.buckets)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_non_finite_gradient_on_one_rank_skips_the_step_everywhere(world_size):
+    run_on_ranks(_nan_on_one_rank, world_size)

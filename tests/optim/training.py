@@ -1,0 +1,126 @@
+"""A tiny model, its data, our training loop and a single-process reference of it, shared by the optimizer tests.
+
+The reference simulates d data-parallel ranks in one process with plain torch: a bf16 copy of the model per
+rank (identical weights), gradients accumulated by autograd in bf16 over the micro-batches, summed over ranks in
+bf16 in rank order and multiplied by 1/d in bf16 (what reduce-scatter(SUM) + scale_ compute), then
+torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW(foreach=False) on an fp32 master copy, and the bf16 weights
+re-derived from the master. A parameter whose grad is None gets a zero gradient (tritonshard's documented
+semantics; torch.optim would skip it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+MICRO_BATCHES = 3
+MAX_NORM = 0.5
+LR = 2e-2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(13, 11)      # 143 + 11: odd sizes, so shards split parameters
+        self.norm = nn.LayerNorm(11)
+        self.fc2 = nn.Linear(11, 5)       # 55 + 5
+        self.unused = nn.Parameter(torch.randn(3))                       # its grad stays None
+        self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)  # left out of the optimizer's buffers
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.fc1(x)))
+        return self.fc2(h) + self.frozen.to(h.dtype)
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def param_groups(model: Net):
+    decay = [model.fc1.weight, model.fc2.weight, model.unused]
+    no_decay = [model.fc1.bias, model.fc2.bias, model.norm.weight, model.norm.bias]
+    return [dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0, lr=LR / 2)]
+
+
+def batch(rank: int, step: int, micro: int, poison: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    x = torch.randn(6, 13, generator=g)
+    if poison:
+        x[0, 0] = float("nan")
+    return x.to(torch.bfloat16)
+
+
+def loss_fn(model, x):
+    return model(x).float().square().mean()
+
+
+def schedule(step: int) -> float:
+    return 1.0 / (1.0 + 0.5 * step)
+
+
+def train_step(model, opt, sched, rank: int, step: int, poison: bool = False) -> torch.Tensor:
+    """One step of our loop: accumulation over MICRO_BATCHES with no_sync, clipping, an LR scheduler."""
+    for micro in range(MICRO_BATCHES):
+        ctx = opt.no_sync() if micro < MICRO_BATCHES - 1 else contextlib.nullcontext()
+        with ctx:
+            loss_fn(model, batch(rank, step, micro, poison and micro == 1)).backward()
+    norm = opt.clip_grad_norm_(MAX_NORM)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return norm
+
+
+class Reference:
+    """Single-process simulation of `world_size` ranks training with fp32 master weights and torch AdamW."""
+
+    def __init__(self, world_size: int, seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16):
+        self.world_size = world_size
+        self.grad_dtype = grad_dtype
+        self.fp32 = make_model(seed)
+        self.groups = param_groups(self.fp32)
+        self.master = [p for g in self.groups for p in g["params"]]
+        self.opt = torch.optim.AdamW(self.groups, lr=LR, foreach=False)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
+        self.bf16.frozen.data = self.fp32.frozen.data  # the frozen parameter keeps its storage and dtype
+        self._sync_weights()
+
+    def _bf16_params(self):
+        name_of = {id(p): n for n, p in self.fp32.named_parameters()}
+        own = dict(self.bf16.named_parameters())
+        return [own[name_of[id(p)]] for p in self.master]
+
+    def _sync_weights(self):
+        for p, q in zip(self.master, self._bf16_params()):
+            q.data.copy_(p.detach())  # round to nearest even
+
+    def step(self, step: int):
+        bf16_params = self._bf16_params()
+        total = None
+        dt = self.grad_dtype
+        for rank in range(self.world_size):
+            acc = [torch.zeros_like(q, dtype=dt) for q in bf16_params]
+            for micro in range(MICRO_BATCHES):
+                loss_fn(self.bf16, batch(rank, step, micro)).backward()
+                for i, q in enumerate(bf16_params):  # each backward's grad added into the accumulator, rounded
+                    if q.grad is not None:
+                        acc[i] = (acc[i].float() + q.grad.float()).to(dt)
+                        q.grad = None
+            total = acc if total is None else [(a.float() + b.float()).to(dt) for a, b in zip(total, acc)]
+        avg = [(g.float() * (1.0 / self.world_size)).to(dt) for g in total]
+        for p, g in zip(self.master, avg):
+            p.grad = g.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.master, MAX_NORM)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad()
+        self._sync_weights()
+        return norm
+
+    def bf16_weights(self):
+        return [q.detach() for q in self._bf16_params()]

@@ -1,0 +1,6 @@
+"""Sharded optimizers with the torch.optim.Optimizer API."""
+
+from .adamw import ShardedAdamW
+from .base import ShardedOptimizer
+
+__all__ = ["ShardedOptimizer", "ShardedAdamW"]

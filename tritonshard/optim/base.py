@@ -1,0 +1,334 @@
+"""``ShardedOptimizer``: the bucketed, sharded mixed-precision pipeline that every tritonshard optimizer shares.
+
+Ownership and aliasing (world size d, this rank r):
+
+* every trainable parameter is a ``param_dtype`` view into one bucket's param :class:`~tritonshard.Buffer`; the
+  model reads its weights from there, and the all-gather at the end of ``step()`` writes them;
+* every bucket has a grad Buffer with the same layout; gradients are flattened into it (one launch per dtype)
+  at the end of each backward, and ``param.grad`` is released;
+* rank r keeps, per bucket, fp32 shards of ``shard_numel`` elements: the master weights and the optimizer
+  state. Master shard element i belongs to buffer element ``r * shard_numel + i``; padding positions hold zero
+  and stay zero (zero grad, zero decay target);
+* the bf16 grad shard is the grad Buffer's local shard (reduce-scatter output); the bf16 param shard is the param
+  Buffer's local shard (the update kernel's ``param_out``, then the all-gather input).
+
+One step (no host-device synchronization anywhere in it)::
+
+    flatten (end of backward) -> reduce-scatter(SUM) -> scale_(1/d) + sum of squares + non-finite flag
+    -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> fused update (skips itself when
+    the flag is set) -> all-gather params
+
+Buckets: filled in reverse registration order (the order backward produces gradients), at most
+``bucket_cap_mb`` of ``param_dtype`` each, never mixing param groups. Frozen parameters (requires_grad=False)
+are left out entirely: they keep their storage and dtype and are never updated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..buffer import DEFAULT_ALIGN, Buffer
+from ..kernels import flatten_into, scale_
+
+__all__ = ["ShardedOptimizer"]
+
+
+def _reject_duplicates(params: list) -> None:
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    seen = set()
+    for gi, group in enumerate(groups):
+        ps = group["params"]
+        for p in ([ps] if isinstance(ps, torch.Tensor) else list(ps)):
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is passed twice (param_groups[{gi}])")
+            seen.add(id(p))
+
+
+class _Bucket:
+    """One param Buffer, its grad Buffer, and this rank's fp32 shards (master + optimizer state)."""
+
+    def __init__(self, group_index: int, params: list[torch.nn.Parameter], rank: int, world_size: int,
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, align: int,
+                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...]):
+        self.group_index = group_index
+        self.params = params
+        self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
+                                   group=group, check_layout=comm.is_initialized())
+        self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
+                                  group=group)
+        n = self.param_buffer.shard_numel
+        # the master shard comes from the ORIGINAL values (fp32 or whatever the model had), not the rounded copy
+        self.master = torch.zeros(n, dtype=torch.float32, device=device)
+        for piece in self.param_buffer.shard_pieces():
+            src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
+            self.master[piece.shard_start:piece.shard_end].copy_(src)
+        self.state = {name: torch.zeros(n, dtype=torch.float32, device=device) for name in state_names}
+        self.step = torch.zeros((), dtype=torch.float32, device=device)  # steps taken (skipped ones excluded)
+        for p, view in zip(params, self.param_buffer.get_views()):
+            view.copy_(p.detach())  # round to nearest even, as Tensor.to does
+            p.data = view  # the Parameter object stays (module and optimizer references keep working)
+            p.grad = None
+        self.offsets = list(self.grad_buffer.offsets)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
+
+    Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``.
+        defaults: default hyper-parameters of the groups.
+        process_group: the data-parallel group (None: the default group, or a single process when
+            torch.distributed is not initialized).
+        param_dtype: dtype of the model's parameters from now on (bf16).
+        grad_dtype: dtype of the gradient buffers (bf16 or fp32).
+        bucket_cap_mb: at most this many MiB of ``param_dtype`` per bucket (a larger parameter gets its own).
+        align: view alignment inside buckets, in elements (see :data:`tritonshard.buffer.DEFAULT_ALIGN`).
+    """
+
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict, *, process_group: Optional[dist.ProcessGroup] = None,
+                 param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
+                 bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN):
+        if param_dtype != torch.bfloat16:
+            raise ValueError(f"param_dtype must be torch.bfloat16 (fused updates write bf16 weights), got {param_dtype}")
+        if grad_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        params = list(params)
+        _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
+        super().__init__(params, defaults)
+        self._check_params()
+
+        self.process_group = process_group
+        self.world_size = comm.group_size(process_group)
+        self.rank = comm.group_rank(process_group)
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        self.bucket_cap_mb = bucket_cap_mb
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self.device = trainable[0].device if trainable else torch.device("cpu")
+
+        cap_elems = max(1, int(bucket_cap_mb * 2 ** 20) // torch.empty((), dtype=param_dtype).element_size())
+        self.buckets: list[_Bucket] = []
+        for gi, group in enumerate(self.param_groups):
+            current, size = [], 0
+            for p in reversed([p for p in group["params"] if p.requires_grad]):
+                if current and size + p.numel() > cap_elems:
+                    self.buckets.append(self._make_bucket(gi, current[::-1], align))
+                    current, size = [], 0
+                current.append(p)
+                size += p.numel()
+            if current:
+                self.buckets.append(self._make_bucket(gi, current[::-1], align))
+        self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+
+        # device-side bookkeeping: nothing here is ever read on the host inside step()
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.last_step_skipped = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._grads_in_buffer = False  # has any gradient been flattened since zero_grad()?
+        self._reduced: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (global sum_sq, found_inf) this step
+        self._clip_coef: Optional[torch.Tensor] = None
+        self._no_sync_depth = 0
+        self._flush_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+
+    # ------------------------------------------------------------------ construction helpers
+    def _make_bucket(self, gi, params, align) -> _Bucket:
+        return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
+                       align, self.process_group, self._state_names)
+
+    def _check_params(self) -> None:
+        devices = set()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected torch.nn.Parameter")
+                if not p.is_floating_point():
+                    raise TypeError(f"parameters must be floating point; param_groups[{gi}] has one of dtype "
+                                    f"{p.dtype} and shape {tuple(p.shape)}")
+                if p.requires_grad:
+                    devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(f"all trainable parameters must be on one device, got {sorted(map(str, devices))}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "buckets"):
+            raise RuntimeError("param groups cannot be added after construction: the buffers are laid out once")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ gradients into the buffers
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        # first gradient of this backward: flatten every bucket once, when autograd has finished
+        if not self._flush_queued:
+            self._flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_grads)
+
+    def _flush_grads(self) -> None:
+        """Move every pending ``param.grad`` into its grad buffer (accumulating after the first since zero_grad)."""
+        self._flush_queued = False
+        pending = any(p.grad is not None for p in self._bucket_of)
+        if not pending:
+            return
+        if self._reduced is not None:
+            raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
+                               "call step() (or zero_grad()) first")
+        accumulate = self._grads_in_buffer
+        for b in self.buckets:
+            grads, offsets = [], []
+            for p, off, view in zip(b.params, b.offsets, b.grad_buffer.get_views()):
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    offsets.append(off)
+                elif not accumulate:
+                    view.zero_()  # no grad this time: contributes zeros
+            flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=accumulate)
+            for p in b.params:
+                p.grad = None
+        self._grads_in_buffer = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate the backward passes inside into the grad buffers without communicating (as in DDP).
+
+        Every backward already accumulates into the buffers and communication happens only in
+        ``clip_grad_norm_()`` / ``step()``, so what this adds is the guard: reducing or stepping inside it
+        raises instead of silently reducing a partial accumulation.
+        """
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # ------------------------------------------------------------------ reduction, norm, clipping
+    def _reduce_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reduce-scatter + 1/d scale + global sum of squares and non-finite flag; once per step."""
+        if self._reduced is not None:
+            return self._reduced
+        if self._no_sync_depth:
+            raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
+        self._flush_grads()
+        if not self._grads_in_buffer:  # no backward since zero_grad(): every gradient is zero
+            for b in self.buckets:
+                b.grad_buffer.zero_()
+        partials = []
+        for b in self.buckets:
+            b.grad_buffer.reduce_scatter(op=dist.ReduceOp.SUM)
+            partials.append(torch.stack(scale_(b.grad_buffer.get_local_shard(), 1.0 / self.world_size)))
+        totals = (torch.stack(partials).sum(0) if partials
+                  else torch.zeros(2, dtype=torch.float32, device=self.device))
+        if comm.is_initialized() and self.world_size > 1:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
+        sum_sq, found_inf = totals[0], (totals[1] > 0).float()
+        self._reduced = (sum_sq, found_inf)
+        return self._reduced
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all ranks (padding excluded), as a device tensor; clip to ``max_norm``.
+
+        The clipping itself is folded into the update's ``grad_scale`` (no extra pass over the gradients). With
+        ``norm_type=2`` the norm comes from the sums of squares the scale kernel produced; other norms take one
+        extra read of the gradient shards. A non-finite norm means the step will be skipped.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+        norm_type = float(norm_type)
+        sum_sq, _ = self._reduce_grads()
+        if norm_type == 2.0:
+            total = sum_sq.sqrt()
+        elif norm_type == math.inf:
+            maxes = [b.grad_buffer.get_local_shard().float().abs().amax() for b in self.buckets
+                     if b.grad_buffer.shard_numel]
+            total = torch.stack(maxes).amax() if maxes else torch.zeros((), device=self.device)
+            if comm.is_initialized() and self.world_size > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+        elif norm_type > 0:
+            powered = sum(b.grad_buffer.get_local_shard().float().abs().pow(norm_type).sum() for b in self.buckets)
+            total = torch.as_tensor(powered, dtype=torch.float32, device=self.device).clone()
+            if comm.is_initialized() and self.world_size > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.process_group)
+            total = total.pow(1.0 / norm_type)
+        else:
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
+        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global 2-norm of the (averaged) gradients, without clipping; reduces the gradients if not yet done."""
+        return self._reduce_grads()[0].sqrt()
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce (unless ``clip_grad_norm_`` did), update every shard, all-gather the parameters.
+
+        Never waits on the device: the non-finite flag gates the update inside the kernel.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        _, found_inf = self._reduce_grads()
+        grad_scale = self._clip_coef if self._clip_coef is not None else 1.0
+        for b in self.buckets:
+            b.step.add_(1.0 - found_inf)  # skipped steps do not count
+            self._update(b, self.param_groups[b.group_index], grad_scale, found_inf)
+        self.skipped_steps.add_(found_inf.long())
+        self.last_step_skipped.copy_(found_inf > 0)
+        for b in self.buckets:
+            b.param_buffer.all_gather()
+        self._reduced, self._clip_coef = None, None
+        self._grads_in_buffer = False  # the next flatten overwrites: no zero-fill pass
+        return loss
+
+    def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated gradients. ``set_to_none=True`` costs nothing (the next backward overwrites
+        the buffers); ``False`` also zero-fills the grad buffers and any ``param.grad``."""
+        for p in self._bucket_of:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        if not set_to_none:
+            for b in self.buckets:
+                b.grad_buffer.zero_()
+        self._grads_in_buffer = False
+        self._reduced, self._clip_coef = None, None
+
+    # ------------------------------------------------------------------ introspection
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by role: ``params``, ``grads`` (full buffers, padding included), ``master``,
+        ``state`` (shards), and ``total``."""
+        def nbytes(t):
+            return t.numel() * t.element_size()
+        out = {
+            "params": sum(nbytes(b.param_buffer.get_data()) for b in self.buckets),
+            "grads": sum(nbytes(b.grad_buffer.get_data()) for b in self.buckets),
+            "master": sum(nbytes(b.master) for b in self.buckets),
+            "state": sum(nbytes(t) for b in self.buckets for t in b.state.values()),
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def state_dict(self):
+        raise NotImplementedError("ShardedOptimizer.state_dict (world-size-independent checkpoints) is not "
+                                  "implemented yet; it is tracked as the checkpoint issue")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("ShardedOptimizer.load_state_dict is not implemented yet; it is tracked as "
+                                  "the checkpoint issue")
