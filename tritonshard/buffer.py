@@ -229,8 +229,8 @@ class Buffer:
         everyone = everyone.view(self.world_size, -1).cpu()
         if bool((everyone == everyone[0]).all()):
             return
-        descriptions = [ast.literal_eval(text) for text in _all_gather_text(repr(self._description()), group,
-                                                                             self.world_size, self.device)]
+        texts = comm.all_gather_text(repr(self._description()), group, self.world_size, self.device)
+        descriptions = [ast.literal_eval(text) for text in texts]
         raise LayoutMismatchError(_describe_mismatch(descriptions))
 
     def __repr__(self) -> str:
@@ -284,20 +284,6 @@ def _local_identity(async_op: bool):
     # Without torch.distributed the group is this process alone (world_size must then be 1, checked in
     # _resolve_group): reduce-scatter and all-gather over one rank are the identity on the buffer.
     return _CompletedWork() if async_op else None
-
-
-def _all_gather_text(text: str, group, world_size: int, device: torch.device) -> list[str]:
-    """All-gather one string per rank as bytes in tensors (no pickle, and no numpy, unlike all_gather_object)."""
-    mine = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
-    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
-    comm.all_gather_single(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
-    lengths = lengths.tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[:mine.numel()] = mine
-    everyone = torch.empty(world_size * padded.numel(), dtype=torch.uint8, device=device)
-    comm.all_gather_single(everyone, padded, group=group)
-    rows = everyone.view(world_size, -1).cpu()
-    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
 
 
 def _describe_mismatch(descriptions: list) -> str:

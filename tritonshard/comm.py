@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter_single", "all_gather_single", "group_size", "group_rank", "is_initialized"]
+__all__ = ["reduce_scatter_single", "all_gather_single", "all_gather_text", "group_size", "group_rank", "is_initialized"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -43,3 +43,17 @@ def group_size(group: Optional[dist.ProcessGroup] = None) -> int:
 def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:
     """This process's rank inside ``group``; 0 when torch.distributed is not initialized."""
     return dist.get_rank(group) if is_initialized() else 0
+
+
+def all_gather_text(text: str, group, world_size: int, device: torch.device) -> list[str]:
+    """All-gather one string per rank as bytes in tensors (no pickle, and no numpy, unlike all_gather_object)."""
+    mine = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    lengths = torch.empty(world_size, dtype=torch.int64, device=device)
+    all_gather_single(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = lengths.tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    everyone = torch.empty(world_size * padded.numel(), dtype=torch.uint8, device=device)
+    all_gather_single(everyone, padded, group=group)
+    rows = everyone.view(world_size, -1).cpu()
+    return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]

@@ -325,10 +325,130 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out["total"] = sum(out.values())
         return out
 
-    def state_dict(self):
-        raise NotImplementedError("ShardedOptimizer.state_dict (world-size-independent checkpoints) is not "
-                                  "implemented yet; it is tracked as the checkpoint issue")
+    # ------------------------------------------------------------------ state dicts (world-size independent)
+    #: hyper-parameters restored by load_state_dict (torch.optim's LR schedulers add ``initial_lr``)
+    _HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "initial_lr")
 
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("ShardedOptimizer.load_state_dict is not implemented yet; it is tracked as "
-                                  "the checkpoint issue")
+    def _indexed_params(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(global index, group index, param) in torch.optim's numbering: param_groups order, frozen included."""
+        out, i = [], 0
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                out.append((i, gi, p))
+                i += 1
+        return out
+
+    def _gather_full(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(bucket.param_buffer.padded_numel, dtype=shard.dtype, device=shard.device)
+        if comm.is_initialized() and self.world_size > 1:
+            comm.all_gather_single(full, shard, group=self.process_group)
+        else:
+            full.copy_(shard)
+        return full
+
+    def state_dict(self) -> dict:
+        """The full optimizer state in torch.optim's format, identical on every rank and for any world size or
+        bucket size.
+
+        Per trainable parameter (torch.optim numbering): ``step`` (0-d fp32), the state tensors (for AdamW
+        ``exp_avg``, ``exp_avg_sq``) and ``master``, the fp32 master weights, all of the parameter's shape.
+        Cost: every bucket's fp32 shards are all-gathered, so every rank holds 4 B x (1 + number of state
+        tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
+        use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
+        """
+        full: dict[torch.Tensor, dict] = {}
+        for b in self.buckets:
+            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master), *b.state.items())}
+            for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
+                entry = {"step": b.step.detach().clone()}
+                for name in (*b.state, "master"):
+                    entry[name] = gathered[name][off:off + n].view(p.shape).clone()
+                full[p] = entry
+        state, groups = {}, []
+        indexed = self._indexed_params()
+        for gi, g in enumerate(self.param_groups):
+            ids = [i for i, gj, _ in indexed if gj == gi]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        for i, _, p in indexed:
+            if p in full:
+                state[i] = full[p]
+        return {"state": state, "param_groups": groups,
+                "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
+        ``torch.optim.AdamW`` (then the master weights stay what this optimizer took from the model's weights at
+        construction, and parameters that have no state there start from zero moments).
+
+        The bf16 parameters are re-derived from the loaded master weights (round to nearest even), exactly as
+        every step writes them, so a resumed run continues bit for bit.
+
+        Raises:
+            ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
+                or unknown parameter, differing steps inside one bucket).
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"param_groups[{gi}] has {len(sg['params'])} parameters in the state dict but "
+                                 f"{len(g['params'])} in the optimizer")
+            if sg.get("amsgrad", False):
+                raise ValueError(f"param_groups[{gi}] was saved with amsgrad=True, which ShardedAdamW does not have")
+        indexed = self._indexed_params()
+        saved_ids = [i for sg in saved_groups for i in sg["params"]]
+        id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
+        by_index = {i: p for i, _, p in indexed}
+        entries: dict[torch.Tensor, dict] = {}
+        for key, entry in saved_state.items():
+            if key not in id_map:
+                raise ValueError(f"the state dict has state for parameter {key}, which is in no param group")
+            p = by_index[id_map[key]]
+            if p not in self._bucket_of:
+                raise ValueError(f"the state dict has state for parameter {key} (shape {tuple(p.shape)}), which is "
+                                 "frozen (requires_grad=False) here")
+            for name in (*self._state_names, "master"):
+                if name == "master" and name not in entry:
+                    continue
+                if name not in entry:
+                    raise ValueError(f"state of parameter {key} has no '{name}'")
+                if tuple(entry[name].shape) != tuple(p.shape):
+                    raise ValueError(f"state '{name}' of parameter {key} has shape {tuple(entry[name].shape)} but "
+                                     f"the parameter has shape {tuple(p.shape)}")
+            entries[p] = entry
+        with torch.no_grad():
+            for b in self.buckets:
+                steps = {float(entries[p]["step"]) for p in b.params if p in entries}
+                if len(steps) > 1:
+                    raise ValueError(f"parameters sharing a bucket have different steps {sorted(steps)}; "
+                                     "tritonshard keeps one step per bucket")
+                for piece in b.param_buffer.shard_pieces():
+                    entry = entries.get(b.params[piece.tensor_index])
+                    dst = slice(piece.shard_start, piece.shard_end)
+                    for name, shard in (("master", b.master), *b.state.items()):
+                        if entry is not None and name in entry:
+                            src = entry[name].reshape(-1)[piece.tensor_start:piece.tensor_end]
+                            shard[dst].copy_(src)
+                        elif name != "master":
+                            shard[dst].zero_()
+                b.step.fill_(steps.pop() if steps else 0.0)
+            self._apply_hparams(saved_groups)
+            extra = state_dict.get("tritonshard", {})
+            self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
+            self._refresh_params_from_master()
+
+    def _apply_hparams(self, saved_groups) -> None:
+        for sg, g in zip(saved_groups, self.param_groups):
+            for k in self._HPARAM_KEYS:
+                if k in sg:
+                    g[k] = tuple(sg[k]) if k == "betas" else sg[k]
+
+    def _refresh_params_from_master(self) -> None:
+        """bf16 params := round(master) on every shard, then all-gather (what every step ends with)."""
+        for b in self.buckets:
+            b.param_buffer.get_local_shard().copy_(b.master)
+            b.param_buffer.all_gather()
