@@ -7,11 +7,17 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+NPROC ?= 2
 
-.PHONY: test install clean
+.PHONY: test train install clean
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The main job: a small GPT trained with ShardedAdamW on 2 processes (gloo on CPU, NCCL on GPUs).
+# `make train TRAIN_ARGS="--optimizer torch"` runs the fp32 torch.optim.AdamW baseline on the same data and seed.
+train: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py $(TRAIN_ARGS)
 
 install: $(VENV)/.installed
 

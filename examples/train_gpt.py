@@ -1,0 +1,361 @@
+"""Train a small GPT with ShardedAdamW: bf16 weights and gradients, fp32 master weights sharded over the ranks.
+
+Run it (2 processes on CPU with gloo; on GPUs the same script uses NCCL, one process per GPU):
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer torch   # fp32 DDP + AdamW baseline
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --resume            # continue from the last checkpoint
+
+The data is generated, not downloaded: a character-level stream of addition problems ("123+45=168;"), so the
+loss has something to learn (the digits of the sum) and falls well below the entropy of random digits.
+
+What it prints: a progress bar with loss, tokens/s, gradient norm and skipped steps; the optimizer's memory per
+rank next to what plain fp32 AdamW would hold. What it writes to --out-dir: metrics.jsonl (one line per step)
+and loss.png. Checkpoints go to --out-dir/checkpoints every --ckpt-interval steps and on Ctrl-C / SIGTERM.
+Batches and learning rates are pure functions of (seed, step, rank), so --resume continues exactly where the
+checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tritonshard
+from tritonshard.checkpoint import latest_checkpoint, load_sharded, save_checkpoint
+
+
+# ----------------------------------------------------------------------------- data
+VOCAB = "0123456789+=;"
+STOI = {c: i for i, c in enumerate(VOCAB)}
+
+
+def make_corpus(seed: int, n_problems: int = 100_000) -> torch.Tensor:
+    """A long token stream of 'a+b=c;' problems with 1-3 digit operands."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 1000, (n_problems,), generator=g).tolist()
+    b = torch.randint(0, 1000, (n_problems,), generator=g).tolist()
+    text = "".join(f"{x}+{y}={x + y};" for x, y in zip(a, b))
+    return torch.tensor([STOI[c] for c in text], dtype=torch.long)
+
+
+def get_batch(corpus: torch.Tensor, seed: int, step: int, rank: int, micro: int, batch_size: int,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(hash((seed, step, rank, micro)) % 2 ** 62)
+    starts = torch.randint(0, corpus.numel() - block_size - 1, (batch_size,), generator=g)
+    x = torch.stack([corpus[s:s + block_size] for s in starts.tolist()])          # (B, T)
+    y = torch.stack([corpus[s + 1:s + 1 + block_size] for s in starts.tolist()])  # (B, T)
+    return x, y
+
+
+# ----------------------------------------------------------------------------- model
+@dataclasses.dataclass(kw_only=True)
+class GPTConfig:
+    vocab_size: int = len(VOCAB)
+    block_size: int = 64  #: context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.fc, self.fc_out = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.n_head = cfg.n_head
+
+    def forward(self, x):                                                        # (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)              # (B, H, T, D)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied: one parameter used twice in forward
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight",
+                                                                                           "fc_out.weight")) else 0.02)
+
+    def forward(self, idx, targets):                                             # (B, T), (B, T)
+        T = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))         # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))                                         # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def param_groups(model: nn.Module, weight_decay: float):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--optimizer", choices=["tritonshard", "torch"], default="tritonshard",
+                   help="tritonshard: ShardedAdamW, bf16 model; torch: fp32 model, DDP, torch.optim.AdamW")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--out-dir", default="runs/gpt")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="checkpoint and exit after this step, as on Ctrl-C (for time-boxed jobs); 0: never")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    return p.parse_args(argv)
+
+
+def setup_distributed():
+    if "RANK" not in os.environ:  # plain `python train_gpt.py`: one process, no process group
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = setup_distributed()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    out_dir = os.path.join(args.out_dir, args.optimizer)
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    corpus = make_corpus(args.seed)
+
+    if args.optimizer == "tritonshard":
+        opt = tritonshard.ShardedAdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+                                       bucket_cap_mb=args.bucket_cap_mb)
+        train_model = model
+        mem = opt.memory_bytes()
+        no_sync = opt.no_sync
+    else:
+        train_model = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+        mem = {"params": 4 * n_params, "grads": 4 * n_params, "state": 8 * n_params}
+        mem["total"] = sum(mem.values())
+        no_sync = train_model.no_sync if world > 1 else contextlib.nullcontext
+
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args, opt, model, ckpt_dir)
+
+    stop = {"requested": False}
+
+    def request_stop(signum, frame):
+        stop["requested"] = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        plain = 16 * n_params
+        print(f"{args.optimizer}: {n_params / 1e6:.2f}M parameters, world size {world}, device {device}")
+        print(f"optimizer memory per rank: {fmt_bytes(mem['total'])} "
+              f"({mem['total'] / n_params:.1f} B/param; plain fp32 AdamW: {fmt_bytes(plain)}, 16.0 B/param)  "
+              + " ".join(f"{k}={fmt_bytes(v)}" for k, v in mem.items() if k != "total"))
+        if start:
+            print(f"resumed from step {start}")
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    metrics = open(metrics_path, "a" if args.resume else "w") if rank == 0 else None
+    bar = make_progress(args, start) if rank == 0 else None
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
+
+    step = start
+    while step < args.steps:
+        t0 = time.perf_counter()
+        lr = lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            x, y = get_batch(corpus, args.seed, step, rank, micro, args.batch_size, args.block_size)
+            ctx = no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = train_model(x.to(device), y.to(device)) / args.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        if args.optimizer == "tritonshard":
+            gnorm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else opt.grad_norm()
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+
+        if world > 1:  # the mean loss over ranks, and whether any rank was asked to stop
+            flag = torch.tensor([loss_sum.item(), float(stop["requested"])], device=device)
+            dist.all_reduce(flag)
+            loss_value, stop_now = flag[0].item() / world, flag[1].item() > 0
+        else:
+            loss_value, stop_now = loss_sum.item(), stop["requested"]
+        skipped = int(opt.skipped_steps) if args.optimizer == "tritonshard" else 0
+        dt = time.perf_counter() - t0
+        if rank == 0:
+            row = {"step": step, "loss": loss_value, "grad_norm": float(gnorm), "lr": lr,
+                   "tokens_per_s": tokens_per_step / dt, "skipped": skipped}
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            bar.update(row)
+        last = step == args.steps
+        stop_now = stop_now or step == args.stop_after
+        if stop_now or last or (args.ckpt_interval and step % args.ckpt_interval == 0):
+            save(args, opt, model, ckpt_dir, step, world)
+            if stop_now and not last:
+                if rank == 0:
+                    bar.close()
+                    print(f"stopped at step {step}; checkpoint saved, continue with --resume")
+                break
+    if rank == 0:
+        bar.close()
+        metrics.close()
+        plot_losses({args.optimizer: metrics_path}, os.path.join(out_dir, "loss.png"))
+        print(f"metrics: {metrics_path}; loss curve: {os.path.join(out_dir, 'loss.png')}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save(args, opt, model, ckpt_dir, step, world):
+    if args.optimizer == "tritonshard":
+        save_checkpoint(opt, ckpt_dir, step, extra={"step": step})
+    else:  # the baseline: replicated state, rank 0 writes one file
+        if dist.get_rank() == 0 if dist.is_initialized() else True:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            tritonshard.checkpoint.atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                                               os.path.join(ckpt_dir, "torch.pt"))
+        if world > 1:
+            dist.barrier()
+
+
+def load_checkpoint(args, opt, model, ckpt_dir) -> int:
+    if args.optimizer == "tritonshard":
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
+        return int(load_sharded(opt, path)["step"])
+    path = os.path.join(ckpt_dir, "torch.pt")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")
+    state = tritonshard.checkpoint.load_file(path)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"])
+
+
+# ----------------------------------------------------------------------------- reporting
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+
+
+class make_progress:
+    """tqdm when available (a live bar), plain lines otherwise or with --no-progress."""
+
+    def __init__(self, args, start):
+        self.bar = None
+        if not args.no_progress:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+        self.every = max(1, args.steps // 20)
+
+    def update(self, row):
+        text = (f"loss {row['loss']:.4f} | {row['tokens_per_s']:,.0f} tok/s | gnorm {row['grad_norm']:.3f} | "
+                f"skipped {row['skipped']}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif row["step"] % self.every == 0:
+            print(f"step {row['step']:5d} | {text} | lr {row['lr']:.2e}", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def plot_losses(runs: dict[str, str], png: str) -> None:
+    """Loss vs step for each metrics.jsonl in ``runs`` (label -> path), into ``png``. Needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss curve (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, path in runs.items():
+        rows = [json.loads(line) for line in open(path)]
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The main job, examples/train_gpt.py, at a tiny size: 2 gloo ranks via torchrun; the loss falls; resume and
+Ctrl-C behave."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
+        "--grad-accum", "2", "--warmup", "5", "--lr", "1e-2", "--min-lr", "1e-3", "--no-progress"]
+STEPS = 40
+
+
+def _torchrun(args, out_dir, **popen):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(REPO, "examples", "train_gpt.py"), *TINY, "--out-dir", str(out_dir), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    if popen:
+        return subprocess.Popen(cmd, env=env, **popen)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _metrics(out_dir, optimizer="tritonshard"):
+    with open(os.path.join(out_dir, optimizer, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _check(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_loss_falls_and_resume_matches_an_uninterrupted_run(tmp_path):
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    out = _check(_torchrun(["--steps", str(STEPS), "--ckpt-interval", "0"], full))
+    assert "optimizer memory per rank" in out and "B/param" in out
+    rows = _metrics(full)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
+    # 13 symbols: a uniform guess is ln 13 = 2.565 (where training starts), and the token frequencies alone give
+    # the corpus's unigram entropy, 2.553; going below 2.4 means the model uses context (measured: ~2.2 at 40)
+    assert first > 2.5 and last < 2.4, f"loss did not fall below the unigram entropy: {first:.3f} -> {last:.3f}"
+    assert all(r["skipped"] == 0 for r in rows)
+    assert os.path.isfile(full / "tritonshard" / "loss.png")
+
+    _check(_torchrun(["--steps", str(STEPS), "--ckpt-interval", "0", "--stop-after", "17"], parts))
+    assert [r["step"] for r in _metrics(parts)] == list(range(1, 18))
+    out = _check(_torchrun(["--steps", str(STEPS), "--ckpt-interval", "0", "--resume"], parts))
+    assert "resumed from step 17" in out
+    resumed = _metrics(parts)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(rows, resumed):  # bit-exact: same batches, same lr, same optimizer state
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"step {a['step']}: {a} vs {b}"
+
+
+def test_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
+    proc = _torchrun(["--steps", "100000", "--ckpt-interval", "0"], tmp_path, stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "tritonshard" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    out, _ = proc.communicate(timeout=120)
+    assert "checkpoint saved" in out, out[-3000:]
+    stopped_at = _metrics(tmp_path)[-1]["step"]
+    with open(tmp_path / "tritonshard" / "checkpoints" / "latest") as f:
+        assert f.read().strip() == f"step_{stopped_at:08d}"
+    out = _check(_torchrun(["--steps", str(stopped_at + 2), "--resume"], tmp_path))
+    assert f"resumed from step {stopped_at}" in out
+    assert _metrics(tmp_path)[-1]["step"] == stopped_at + 2
+
+
+@pytest.mark.parametrize("optimizer", ["torch"])
+def test_baseline_mode_runs(tmp_path, optimizer):
+    _check(_torchrun(["--steps", "4", "--optimizer", optimizer], tmp_path))
+    assert [r["step"] for r in _metrics(tmp_path, optimizer)] == [1, 2, 3, 4]
