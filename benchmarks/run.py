@@ -1,0 +1,304 @@
+"""Microbenchmarks: every tritonshard kernel against the memory-bandwidth limit and against PyTorch, side by side.
+
+    python -m benchmarks.run --out benchmarks/out            # GPU: 1M .. 256M elements
+    python -m benchmarks.run --out /tmp/bench --quick        # CPU smoke run (what CI does): tiny sizes
+
+For each kernel and size: the median time over repeated runs (GPU: ``triton.testing.do_bench``, which warms up
+and flushes L2 between runs; CPU: ``time.perf_counter``), the bytes the job must move at minimum (an explicit
+formula per kernel, below), GB/s, the percentage of a device-to-device copy of the same number of bytes measured
+in the same run, and the same job done the PyTorch way, with the speed ratio. Every output is validated against
+the reference before it is timed.
+
+On a CPU, our launchers take the PyTorch reference path, or the Triton interpreter when TRITON_INTERPRET=1 (as
+under the tests); rows say which (``cpu-reference`` / ``triton-interpreter``) and such timings mean nothing: they
+only prove the harness runs.
+
+Writes ``results.csv`` and ``results.json`` (rows + environment: device name, torch/triton versions, git
+revision, date), one PNG per kernel (GB/s vs size, ours vs PyTorch) when matplotlib is installed, and prints a
+compact table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from tritonshard.kernels import (adamw_step_, adamw_step_ref, flatten_into, flatten_into_ref, interpreter_enabled,
+                                 last_backend, scale_, scale_ref)
+
+# Minimum bytes per element (each element read once and written once at the narrowest dtype the job allows)
+BYTES = {
+    "flatten fp32->bf16": 4 + 2,
+    "flatten bf16->bf16": 2 + 2,
+    "flatten fp32->bf16 accumulate": 4 + 2 + 2,
+    "scale bf16": 2 + 2,
+    # grad bf16 read (2), param/exp_avg/exp_avg_sq fp32 read+write (24), param_out bf16 write (2)
+    "adamw": 2 + 24 + 2,
+}
+
+
+# ----------------------------------------------------------------------------- timing
+def bench(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+    """Median seconds per call."""
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_seconds(nbytes: int, device: torch.device, reps: int) -> float:
+    """A device-to-device copy moving ``nbytes`` in total (half read, half written)."""
+    n = max(1, nbytes // 8)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return bench(lambda: dst.copy_(src), device, reps)
+
+
+# ----------------------------------------------------------------------------- jobs
+def _split_sizes(n: int, pieces: int) -> list[int]:
+    base = n // pieces
+    return [base + (1 if i < n - base * pieces else 0) for i in range(pieces)]
+
+
+def flatten_job(n, device, src_dtype, accumulate, many):
+    sizes = _split_sizes(n, max(1, n // 4096) if many else 4)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    srcs = [torch.randn(s, generator=g).to(device=device, dtype=src_dtype) for s in sizes]
+    offsets, o = [], 0
+    for s in sizes:
+        offsets.append(o)
+        o += s
+    out = torch.randn(n, device=device).to(torch.bfloat16)
+    ref = out.clone()
+    flatten_into(out, srcs, offsets, accumulate=accumulate)
+    flatten_into_ref(ref, srcs, offsets, accumulate=accumulate)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), "flatten output != reference"
+    views = [out[off:off + s] for off, s in zip(offsets, sizes)]
+
+    def ours():
+        flatten_into(out, srcs, offsets, accumulate=accumulate)
+
+    if accumulate:
+        def theirs():
+            torch._foreach_add_(views, srcs)
+    else:
+        def theirs():
+            torch._foreach_copy_(views, srcs)
+    return ours, theirs, "_foreach_add_" if accumulate else "_foreach_copy_"
+
+
+def scale_job(n, device):
+    x = torch.randn(n, device=device).to(torch.bfloat16)
+    y = x.clone()
+    s1, f1 = scale_(x, 0.5)
+    s2, f2 = scale_ref(y, 0.5)
+    assert torch.equal(x.view(torch.int16), y.view(torch.int16)), "scale_ output != reference"
+    assert abs(float(s1) - float(s2)) <= 1e-5 * float(s2) and float(f1) == float(f2) == 0.0
+
+    def ours():
+        scale_(x, 1.0)  # factor 1.0 keeps the data stable across repetitions; the work is the same
+
+    def theirs():
+        x.mul_(1.0)
+        torch.linalg.vector_norm(x, dtype=torch.float32)
+        torch.isfinite(x).all()
+    return ours, theirs, "mul_+vector_norm+isfinite"
+
+
+def adamw_job(n, device):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    p = torch.randn(n, generator=g).to(device)
+    grad = (torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=torch.bfloat16)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    p2, m2, v2, out2 = p.clone(), m.clone(), v.clone(), out.clone()
+    adamw_step_(p, grad, m, v, step=1, param_out=out, **hp)
+    adamw_step_ref(p2, grad, m2, v2, step=1, param_out=out2, **hp)
+    err = float((p - p2).abs().max() / p2.abs().max())
+    assert err <= 1e-6, f"adamw output differs from the reference by {err:.1e}"
+
+    def ours():
+        adamw_step_(p, grad, m, v, step=2, param_out=out, **hp)
+
+    # the PyTorch way: upcast the grad, fused AdamW on fp32, then a separate bf16 copy of the weights
+    tp = torch.nn.Parameter(p.clone())
+    tp.grad = torch.empty_like(tp)
+    topt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, fused=True)
+
+    def theirs():
+        tp.grad.copy_(grad)
+        topt.step()
+        out2.copy_(tp.detach())
+    return ours, theirs, "fused AdamW+casts"
+
+
+# name -> (key into BYTES, launcher name for last_backend, job factory)
+JOBS = {
+    "flatten fp32->bf16 (4 tensors)":
+        ("flatten fp32->bf16", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, False, False)),
+    "flatten fp32->bf16 (4K-elem tensors)":
+        ("flatten fp32->bf16", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, False, True)),
+    "flatten bf16->bf16 (4 tensors)":
+        ("flatten bf16->bf16", "flatten_into", lambda n, d: flatten_job(n, d, torch.bfloat16, False, False)),
+    "flatten fp32->bf16 accumulate":
+        ("flatten fp32->bf16 accumulate", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, True, False)),
+    "scale_ bf16 (+norm, inf check)": ("scale bf16", "scale_", scale_job),
+    "adamw_step_ (bf16 grad, bf16 out)": ("adamw", "adamw_step_", adamw_job),
+}
+
+
+# ----------------------------------------------------------------------------- environment
+def environment(device: torch.device) -> dict:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        rev = "unknown"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    if device.type == "cuda":
+        backend = "triton"
+    else:
+        backend = "triton-interpreter" if interpreter_enabled() else "cpu-reference"
+    return {"device": name, "backend": backend,
+            "torch": torch.__version__, "triton": triton_version, "git": rev,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": sys.version.split()[0]}
+
+
+# ----------------------------------------------------------------------------- main
+def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: list[str] | None = None,
+        markdown: str | None = None) -> list[dict]:
+    os.makedirs(out_dir, exist_ok=True)
+    env = environment(device)
+    print(f"tritonshard microbenchmarks on {env['device']} ({env['backend']}), torch {env['torch']}, "
+          f"triton {env['triton']}, git {env['git']}", flush=True)
+    rows = []
+    jobs = [(k, v) for k, v in JOBS.items() if not only or any(o in k for o in only)]
+    total = len(jobs) * len(sizes)
+    done = 0
+    for name, (bytes_key, op, make) in jobs:
+        for n in sizes:
+            done += 1
+            print(f"[{done}/{total}] {name}, {n / 2 ** 20:g}M elements ...", flush=True)
+            ours, theirs, their_name = make(n, device)
+            backend = last_backend(op)
+            nbytes = BYTES[bytes_key] * n
+            t_ours = bench(ours, device, reps)
+            t_theirs = bench(theirs, device, reps)
+            t_copy = copy_seconds(nbytes, device, reps)
+            rows.append({
+                "kernel": name, "numel": n, "bytes_moved": nbytes, "bytes_per_elem": BYTES[bytes_key],
+                "ours_ms": t_ours * 1e3, "ours_GBps": nbytes / t_ours / 1e9,
+                "copy_GBps": nbytes / t_copy / 1e9, "pct_of_copy": 100 * t_copy / t_ours,
+                "torch_impl": their_name, "torch_ms": t_theirs * 1e3, "torch_GBps": nbytes / t_theirs / 1e9,
+                "speedup_vs_torch": t_theirs / t_ours, "our_backend": str(backend.value if backend else "?"),
+                **env,
+            })
+            del ours, theirs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    write(out_dir, rows, env, markdown)
+    return rows
+
+
+def write(out_dir: str, rows: list[dict], env: dict, markdown: str | None = None) -> None:
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    plot(out_dir, rows)
+    text = table(rows, env)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(f"# tritonshard microbenchmarks: {env['device']}\n\n"
+                    f"Reproduce: `python -m benchmarks.run --out DIR` (or `bash benchmarks/gpu_check.sh`).\n"
+                    f"Bytes moved are the minimum per element (see BYTES in benchmarks/run.py); % of copy is "
+                    f"against a device-to-device copy of the same bytes measured in the same run.\n\n{text}\n")
+    print()
+    print(text)
+
+
+def table(rows: list[dict], env: dict) -> str:
+    lines = [f"{env['device']} | backend {env['backend']} | torch {env['torch']} | triton {env['triton']} | "
+             f"git {env['git']} | {env['date']}", "",
+             "| kernel | elements | B/elem | ours ms | ours GB/s | % of copy | PyTorch way | torch GB/s | speedup |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['numel'] / 2 ** 20:g}M | {r['bytes_per_elem']} | {r['ours_ms']:.3f} | "
+                     f"{r['ours_GBps']:.1f} | {r['pct_of_copy']:.0f}% | {r['torch_impl']} | {r['torch_GBps']:.1f} | "
+                     f"{r['speedup_vs_torch']:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(out_dir: str, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        rs = [r for r in rows if r["kernel"] == kernel]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs = [r["numel"] for r in rs]
+        ax.plot(xs, [r["ours_GBps"] for r in rs], "o-", label="tritonshard")
+        ax.plot(xs, [r["torch_GBps"] for r in rs], "s--", label=f"PyTorch ({rs[0]['torch_impl']})")
+        ax.plot(xs, [r["copy_GBps"] for r in rs], ":", color="gray", label="device copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("elements")
+        ax.set_ylabel("GB/s (minimum bytes moved)")
+        ax.set_title(f"{kernel}\n{rs[0]['device']}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        safe = "".join(c if c.isalnum() else "_" for c in kernel).strip("_")
+        fig.savefig(os.path.join(out_dir, f"{safe}.png"), dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="tritonshard microbenchmarks")
+    p.add_argument("--out", default="benchmarks/out", help="directory for results.csv/json and plots")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run, CI)")
+    p.add_argument("--sizes", type=str, default=None, help="comma-separated element counts, e.g. 1048576,4194304")
+    p.add_argument("--only", type=str, default=None, help="comma-separated substrings of kernel names")
+    p.add_argument("--reps", type=int, default=5, help="CPU repetitions (GPU uses do_bench)")
+    p.add_argument("--markdown", default=None, help="also write the table as a markdown file")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    elif args.quick or device.type == "cpu":
+        sizes = [2 ** 14, 2 ** 16]
+    else:
+        sizes = [2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26, 2 ** 28]
+    return run(args.out, sizes, device, args.reps, args.only.split(",") if args.only else None, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

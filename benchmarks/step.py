@@ -1,0 +1,150 @@
+"""End-to-end optimizer step on transformer-shaped parameter sets: ShardedAdamW vs fused torch.optim.AdamW (fp32)
+vs FSDP2 ``fully_shard`` with bf16 parameters, with peak memory.
+
+    python -m benchmarks.step --model 125M --out benchmarks/out      # GPU
+    python -m benchmarks.step --model tiny --out /tmp/bench          # CPU smoke run (CI)
+
+One process (world size 1): the step is flatten -> reduce-scatter -> scale -> update -> all-gather with trivial
+collectives, i.e. the kernels' share of a real step. Gradients are set as ``param.grad`` before every timed step
+(the flatten is part of the step, as when grads arrive from backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import tritonshard
+
+SHAPES = {  # (n_layer, d_model, vocab) of GPT-2-like configs; per layer 12 d^2 + 13 d parameters
+    "tiny": (2, 64, 512),
+    "125M": (12, 768, 50304),
+    "1B": (24, 2048, 50304),
+}
+
+
+def gpt_param_shapes(n_layer: int, d: int, vocab: int) -> list[tuple[int, ...]]:
+    shapes = [(vocab, d), (1024, d)]
+    for _ in range(n_layer):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def timed(fn, device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_bytes(device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def bench_ours(shapes, device, reps):
+    reset_peak(device)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    t = timed(step, device, reps)
+    return {"impl": "tritonshard.ShardedAdamW (bf16 params+grads, fp32 master)", "step_ms": t * 1e3,
+            "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"]}
+
+
+def bench_torch(shapes, device, reps):
+    reset_peak(device)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    fused = True  # fused AdamW exists for CUDA and (torch >= 2.4) CPU
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
+    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+    t = timed(step, device, reps)
+    n = sum(p.numel() for p in params)
+    return {"impl": f"torch.optim.AdamW(fused={fused}) fp32", "step_ms": t * 1e3, "peak_bytes": peak_bytes(device),
+            "optimizer_bytes": 16 * n}
+
+
+def bench_fsdp2(shapes, device, reps):
+    """FSDP2 needs a process group and a module; one rank here."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        return {"impl": "FSDP2 fully_shard bf16", "error": "needs torch.distributed (run under torchrun)"}
+    reset_peak(device)
+    module = torch.nn.Module()
+    module.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes])
+    fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+    grads = [torch.randn(p.shape, device=device) * 1e-3 for p in module.parameters()]
+
+    def step():
+        for p, g in zip(module.parameters(), grads):
+            p.grad = torch.distributed.tensor.DTensor.from_local(g, p.device_mesh, p.placements)
+        torch.nn.utils.clip_grad_norm_(list(module.parameters()), 1.0)
+        opt.step()
+        opt.zero_grad()
+    t = timed(step, device, reps)
+    return {"impl": "FSDP2 fully_shard + fused AdamW (fp32 sharded params)", "step_ms": t * 1e3,
+            "peak_bytes": peak_bytes(device)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=list(SHAPES), default="125M")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default="benchmarks/out")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = gpt_param_shapes(*SHAPES[args.model])
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(f"optimizer step, {args.model}: {n / 1e6:.1f}M parameters in {len(shapes)} tensors on {device}", flush=True)
+    rows = []
+    for fn in (bench_ours, bench_torch, bench_fsdp2):
+        try:
+            row = fn(shapes, device, args.reps)
+        except Exception as exc:  # report, do not hide: the row says why it did not run
+            row = {"impl": fn.__name__, "error": f"{type(exc).__name__}: {exc}"}
+        row.update(model=args.model, params=n, device=str(device))
+        rows.append(row)
+        print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"step-{args.model}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
