@@ -144,6 +144,8 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap reduce-scatters with backward and all-gathers with the next forward")
     p.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--out-dir", default="runs/gpt")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
@@ -179,7 +181,9 @@ def main(argv=None):
 
     if args.optimizer == "tritonshard":
         opt = tritonshard.ShardedAdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
-                                       bucket_cap_mb=args.bucket_cap_mb)
+                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap)
+        if args.overlap:
+            opt.attach(model)
         train_model = model
         mem = opt.memory_bytes()
         no_sync = opt.no_sync

@@ -57,6 +57,12 @@ def test_loss_falls_and_resume_matches_an_uninterrupted_run(tmp_path):
     for a, b in zip(rows, resumed):  # bit-exact: same batches, same lr, same optimizer state
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"step {a['step']}: {a} vs {b}"
 
+    # communication overlap (the default) changes when collectives run, never what they compute
+    plain = tmp_path / "plain"
+    _check(_torchrun(["--steps", "6", "--ckpt-interval", "0", "--no-overlap"], plain))
+    for a, b in zip(rows[:6], _metrics(plain)):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), f"overlap vs not, step {a['step']}"
+
 
 def test_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
     proc = _torchrun(["--steps", "100000", "--ckpt-interval", "0"], tmp_path, stdout=subprocess.PIPE,

@@ -86,6 +86,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     ``extra``: small picklable-free data (numbers, strings, tensors, lists, dicts) stored in the metadata by rank 0,
     e.g. the training step and RNG states.
     """
+    opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     partial = f"{path}.partial"
     if opt.rank == 0 and os.path.exists(partial):
@@ -166,6 +167,7 @@ def load_sharded(opt, path: str) -> dict:
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     _check_signature(opt, meta)
+    opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     files: dict[int, dict] = {}
 

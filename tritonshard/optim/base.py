@@ -18,6 +18,23 @@ One step (no host-device synchronization anywhere in it)::
     -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> fused update (skips itself when
     the flag is set) -> all-gather params
 
+Communication overlap (``overlap_comm=True``): each parameter's post-accumulate-grad hook marks it ready; when the
+last gradient of a bucket arrives in the last backward of an accumulation (outside ``no_sync()``), the bucket is
+flattened and its reduce-scatter launched asynchronously, while backward goes on computing earlier layers.
+Launches follow bucket order on every rank (a bucket that is ready early waits for the ones before it), and a bucket
+whose parameters got no gradient is still reduced at the end of backward, so all ranks issue the same collectives
+in the same order. ``step()`` waits for each reduce-scatter only when it scales that bucket. After the update, the
+param all-gathers are launched asynchronously too; with :meth:`ShardedOptimizer.attach` a forward pre-hook on each
+module waits only for the buckets holding that module's parameters.
+
+Streams (CUDA): the flatten, scale and update kernels run on the current stream. A collective launched with
+``async_op=True`` is enqueued by ProcessGroupNCCL on its own communication stream behind an event recorded on the
+current stream, so it sees the finished flatten (or update); ``work.wait()`` makes the current stream wait for it
+without blocking the host. A bucket's grad buffer belongs to the communication stream from its reduce-scatter
+launch until the wait in ``step()``; its param buffer from the all-gather launch until the wait in the forward
+pre-hook (or in ``step()``, ``state_dict()``, checkpoint saves). Buffers are allocated once and never freed, so no
+``record_stream`` is needed.
+
 Buckets: filled in reverse registration order (the order backward produces gradients), at most
 ``bucket_cap_mb`` of ``param_dtype`` each, never mixing param groups. Frozen parameters (requires_grad=False)
 are left out entirely: they keep their storage and dtype and are never updated.
@@ -75,6 +92,14 @@ class _Bucket:
             p.data = view  # the Parameter object stays (module and optimizer references keep working)
             p.grad = None
         self.offsets = list(self.grad_buffer.offsets)
+        self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
+        # per-step communication state, reset by step() / zero_grad()
+        self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
+        self.ready: set = set()     # parameters whose gradient arrived in the current backward
+        self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
+        self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
+        self.rs_launched = False
+        self.ag_work = None         # handle of its in-flight param all-gather
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -97,7 +122,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, *, process_group: Optional[dist.ProcessGroup] = None,
                  param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
-                 bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN):
+                 bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False):
         if param_dtype != torch.bfloat16:
             raise ValueError(f"param_dtype must be torch.bfloat16 (fused updates write bf16 weights), got {param_dtype}")
         if grad_dtype not in (torch.bfloat16, torch.float32):
@@ -130,11 +155,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if current:
                 self.buckets.append(self._make_bucket(gi, current[::-1], align))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for i, b in enumerate(self.buckets):
+            b.index = i
+        self.overlap_comm = bool(overlap_comm)
+        # reduce-scatters are launched in _launch_order (the same on every rank): bucket order at first, then the
+        # order in which buckets completed in the first backward (rank 0's, broadcast), adopted from step 2 on
+        self._launch_order = list(range(len(self.buckets)))
+        self._observed_order: Optional[list[int]] = [] if self.overlap_comm else None
+        self._next_launch = 0  # _launch_order[:_next_launch] have their reduce-scatter launched this step
+        self._attached = False
+        #: reduce-scatters launched so far (observable: lets a trace or test see them start during backward)
+        self.reduce_scatters_launched = 0
 
         # device-side bookkeeping: nothing here is ever read on the host inside step()
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.last_step_skipped = torch.zeros((), dtype=torch.bool, device=self.device)
-        self._grads_in_buffer = False  # has any gradient been flattened since zero_grad()?
         self._reduced: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (global sum_sq, found_inf) this step
         self._clip_coef: Optional[torch.Tensor] = None
         self._no_sync_depth = 0
@@ -167,41 +202,77 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradients into the buffers
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        # first gradient of this backward: flatten every bucket once, when autograd has finished
+        # first gradient of this backward: make sure every bucket is flushed once autograd has finished
         if not self._flush_queued:
             self._flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_grads)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.overlap_comm:
+            bucket, _ = self._bucket_of[param]
+            bucket.ready.add(param)
+            if len(bucket.ready) == len(bucket.params):  # the bucket's last gradient of this backward
+                if self._observed_order is not None and bucket.index not in self._observed_order:
+                    self._observed_order.append(bucket.index)
+                self._flush_bucket(bucket)
+                if not self._no_sync_depth:
+                    bucket.launch_wanted = True
+                    self._launch_in_order()
 
-    def _flush_grads(self) -> None:
-        """Move every pending ``param.grad`` into its grad buffer (accumulating after the first since zero_grad)."""
+    def _end_of_backward(self) -> None:
         self._flush_queued = False
-        pending = any(p.grad is not None for p in self._bucket_of)
-        if not pending:
+        for b in self.buckets:
+            self._flush_bucket(b)  # buckets some of whose parameters got no gradient in this backward
+            b.ready.clear()
+        if self.overlap_comm and not self._no_sync_depth:
+            # every bucket is reduced after the last micro-batch, including one that got no gradient at all, so
+            # every rank issues the same collectives in the same order
+            for b in self.buckets:
+                b.launch_wanted = True
+            self._launch_in_order()
+
+    def _flush_bucket(self, b: _Bucket) -> None:
+        """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
+        overwrites (parameters without a gradient get zeros), later ones accumulate."""
+        grads = [(p.grad, off) for p, off in zip(b.params, b.offsets) if p.grad is not None]
+        if not grads:
             return
+        if b.rs_launched:
+            raise RuntimeError(
+                f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
+                "overlap_comm=True, run every backward of an accumulation but the last inside opt.no_sync()")
         if self._reduced is not None:
             raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
                                "call step() (or zero_grad()) first")
-        accumulate = self._grads_in_buffer
-        for b in self.buckets:
-            grads, offsets = [], []
-            for p, off, view in zip(b.params, b.offsets, b.grad_buffer.get_views()):
-                if p.grad is not None:
-                    grads.append(p.grad)
-                    offsets.append(off)
-                elif not accumulate:
-                    view.zero_()  # no grad this time: contributes zeros
-            flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=accumulate)
-            for p in b.params:
-                p.grad = None
-        self._grads_in_buffer = True
+        if not b.has_grads:
+            for p, view in zip(b.params, b.grad_buffer.get_views()):
+                if p.grad is None:
+                    view.zero_()  # no gradient this time: contributes zeros
+        flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads], accumulate=b.has_grads)
+        for p in b.params:
+            p.grad = None
+        b.has_grads = True
+
+    def _launch_in_order(self) -> None:
+        """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
+        while (self._next_launch < len(self.buckets)
+               and self.buckets[self._launch_order[self._next_launch]].launch_wanted):
+            b = self.buckets[self._launch_order[self._next_launch]]
+            if not b.has_grads:  # no gradient since zero_grad(): the buffer still holds the previous step's
+                b.grad_buffer.zero_()
+                b.has_grads = True
+            with torch.profiler.record_function(f"tritonshard.reduce_scatter[bucket {b.index}]"):
+                b.rs_work = b.grad_buffer.reduce_scatter(op=dist.ReduceOp.SUM, async_op=True)
+            b.rs_launched = True
+            self.reduce_scatters_launched += 1
+            self._next_launch += 1
 
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate the backward passes inside into the grad buffers without communicating (as in DDP).
 
-        Every backward already accumulates into the buffers and communication happens only in
-        ``clip_grad_norm_()`` / ``step()``, so what this adds is the guard: reducing or stepping inside it
-        raises instead of silently reducing a partial accumulation.
+        With ``overlap_comm=True`` the reduce-scatters start during the first backward outside ``no_sync()``, so
+        every backward of an accumulation but the last must be inside it (a late gradient raises). Without
+        overlap, communication happens only in ``clip_grad_norm_()`` / ``step()``; reducing or stepping inside
+        ``no_sync()`` raises instead of silently reducing a partial accumulation.
         """
         self._no_sync_depth += 1
         try:
@@ -216,13 +287,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._reduced
         if self._no_sync_depth:
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
-        self._flush_grads()
-        if not self._grads_in_buffer:  # no backward since zero_grad(): every gradient is zero
-            for b in self.buckets:
-                b.grad_buffer.zero_()
+        for b in self.buckets:
+            self._flush_bucket(b)  # gradients set by hand, without a backward
+            b.launch_wanted = True
+        self._launch_in_order()
+        self._adopt_observed_order()
         partials = []
         for b in self.buckets:
-            b.grad_buffer.reduce_scatter(op=dist.ReduceOp.SUM)
+            with torch.profiler.record_function(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
+                b.rs_work.wait()
+            b.rs_work = None
             partials.append(torch.stack(scale_(b.grad_buffer.get_local_shard(), 1.0 / self.world_size)))
         totals = (torch.stack(partials).sum(0) if partials
                   else torch.zeros(2, dtype=torch.float32, device=self.device))
@@ -231,6 +305,61 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sum_sq, found_inf = totals[0], (totals[1] > 0).float()
         self._reduced = (sum_sq, found_inf)
         return self._reduced
+
+    def _adopt_observed_order(self) -> None:
+        """Once, after the first backward: launch later steps' reduce-scatters in the order buckets completed
+        (rank 0's observation, broadcast, so every rank agrees); buckets that never completed go last."""
+        if not self._observed_order:
+            return
+        seen = self._observed_order
+        order = seen + [i for i in range(len(self.buckets)) if i not in seen]
+        self._observed_order = None
+        if comm.is_initialized() and self.world_size > 1:
+            t = torch.tensor(order, dtype=torch.int64, device=self.device)
+            src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+            dist.broadcast(t, src=src, group=self.process_group)
+            order = t.tolist()
+        self._launch_order = order
+
+    def _reset_step_state(self) -> None:
+        for b in self.buckets:
+            if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
+                b.rs_work.wait()
+            b.rs_work, b.rs_launched, b.launch_wanted, b.has_grads = None, False, False, False
+            b.ready.clear()
+        self._next_launch = 0
+        self._reduced, self._clip_coef = None, None
+
+    # ------------------------------------------------------------------ parameter all-gathers
+    def wait_for_params(self, buckets=None) -> None:
+        """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters."""
+        for b in self.buckets if buckets is None else buckets:
+            if b.ag_work is not None:
+                with torch.profiler.record_function(f"tritonshard.wait_all_gather[bucket {b.index}]"):
+                    b.ag_work.wait()
+                b.ag_work = None
+
+    def attach(self, model: torch.nn.Module) -> list:
+        """Let the parameter all-gathers overlap with the next forward (needs ``overlap_comm=True``).
+
+        Installs a forward pre-hook on every module that directly owns parameters of this optimizer; the hook
+        waits for the buckets holding them, so a module never runs on stale weights while later buckets are still
+        being gathered. A module whose forward reads another module's parameters before that module has run
+        must own them too (or call ``opt.wait_for_params()`` first). Without ``attach``, ``step()`` waits for
+        every all-gather before it returns. Returns the hook handles.
+        """
+        if not self.overlap_comm:
+            raise ValueError("attach() overlaps the all-gathers with forward; construct with overlap_comm=True")
+        handles = []
+        for module in model.modules():
+            owned = {self._bucket_of[p][0].index: self._bucket_of[p][0]
+                     for p in module.parameters(recurse=False) if p in self._bucket_of}
+            if owned:
+                buckets = [owned[i] for i in sorted(owned)]
+                handles.append(module.register_forward_pre_hook(
+                    lambda mod, args, buckets=buckets: self.wait_for_params(buckets)))
+        self._attached = True
+        return handles
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -280,6 +409,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         _, found_inf = self._reduce_grads()
+        self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         grad_scale = self._clip_coef if self._clip_coef is not None else 1.0
         for b in self.buckets:
             b.step.add_(1.0 - found_inf)  # skipped steps do not count
@@ -287,9 +417,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps.add_(found_inf.long())
         self.last_step_skipped.copy_(found_inf > 0)
         for b in self.buckets:
-            b.param_buffer.all_gather()
-        self._reduced, self._clip_coef = None, None
-        self._grads_in_buffer = False  # the next flatten overwrites: no zero-fill pass
+            with torch.profiler.record_function(f"tritonshard.all_gather[bucket {b.index}]"):
+                b.ag_work = b.param_buffer.all_gather(async_op=True)
+        if not self._attached:
+            self.wait_for_params()  # nobody would wait before the next forward
+        self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
         return loss
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
@@ -304,11 +436,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.zero_()
+        self._reset_step_state()
         if not set_to_none:
             for b in self.buckets:
                 b.grad_buffer.zero_()
-        self._grads_in_buffer = False
-        self._reduced, self._clip_coef = None, None
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:
@@ -356,6 +487,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
         use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
         """
+        self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
         for b in self.buckets:
             gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master), *b.state.items())}
@@ -387,6 +519,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
                 or unknown parameter, differing steps inside one bucket).
         """
+        self.wait_for_params()
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]

@@ -1,0 +1,148 @@
+"""overlap_comm=True: reduce-scatters launched from backward hooks, all-gathers overlapped with the next forward.
+
+Results must be bit-identical to the non-overlapped path (same kernels, same collectives, only issued earlier),
+for bucket sizes from one parameter per bucket to one bucket for everything, at 2 and 4 gloo ranks.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests.distributed import run_on_ranks
+from tests.optim.training import LR, make_model, param_groups, schedule, train_step
+from tritonshard import ShardedAdamW
+
+BUCKET_CAPS = [1e-9, 200 * 2 / 2 ** 20, 25.0]  # one parameter per bucket, ~200 elements, one bucket per group
+
+
+class TiedCheckpointed(nn.Module):
+    """Tied embedding/head (one parameter used twice) and an activation-checkpointed block."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 12)
+        self.block = nn.Sequential(nn.Linear(12, 29), nn.GELU(), nn.Linear(29, 12))
+        self.head = nn.Linear(12, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        x = x + checkpoint(self.block, x, use_reentrant=False)
+        return self.head(x).float().logsumexp(-1).mean()
+
+
+def _bits(opt):
+    return [b.param_buffer.get_data().clone() for b in opt.buckets], [b.master.clone() for b in opt.buckets]
+
+
+def _run_net(rank, overlap, cap, steps=3):
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=cap, overlap_comm=overlap)
+    if overlap:
+        opt.attach(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(steps):
+        train_step(model, opt, sched, rank, step)
+    opt.wait_for_params()
+    return torch.cat([p.detach().reshape(-1).float() for g in param_groups(model) for p in g["params"]]), opt
+
+
+def _run_tied(rank, overlap, cap, steps=3):
+    torch.manual_seed(0)
+    model = TiedCheckpointed()
+    opt = ShardedAdamW(model.parameters(), lr=LR, bucket_cap_mb=cap, overlap_comm=overlap)
+    if overlap:
+        opt.attach(model)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        for micro in range(2):
+            idx = torch.randint(0, 13, (4, 9), generator=g)
+            with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                model(idx).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]), opt
+
+
+def _bit_identical(rank, world_size):
+    for run in (_run_net, _run_tied):
+        for cap in BUCKET_CAPS:
+            plain, _ = run(rank, False, cap)
+            overlapped, opt = run(rank, True, cap)
+            assert opt.reduce_scatters_launched == 3 * len(opt.buckets)
+            assert torch.equal(plain.view(torch.int32), overlapped.view(torch.int32)), \
+                f"{run.__name__}, bucket_cap_mb={cap}: overlapped training differs from the plain path"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bit_identical_to_the_non_overlapped_path(world_size):
+    run_on_ranks(_bit_identical, world_size)
+
+
+def _first_reduce_scatter_before_backward_ends(rank, world_size):
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)  # a bucket per param
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    # step 1: bucket order puts the never-used parameter's bucket first, which holds every launch back until the
+    # end of backward; the order observed in this backward is adopted for the next steps
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.buckets[opt._launch_order[-1]].params[0] is model.unused
+    seen = []
+    # fc1 is the first layer: its backward runs last. Record how many reduce-scatters had started by then.
+    model.fc1.register_full_backward_hook(lambda mod, gin, gout: seen.append(opt.reduce_scatters_launched))
+    before = opt.reduce_scatters_launched
+    model(x).float().square().mean().backward()
+    in_flight = seen[0] - before
+    # fc2's weight and bias and the norm's two parameters complete before fc1's backward: 4 buckets in flight
+    assert in_flight >= 4, f"only {in_flight} reduce-scatters were in flight when the last layer's backward ran"
+    assert opt.reduce_scatters_launched - before == len(opt.buckets), "all buckets launched by the end of backward"
+    opt.step()
+
+
+def test_trace_first_reduce_scatter_is_issued_before_backward_finishes():
+    run_on_ranks(_first_reduce_scatter_before_backward_ends, 2)
+
+
+def _misuse(rank, world_size):
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, overlap_comm=True)
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    model(x).float().square().mean().backward()  # outside no_sync: reduce-scatters launched
+    with pytest.raises(RuntimeError, match="no_sync"):
+        model(x).float().square().mean().backward()
+    opt.zero_grad()  # recovers: waits for the in-flight collectives, forgets the gradients
+    model(x).float().square().mean().backward()
+    opt.step()
+
+
+def test_second_backward_outside_no_sync_is_a_clear_error():
+    run_on_ranks(_misuse, 2)
+
+
+def _no_stale_forward(rank, world_size):
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    opt.attach(model)
+    reference = make_model(0)
+    ref_opt = ShardedAdamW(param_groups(reference), lr=LR, bucket_cap_mb=1e-9)  # waits in step()
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        m(x).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+    assert any(b.ag_work is not None for b in opt.buckets), "all-gathers are still in flight after step()"
+    out = model(x)  # the pre-hooks wait for exactly what each module needs
+    assert all(b.ag_work is None for b in opt.buckets if not any(p is model.unused for p in b.params))
+    assert torch.equal(out, reference(x)), "a forward after an overlapped step must see the updated weights"
+    opt.wait_for_params()
+
+
+def test_forward_never_runs_on_stale_weights():
+    run_on_ranks(_no_stale_forward, 2)
