@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from tritonshard.kernels import (adamw_step_, adamw_step_ref, flatten_into, flatten_into_ref, interpreter_enabled,
-                                 last_backend, scale_, scale_ref)
+                                 last_backend, lion_step_, lion_step_ref, scale_, scale_ref, sgd_step_, sgd_step_ref)
 
 # Minimum bytes per element (each element read once and written once at the narrowest dtype the job allows)
 BYTES = {
@@ -44,6 +44,9 @@ BYTES = {
     "scale bf16": 2 + 2,
     # grad bf16 read (2), param/exp_avg/exp_avg_sq fp32 read+write (24), param_out bf16 write (2)
     "adamw": 2 + 24 + 2,
+    # grad bf16 read (2), param and one state fp32 read+write (16), param_out bf16 write (2)
+    "sgd momentum": 2 + 16 + 2,
+    "lion": 2 + 16 + 2,
 }
 
 
@@ -149,6 +152,53 @@ def adamw_job(n, device):
     return ours, theirs, "fused AdamW+casts"
 
 
+def sgd_job(n, device):
+    g = torch.Generator(device="cpu").manual_seed(2)
+    p = torch.randn(n, generator=g).to(device)
+    grad = (torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=torch.bfloat16)
+    buf, out = torch.zeros_like(p), torch.empty(n, dtype=torch.bfloat16, device=device)
+    hp = dict(lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    p2, buf2, out2 = p.clone(), buf.clone(), out.clone()
+    sgd_step_(p, grad, buf, step=1, param_out=out, **hp)
+    sgd_step_ref(p2, grad, buf2, step=1, param_out=out2, **hp)
+    assert float((p - p2).abs().max() / p2.abs().max()) <= 1e-6, "sgd output differs from the reference"
+
+    def ours():
+        sgd_step_(p, grad, buf, step=2, param_out=out, **hp)
+
+    tp = torch.nn.Parameter(p.clone())
+    tp.grad = torch.empty_like(tp)
+    topt = torch.optim.SGD([tp], fused=True, **hp)
+
+    def theirs():
+        tp.grad.copy_(grad)
+        topt.step()
+        out2.copy_(tp.detach())
+    return ours, theirs, "fused SGD+casts"
+
+
+def lion_job(n, device):
+    g = torch.Generator(device="cpu").manual_seed(3)
+    p = torch.randn(n, generator=g).to(device)
+    grad = (torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=torch.bfloat16)
+    m, out = torch.zeros_like(p), torch.empty(n, dtype=torch.bfloat16, device=device)
+    p2, m2, out2 = p.clone(), m.clone(), out.clone()
+    lion_step_(p, grad, m, lr=1e-4, weight_decay=0.1, param_out=out)
+    lion_step_ref(p2, grad, m2, lr=1e-4, weight_decay=0.1, param_out=out2)
+    assert float((p - p2).abs().max() / p2.abs().max()) <= 1e-6, "lion output differs from the reference"
+
+    def ours():
+        lion_step_(p, grad, m, lr=1e-4, weight_decay=0.1, param_out=out)
+
+    def theirs():  # no Lion in torch.optim: the same update composed of torch ops (what lion-pytorch does)
+        g32 = grad.float()
+        p2.mul_(1 - 1e-4 * 0.1)
+        p2.add_((m2 * 0.9).add_(g32, alpha=0.1).sign_(), alpha=-1e-4)
+        m2.mul_(0.99).add_(g32, alpha=0.01)
+        out2.copy_(p2)
+    return ours, theirs, "torch ops (lion-pytorch)"
+
+
 # name -> (key into BYTES, launcher name for last_backend, job factory)
 JOBS = {
     "flatten fp32->bf16 (4 tensors)":
@@ -161,6 +211,8 @@ JOBS = {
         ("flatten fp32->bf16 accumulate", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, True, False)),
     "scale_ bf16 (+norm, inf check)": ("scale bf16", "scale_", scale_job),
     "adamw_step_ (bf16 grad, bf16 out)": ("adamw", "adamw_step_", adamw_job),
+    "sgd_step_ momentum (bf16 grad, bf16 out)": ("sgd momentum", "sgd_step_", sgd_job),
+    "lion_step_ (bf16 grad, bf16 out)": ("lion", "lion_step_", lion_job),
 }
 
 

@@ -75,16 +75,35 @@ def train_step(model, opt, sched, rank: int, step: int, poison: bool = False) ->
     return norm
 
 
+class PaperLion(torch.optim.Optimizer):
+    """Lion as the paper's Algorithm 2 (decoupled weight decay), in plain torch, for the references."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            beta1, beta2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_((m * beta1 + (1 - beta1) * p.grad).sign(), alpha=-g["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
 class Reference:
     """Single-process simulation of `world_size` ranks training with fp32 master weights and torch AdamW."""
 
-    def __init__(self, world_size: int, seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, world_size: int, seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16, make_opt=None):
         self.world_size = world_size
         self.grad_dtype = grad_dtype
         self.fp32 = make_model(seed)
         self.groups = param_groups(self.fp32)
         self.master = [p for g in self.groups for p in g["params"]]
-        self.opt = torch.optim.AdamW(self.groups, lr=LR, foreach=False)
+        self.opt = (make_opt or (lambda groups: torch.optim.AdamW(groups, lr=LR, foreach=False)))(self.groups)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
         self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
         self.bf16.frozen.data = self.fp32.frozen.data  # the frozen parameter keeps its storage and dtype

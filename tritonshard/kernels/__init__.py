@@ -7,13 +7,17 @@ that the tests import (and that runs on CPU without the interpreter). Backends: 
 from ._dispatch import Backend, interpreter_enabled, last_backend
 from .adamw import adamw_step_, adamw_step_ref
 from .flatten import flatten_into, flatten_into_ref
+from .lion import lion_step_, lion_step_ref
 from .rounding import cast_to_bf16, cast_to_bf16_ref, stochastic_cast_to_bf16_ref
 from .scale import scale_, scale_ref
+from .sgd import sgd_step_, sgd_step_ref
 
 __all__ = [
     "flatten_into", "flatten_into_ref",
     "scale_", "scale_ref",
     "adamw_step_", "adamw_step_ref",
+    "sgd_step_", "sgd_step_ref",
+    "lion_step_", "lion_step_ref",
     "cast_to_bf16", "cast_to_bf16_ref", "stochastic_cast_to_bf16_ref",
     "Backend", "last_backend", "interpreter_enabled",
 ]

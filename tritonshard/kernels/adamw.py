@@ -23,14 +23,14 @@ recompile nor a host sync; doing them in fp32 inside the kernel would lose ~1e-5
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import triton
 import triton.language as tl
 
+from ._common import check_no_tensor, check_scalar, keep_old_where_found_inf, pack_coefficients, validate_update
 from ._dispatch import Backend, select_backend
-from .rounding import round_to_bf16, to_fp32
+from ._update_jit import load_grad, scalar_arg, store_param, update_mask
 
 __all__ = ["adamw_step_", "adamw_step_ref"]
 
@@ -46,24 +46,12 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
                   HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_FROM_END: tl.constexpr,
                   BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if HAS_FOUND_INF:
-        # the interpreter rejects a mask built from a loaded flag ("mask has unsupported dtype"); fold the flag
-        # into the bound instead: nothing is loaded or stored when found_inf != 0
-        mask = offs < tl.where(tl.load(found_inf_ptr) == 0, n, 0)
-    else:
-        mask = offs < n
+    mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
         decay = tl.load(coef_ptr)
         step_size = tl.load(coef_ptr + 1)
         bc2_sqrt = tl.load(coef_ptr + 2)
-    if GRAD_SCALE_IS_TENSOR:
-        grad_scale = to_fp32(tl.load(grad_scale_ptr))
-    else:
-        grad_scale = grad_scale_val
-
-    g = to_fp32(tl.load(grad_ptr + offs, mask=mask)) * grad_scale
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
     p = tl.load(param_ptr + offs, mask=mask)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
@@ -77,20 +65,13 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(-step_size * m, denom)
 
-    tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if HAS_PARAM_OUT:
-        tl.store(param_out_ptr + offs, round_to_bf16(p), mask=mask)
+    store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT)
 
 
 def _coefficients(lr, step, beta1, beta2, weight_decay, device):
     """(1 - lr*wd, lr / bc1, sqrt(bc2)) in float64: Python floats, or one fp32 device tensor if lr/step are tensors."""
-    if not isinstance(lr, torch.Tensor) and not isinstance(step, torch.Tensor):
-        bc1 = 1.0 - beta1 ** step
-        bc2 = 1.0 - beta2 ** step
-        return None, (1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2))
-    lr64 = lr.to(torch.float64).reshape(()) if isinstance(lr, torch.Tensor) else lr
     if isinstance(step, torch.Tensor):
         step64 = step.to(torch.float64).reshape(())
         bc1 = 1.0 - torch.pow(beta1, step64)
@@ -98,10 +79,8 @@ def _coefficients(lr, step, beta1, beta2, weight_decay, device):
     else:
         bc1 = 1.0 - beta1 ** step
         bc2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    parts = [1.0 - lr64 * weight_decay, lr64 / bc1, bc2_sqrt]
-    parts = [p if isinstance(p, torch.Tensor) else torch.full((), p, dtype=torch.float64, device=device)
-             for p in parts]
-    return torch.stack(parts).to(torch.float32), None
+    lr64 = lr.to(torch.float64).reshape(()) if isinstance(lr, torch.Tensor) else lr
+    return pack_coefficients([1.0 - lr64 * weight_decay, lr64 / bc1, bc2_sqrt], device)
 
 
 def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
@@ -121,70 +100,21 @@ def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, w
     v = exp_avg_sq * beta2 + (1 - beta2) * g * g
     denom = v.sqrt() / bc2_sqrt + eps
     p = p + (-step_size * m) / denom
-    if found_inf is not None:
-        keep = found_inf.reshape(()) != 0
-        p, m, v = torch.where(keep, param, p), torch.where(keep, exp_avg, m), torch.where(keep, exp_avg_sq, v)
-    param.copy_(p)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
-    if param_out is not None:
-        new = p.to(param_out.dtype)
-        param_out.copy_(torch.where(keep, param_out, new) if found_inf is not None else new)
-
-
-def _check_scalar(name, value, device, lo, lo_inclusive=True, hi=None):
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        if value.device != device:
-            raise ValueError(f"{name} is on {value.device} but param is on {device}")
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(value).__name__}")
-    if not math.isfinite(value) or (value < lo if lo_inclusive else value <= lo) or (hi is not None and value >= hi):
-        bound = f"{'>=' if lo_inclusive else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
-        raise ValueError(f"{name} must be {bound}, got {value}")
+    pairs = [(param, p), (exp_avg, m), (exp_avg_sq, v)] + ([(param_out, p)] if param_out is not None else [])
+    keep_old_where_found_inf(found_inf, pairs)
 
 
 def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
               found_inf, param_out):
-    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {t.dtype}")
-    if grad.dtype not in (torch.bfloat16, torch.float32, torch.float16):
-        raise TypeError(f"grad must be bfloat16, float16 or float32, got {grad.dtype}")
-    tensors = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    if param_out is not None:
-        if not isinstance(param_out, torch.Tensor):
-            raise TypeError(f"param_out must be a torch.Tensor or None, got {type(param_out).__name__}")
-        if param_out.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"param_out must be bfloat16 or float16, got {param_out.dtype}")
-        tensors.append(("param_out", param_out))
-    for name, t in tensors:
-        if t.numel() != param.numel():
-            raise ValueError(f"{name} has {t.numel()} elements but param has {param.numel()}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.device != param.device:
-            raise ValueError(f"{name} is on {t.device} but param is on {param.device}")
-    if found_inf is not None:
-        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
-            raise ValueError("found_inf must be None or a 1-element tensor")
-        if found_inf.device != param.device:
-            raise ValueError(f"found_inf is on {found_inf.device} but param is on {param.device}")
-    for name, value in (("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
-        if isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a Python number (it is passed by value to the kernel), got a tensor")
-    _check_scalar("lr", lr, param.device, 0.0)
-    _check_scalar("step", step, param.device, 1.0)
-    _check_scalar("grad_scale", grad_scale, param.device, -math.inf)
-    _check_scalar("beta1", beta1, param.device, 0.0, hi=1.0)
-    _check_scalar("beta2", beta2, param.device, 0.0, hi=1.0)
-    _check_scalar("eps", eps, param.device, 0.0)
-    _check_scalar("weight_decay", weight_decay, param.device, 0.0)
+    validate_update(param, grad, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], found_inf, param_out,
+                    grad_scale)
+    check_no_tensor(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    check_scalar("lr", lr, param.device, 0.0)
+    check_scalar("step", step, param.device, 1.0)
+    check_scalar("beta1", beta1, param.device, 0.0, hi=1.0)
+    check_scalar("beta2", beta2, param.device, 0.0, hi=1.0)
+    check_scalar("eps", eps, param.device, 0.0)
+    check_scalar("weight_decay", weight_decay, param.device, 0.0)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

@@ -2,5 +2,6 @@
 
 from .adamw import ShardedAdamW
 from .base import ShardedOptimizer
+from .sgd import ShardedLion, ShardedSGD
 
-__all__ = ["ShardedOptimizer", "ShardedAdamW"]
+__all__ = ["ShardedOptimizer", "ShardedAdamW", "ShardedSGD", "ShardedLion"]

@@ -457,8 +457,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ state dicts (world-size independent)
-    #: hyper-parameters restored by load_state_dict (torch.optim's LR schedulers add ``initial_lr``)
-    _HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "initial_lr")
 
     def _indexed_params(self) -> list[tuple[int, int, torch.Tensor]]:
         """(global index, group index, param) in torch.optim's numbering: param_groups order, frozen included."""
@@ -555,7 +553,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             entries[p] = entry
         with torch.no_grad():
             for b in self.buckets:
-                steps = {float(entries[p]["step"]) for p in b.params if p in entries}
+                # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken
+                steps = {float(entries[p].get("step", 1.0)) for p in b.params if p in entries}
                 if len(steps) > 1:
                     raise ValueError(f"parameters sharing a bucket have different steps {sorted(steps)}; "
                                      "tritonshard keeps one step per bucket")
@@ -575,8 +574,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._refresh_params_from_master()
 
     def _apply_hparams(self, saved_groups) -> None:
+        """Restore the hyper-parameters this optimizer has (its defaults' keys; LR schedulers add initial_lr)."""
         for sg, g in zip(saved_groups, self.param_groups):
-            for k in self._HPARAM_KEYS:
+            for k in (*self.defaults, "initial_lr"):
                 if k in sg:
                     g[k] = tuple(sg[k]) if k == "betas" else sg[k]
 

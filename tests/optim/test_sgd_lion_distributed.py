@@ -1,0 +1,78 @@
+"""ShardedSGD and ShardedLion on 2 and 4 gloo processes against the single-process reference of training.py."""
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.optim.training import PaperLion, Reference, make_model, param_groups, schedule, train_step
+from tritonshard import ShardedLion, ShardedSGD
+
+STEPS = 4
+SGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+LION_KW = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+
+OPTIMIZERS = {
+    "sgd": (lambda groups, **kw: ShardedSGD(groups, **SGD_KW, **kw),
+            lambda groups: torch.optim.SGD(groups, foreach=False, **SGD_KW)),
+    "lion": (lambda groups, **kw: ShardedLion(groups, **LION_KW, **kw), lambda groups: PaperLion(groups, **LION_KW)),
+}
+
+
+def _train(rank, world_size, name, rel_tol):
+    ours_factory, ref_factory = OPTIMIZERS[name]
+    model = make_model(0)
+    params = [p for g in param_groups(model) for p in g["params"]]
+    opt = ours_factory(param_groups(model), bucket_cap_mb=200 * 2 / 2 ** 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref = Reference(world_size, make_opt=ref_factory)
+    for step in range(STEPS):
+        train_step(model, opt, sched, rank, step)
+        ref.step(step)
+    state = opt.state_dict()["state"]
+    worst = max(float((state[i]["master"].double() - p.detach().double()).abs().max())
+                for i, p in enumerate(ref.master))
+    scale = max(float(p.detach().abs().max()) for p in ref.master)
+    assert worst <= rel_tol * scale, f"{name} at {world_size} ranks: master off by {worst / scale:.2e}"
+    for p, q in zip(params, ref.bf16_weights()):
+        # bf16 weights: the same rounding of masters that agree to rel_tol, so at most that plus one bf16 ulp apart
+        assert bool(((p.float() - q.float()).abs() <= rel_tol * scale + 2 ** -7 * q.float().abs()).all())
+
+
+# Tolerances as for AdamW (tests/optim/test_adamw_distributed.py): 2 ranks reproduce the reference's bf16 sums,
+# leaving fp32 op-order differences (1e-6); 4 ranks add in ring order, each add rounding at 2^-9, which moves
+# an SGD update by the same relative amount (lr * |g| * 6e-3 per step, 4 steps) and can flip the sign of a Lion
+# update whose interpolated momentum is within that of zero (one lr = 1e-3 relative per flip): 2e-3.
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+@pytest.mark.parametrize("world_size, rel_tol", [(2, 1e-6), (4, 2e-3)])
+def test_matches_reference(name, world_size, rel_tol):
+    run_on_ranks(_train, world_size, name, rel_tol)
+
+
+def test_torch_sgd_state_dict_loads():
+    model = make_model(0)
+    params = [p for g in param_groups(model) for p in g["params"]]
+    torch_opt = torch.optim.SGD(param_groups(model), **SGD_KW)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+        torch_opt.step()
+    opt = ShardedSGD(param_groups(model), lr=1.0, momentum=0.5)
+    opt.load_state_dict(torch_opt.state_dict())
+    assert opt.param_groups[0]["lr"] == SGD_KW["lr"] and opt.param_groups[0]["nesterov"] is True
+    ours = opt.state_dict()["state"]
+    for i in range(len(params)):
+        assert torch.equal(ours[i]["momentum_buffer"], torch_opt.state_dict()["state"][i]["momentum_buffer"])
+        assert float(ours[i]["step"]) == 1.0, "a loaded momentum buffer counts as initialized"
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda ps: ShardedSGD(ps, lr=-1), "lr must be >= 0"),
+    (lambda ps: ShardedSGD(ps, momentum=-0.1), "momentum must be >= 0"),
+    (lambda ps: ShardedSGD(ps, nesterov=True), "nesterov"),
+    (lambda ps: ShardedSGD(ps, weight_decay=-1), "weight_decay"),
+    (lambda ps: ShardedLion(ps, betas=(0.9, 1.0)), r"betas\[1\]"),
+    (lambda ps: ShardedLion([{"params": ps[:1]}, {"params": ps[1:], "lr": -2}]), r"param_groups\[1\]"),
+])
+def test_bad_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))])

@@ -1,0 +1,86 @@
+"""What the fused optimizer-update launchers share: argument validation, scalar coefficients, found_inf."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Sequence
+
+import torch
+
+__all__ = ["check_scalar", "check_no_tensor", "validate_update", "pack_coefficients", "keep_old_where_found_inf"]
+
+
+def check_scalar(name, value, device, lo, lo_inclusive=True, hi=None) -> None:
+    """``value``: a finite number in [lo, hi) (or (lo, hi)), or a 1-element tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but param is on {device}")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(value).__name__}")
+    if not math.isfinite(value) or (value < lo if lo_inclusive else value <= lo) or (hi is not None and value >= hi):
+        bound = f"{'>=' if lo_inclusive else '>'} {lo}" + (f" and < {hi}" if hi is not None else "")
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def check_no_tensor(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a Python number (it is passed by value to the kernel), got a tensor")
+
+
+def validate_update(param: torch.Tensor, grad: torch.Tensor, states: Sequence[tuple[str, torch.Tensor]],
+                    found_inf, param_out, grad_scale) -> None:
+    """The tensors of a flat-shard update: fp32 param and states, bf16/fp16/fp32 grad, optional bf16/fp16
+    param_out, all contiguous, same numel, same device; found_inf a 1-element tensor there."""
+    named = [("param", param), ("grad", grad), *states]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in [("param", param), *states]:
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if grad.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise TypeError(f"grad must be bfloat16, float16 or float32, got {grad.dtype}")
+    if param_out is not None:
+        if not isinstance(param_out, torch.Tensor):
+            raise TypeError(f"param_out must be a torch.Tensor or None, got {type(param_out).__name__}")
+        if param_out.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"param_out must be bfloat16 or float16, got {param_out.dtype}")
+        named.append(("param_out", param_out))
+    for name, t in named:
+        if t.numel() != param.numel():
+            raise ValueError(f"{name} has {t.numel()} elements but param has {param.numel()}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != param.device:
+            raise ValueError(f"{name} is on {t.device} but param is on {param.device}")
+    if found_inf is not None:
+        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
+            raise ValueError("found_inf must be None or a 1-element tensor")
+        if found_inf.device != param.device:
+            raise ValueError(f"found_inf is on {found_inf.device} but param is on {param.device}")
+    check_scalar("grad_scale", grad_scale, param.device, -math.inf)
+
+
+def pack_coefficients(parts: list, device: torch.device):
+    """Per-call scalar coefficients, computed by the caller in float64 (Python floats or 0-d tensors).
+
+    Returns ``(None, floats)`` when all are Python numbers (passed by value to the kernel), else
+    ``(fp32 device tensor, None)`` built with device ops only: no host sync, no H2D copy.
+    """
+    if not any(isinstance(p, torch.Tensor) for p in parts):
+        return None, tuple(float(p) for p in parts)
+    parts = [p.to(torch.float64).reshape(()) if isinstance(p, torch.Tensor)
+             else torch.full((), p, dtype=torch.float64, device=device) for p in parts]
+    return torch.stack(parts).to(torch.float32), None
+
+
+def keep_old_where_found_inf(found_inf, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Reference helper: copy each ``new`` into its ``dst``, except where ``found_inf`` is set (sync-free)."""
+    keep = found_inf.reshape(()) != 0 if found_inf is not None else None
+    for dst, new in pairs:
+        dst.copy_(new.to(dst.dtype) if keep is None else torch.where(keep, dst, new.to(dst.dtype)))

@@ -1,0 +1,99 @@
+"""Fused Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on a flat fp32 master shard.
+
+The paper's update, with decoupled weight decay::
+
+    g  = grad * grad_scale                      (then -g if maximize)
+    p *= 1 - lr * weight_decay
+    p += -lr * sign(beta1 * m + (1 - beta1) * g)
+    m  = beta2 * m + (1 - beta2) * g
+
+One state tensor (``exp_avg``); ``found_inf`` masks every store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_no_tensor, check_scalar, keep_old_where_found_inf, pack_coefficients, validate_update
+from ._dispatch import Backend, select_backend
+from ._update_jit import load_grad, scalar_arg, store_param, update_mask
+
+__all__ = ["lion_step_", "lion_step_ref"]
+
+BLOCK = 2048
+
+
+@triton.jit
+def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, decay, neg_lr,
+                 grad_scale_ptr, grad_scale_val, found_inf_ptr, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                 COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                 HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
+    if COEF_IS_TENSOR:
+        decay = tl.load(coef_ptr)
+        neg_lr = tl.load(coef_ptr + 1)
+    g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
+    p = tl.load(param_ptr + offs, mask=mask)
+    m = tl.load(exp_avg_ptr + offs, mask=mask)
+    c = m * beta1 + one_minus_beta1 * g
+    update = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+    p = p * decay + neg_lr * update
+    tl.store(exp_avg_ptr + offs, m * beta2 + one_minus_beta2 * g, mask=mask)
+    store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT)
+
+
+def _coefficients(lr, weight_decay, device):
+    lr64 = lr.to(torch.float64).reshape(()) if isinstance(lr, torch.Tensor) else lr
+    return pack_coefficients([1.0 - lr64 * weight_decay, -lr64], device)
+
+
+def lion_step_ref(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, grad_scale=1.0,
+                  found_inf=None, param_out=None, maximize=False) -> None:
+    """Pure-PyTorch reference (and the CPU fallback), sync-free."""
+    coef, values = _coefficients(lr, weight_decay, param.device)
+    decay, neg_lr = (coef[0], coef[1]) if coef is not None else values
+    gs = grad_scale.float() if isinstance(grad_scale, torch.Tensor) else grad_scale
+    g = grad.float() * gs
+    if maximize:
+        g = -g
+    update = (exp_avg * beta1 + (1 - beta1) * g).sign()
+    p = param * decay + neg_lr * update
+    pairs = [(param, p), (exp_avg, exp_avg * beta2 + (1 - beta2) * g)]
+    if param_out is not None:
+        pairs.append((param_out, p))
+    keep_old_where_found_inf(found_inf, pairs)
+
+
+def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr, beta1: float = 0.9,
+               beta2: float = 0.99, weight_decay: float = 0.0, grad_scale=1.0, found_inf: torch.Tensor | None = None,
+               param_out: torch.Tensor | None = None, maximize: bool = False, backend: str | None = None) -> None:
+    """One Lion step over a flat shard, in place (see the module docstring)."""
+    validate_update(param, grad, [("exp_avg", exp_avg)], found_inf, param_out, grad_scale)
+    check_no_tensor(beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    check_scalar("lr", lr, param.device, 0.0)
+    check_scalar("beta1", beta1, param.device, 0.0, hi=1.0)
+    check_scalar("beta2", beta2, param.device, 0.0, hi=1.0)
+    check_scalar("weight_decay", weight_decay, param.device, 0.0)
+    chosen = select_backend("lion_step_", param.device, backend)
+    if chosen is Backend.TORCH:
+        lion_step_ref(param, grad, exp_avg, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                      grad_scale=grad_scale, found_inf=found_inf, param_out=param_out, maximize=maximize)
+        return
+    n = param.numel()
+    if n == 0:
+        return
+    if param_out is not None and param_out.dtype != torch.bfloat16:
+        raise NotImplementedError("the Triton Lion kernel writes bf16 param_out only; use backend='torch' for fp16")
+    coef, values = _coefficients(lr, weight_decay, param.device)
+    decay, neg_lr = values if values is not None else (1.0, 0.0)
+    gs = isinstance(grad_scale, torch.Tensor)
+    _lion_kernel[(triton.cdiv(n, BLOCK),)](
+        param, grad, exp_avg, param_out if param_out is not None else param, n,
+        coef if coef is not None else param, float(decay), float(neg_lr),
+        grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
+        float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
+        COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
+        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), BLOCK=BLOCK)
