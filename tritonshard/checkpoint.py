@@ -71,8 +71,15 @@ def load_file(path: str, map_location=None, mmap: bool = False) -> Any:
 
 
 def _barrier(opt) -> None:
+    """Every rank of the optimizer: its shard group, and with hybrid sharding its replica group too."""
     if comm.is_initialized() and opt.world_size > 1:
         dist.barrier(group=opt.process_group)
+    if comm.is_initialized() and opt.replica_size > 1:
+        dist.barrier(group=opt.replica_group)
+
+
+def _is_lead(opt) -> bool:
+    return opt.rank == 0 and opt.replica_rank == 0
 
 
 def _param_signature(opt) -> list[dict]:
@@ -89,7 +96,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     partial = f"{path}.partial"
-    if opt.rank == 0 and os.path.exists(partial):
+    if _is_lead(opt) and os.path.exists(partial):
         shutil.rmtree(partial)  # left by a save that died
     _barrier(opt)
     os.makedirs(partial, exist_ok=True)
@@ -100,13 +107,14 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             sl = slice(piece.shard_start, piece.shard_end)
             pieces[i] = {"start": piece.tensor_start,
                          **{name: t[sl].detach().cpu().clone() for name, t in (("master", b.master), *b.state.items())}}
-    atomic_save({"format": _FORMAT, "rank": opt.rank, "pieces": pieces},
-                os.path.join(partial, f"rank{opt.rank:05d}.pt"))
+    if opt.replica_rank == 0:  # hybrid sharding: replicas hold the same shards, the first one writes them
+        atomic_save({"format": _FORMAT, "rank": opt.rank, "pieces": pieces},
+                    os.path.join(partial, f"rank{opt.rank:05d}.pt"))
     # which rank holds which range of which parameter: lets a loader open only the files it needs
     ranges = {index_of[b.params[pc.tensor_index]]: (pc.tensor_start, pc.tensor_end)
               for b in opt.buckets for pc in b.param_buffer.shard_pieces()}
     everyone = _all_gather_objects(opt, ranges)
-    if opt.rank == 0:
+    if _is_lead(opt):
         steps = {index_of[p]: float(b.step) for b in opt.buckets for p in b.params}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
@@ -114,7 +122,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
                 "state_names": list(opt._state_names), "ranges": everyone, "extra": extra or {}}
         atomic_save(meta, os.path.join(partial, "meta.pt"))
     _barrier(opt)
-    if opt.rank == 0:
+    if _is_lead(opt):
         if os.path.exists(path):
             old = f"{path}.old"
             if os.path.exists(old):
@@ -216,12 +224,12 @@ def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = N
     timeline that ``latest`` must never point back to). Returns the checkpoint's path. The pointer moves only
     after the checkpoint is complete on every rank.
     """
-    if opt.rank == 0:
+    if _is_lead(opt):
         os.makedirs(directory, exist_ok=True)
     _barrier(opt)
     path = os.path.join(directory, f"step_{step:08d}")
     save_sharded(opt, path, extra=extra)
-    if opt.rank == 0:
+    if _is_lead(opt):
         tmp = os.path.join(directory, f"latest.tmp-{os.getpid()}")
         with open(tmp, "w") as f:
             f.write(os.path.basename(path) + "\n")

@@ -54,12 +54,14 @@ class ShardedAdamW(ShardedOptimizer):
     _state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False,
-                 process_group: Optional[dist.ProcessGroup] = None, param_dtype=torch.bfloat16,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
                  overlap_comm: bool = False):
         _check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
-        super().__init__(params, defaults, process_group=process_group, param_dtype=param_dtype,
+        super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
+                         device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm)
 
     def add_param_group(self, param_group: dict) -> None:

@@ -110,6 +110,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or param groups, as for any ``torch.optim.Optimizer``.
         defaults: default hyper-parameters of the groups.
+        replica_group: hybrid sharding: the group of ranks holding the same shard (e.g. the same local rank on
+            every node). Gradients are reduce-scattered in ``process_group`` (the shard group), then the shard is
+            all-reduced over ``replica_group``; parameters are all-gathered in the shard group only.
+        device_mesh: instead of the two groups, a 2-D DeviceMesh whose dims are (replicate, shard).
         process_group: the data-parallel group (None: the default group, or a single process when
             torch.distributed is not initialized).
         param_dtype: dtype of the model's parameters from now on (bf16).
@@ -121,6 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _state_names: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, *, process_group: Optional[dist.ProcessGroup] = None,
+                 replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
                  param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False):
         if param_dtype != torch.bfloat16:
@@ -134,9 +139,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._check_params()
 
+        if device_mesh is not None:
+            if process_group is not None or replica_group is not None:
+                raise ValueError("pass either device_mesh or process_group/replica_group, not both")
+            if device_mesh.ndim != 2:
+                raise ValueError(f"device_mesh must be 2-D (replicate, shard), got {device_mesh.ndim} dims")
+            replica_group, process_group = device_mesh.get_group(0), device_mesh.get_group(1)
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
+        self.replica_group = replica_group
+        self.replica_size = comm.group_size(replica_group) if replica_group is not None else 1
+        self.replica_rank = comm.group_rank(replica_group) if replica_group is not None else 0
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.bucket_cap_mb = bucket_cap_mb
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -297,7 +311,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.profiler.record_function(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
                 b.rs_work.wait()
             b.rs_work = None
-            partials.append(torch.stack(scale_(b.grad_buffer.get_local_shard(), 1.0 / self.world_size)))
+            shard = b.grad_buffer.get_local_shard()
+            if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
+                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
+            partials.append(torch.stack(scale_(shard, 1.0 / (self.world_size * self.replica_size))))
         totals = (torch.stack(partials).sum(0) if partials
                   else torch.zeros(2, dtype=torch.float32, device=self.device))
         if comm.is_initialized() and self.world_size > 1:

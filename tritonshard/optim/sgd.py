@@ -30,7 +30,8 @@ class ShardedSGD(ShardedOptimizer):
     momentum), 4/d B per parameter. Keyword arguments after ``maximize`` as :class:`ShardedOptimizer`."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, process_group: Optional[dist.ProcessGroup] = None, param_dtype=torch.bfloat16,
+                 maximize=False, process_group: Optional[dist.ProcessGroup] = None,
+                 replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
                  overlap_comm: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -40,7 +41,8 @@ class ShardedSGD(ShardedOptimizer):
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         uses_momentum = any(g.get("momentum", momentum) != 0 for g in groups)
         self._state_names = ("momentum_buffer",) if uses_momentum else ()
-        super().__init__(params, defaults, process_group=process_group, param_dtype=param_dtype,
+        super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
+                         device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm)
 
     @staticmethod
@@ -75,13 +77,15 @@ class ShardedLion(ShardedOptimizer):
     _state_names = ("exp_avg",)
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 process_group: Optional[dist.ProcessGroup] = None, param_dtype=torch.bfloat16,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
                  overlap_comm: bool = False):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         weight_decay=weight_decay, maximize=bool(maximize))
         self._check(defaults, "")
-        super().__init__(params, defaults, process_group=process_group, param_dtype=param_dtype,
+        super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
+                         device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm)
 
     @staticmethod
