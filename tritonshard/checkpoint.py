@@ -119,7 +119,8 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
                 "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
-                "state_names": list(opt._state_names), "ranges": everyone, "extra": extra or {}}
+                "state_names": list(opt._state_names), "ranges": everyone, "extra": extra or {},
+                "scaler": opt._scaler_state()}
         atomic_save(meta, os.path.join(partial, "meta.pt"))
     _barrier(opt)
     if _is_lead(opt):
@@ -212,6 +213,7 @@ def load_sharded(opt, path: str) -> dict:
             b.step.fill_(steps.pop())
         opt._apply_hparams(meta["param_groups"])
         opt.skipped_steps.fill_(meta["skipped_steps"])
+        opt._load_scaler_state(meta.get("scaler", {}))
         opt._refresh_params_from_master()
     return meta["extra"]
 

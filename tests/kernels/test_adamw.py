@@ -167,3 +167,11 @@ def test_reference_matches_torch_too():
         adamw_step_ref(p, g, m, v, step=k, **HPARAMS[1])
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), want):
         assert_close_rel(a, b, REL, f"reference {name}")
+
+
+@pytest.mark.parametrize("n", [1, 4099])
+def test_fp16_param_out_is_the_rounded_param(n):
+    param, grads = _state(n, 8, torch.float16)
+    out = torch.empty(n, dtype=torch.float16, device=DEVICE)
+    p, _, _ = _run_ours(param * 300, grads[:2], 1.0, HPARAMS[0], False, "number", param_out=out)
+    assert_bitwise_equal(out, p.to(torch.float16), "fp16 param_out")

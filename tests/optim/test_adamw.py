@@ -120,7 +120,8 @@ def _params():
     (lambda: ShardedAdamW(_params(), weight_decay=-1e-2), ValueError, "weight_decay must be >= 0"),
     (lambda: ShardedAdamW([{"params": _params()[:1]}, {"params": _params()[1:], "lr": -1}]), ValueError,
      r"lr must be >= 0, got -1 \(param_groups\[1\]\)"),
-    (lambda: ShardedAdamW(_params(), param_dtype=torch.float16), ValueError, "param_dtype"),
+    (lambda: ShardedAdamW(_params(), param_dtype=torch.float32), ValueError, "param_dtype"),
+    (lambda: ShardedAdamW(_params(), loss_scale=2.0 ** 16), TypeError, "LossScaleConfig"),
     (lambda: ShardedAdamW(_params(), grad_dtype=torch.float16), ValueError, "grad_dtype"),
     (lambda: ShardedAdamW(_params(), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
 ])

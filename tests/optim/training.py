@@ -55,7 +55,7 @@ def batch(rank: int, step: int, micro: int, poison: bool = False) -> torch.Tenso
 
 
 def loss_fn(model, x):
-    return model(x).float().square().mean()
+    return model(x.to(model.fc1.weight.dtype)).float().square().mean()
 
 
 def schedule(step: int) -> float:
@@ -67,7 +67,8 @@ def train_step(model, opt, sched, rank: int, step: int, poison: bool = False) ->
     for micro in range(MICRO_BATCHES):
         ctx = opt.no_sync() if micro < MICRO_BATCHES - 1 else contextlib.nullcontext()
         with ctx:
-            loss_fn(model, batch(rank, step, micro, poison and micro == 1)).backward()
+            loss = loss_fn(model, batch(rank, step, micro, poison and micro == 1))
+            (loss * opt.loss_scale if getattr(opt, "loss_scale", None) is not None else loss).backward()
     norm = opt.clip_grad_norm_(MAX_NORM)
     opt.step()
     sched.step()
@@ -97,15 +98,17 @@ class PaperLion(torch.optim.Optimizer):
 class Reference:
     """Single-process simulation of `world_size` ranks training with fp32 master weights and torch AdamW."""
 
-    def __init__(self, world_size: int, seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16, make_opt=None):
+    def __init__(self, world_size: int, seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16, make_opt=None,
+                 model_dtype: torch.dtype = torch.bfloat16, loss_scale: float = 1.0):
         self.world_size = world_size
         self.grad_dtype = grad_dtype
+        self.loss_scale = loss_scale  # constant: the tests that use it choose one that never overflows
         self.fp32 = make_model(seed)
         self.groups = param_groups(self.fp32)
         self.master = [p for g in self.groups for p in g["params"]]
         self.opt = (make_opt or (lambda groups: torch.optim.AdamW(groups, lr=LR, foreach=False)))(self.groups)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
-        self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
+        self.bf16 = copy.deepcopy(self.fp32).to(model_dtype)
         self.bf16.frozen.data = self.fp32.frozen.data  # the frozen parameter keeps its storage and dtype
         self._sync_weights()
 
@@ -125,7 +128,7 @@ class Reference:
         for rank in range(self.world_size):
             acc = [torch.zeros_like(q, dtype=dt) for q in bf16_params]
             for micro in range(MICRO_BATCHES):
-                loss_fn(self.bf16, batch(rank, step, micro)).backward()
+                (loss_fn(self.bf16, batch(rank, step, micro)) * self.loss_scale).backward()
                 for i, q in enumerate(bf16_params):  # each backward's grad added into the accumulator, rounded
                     if q.grad is not None:
                         acc[i] = (acc[i].float() + q.grad.float()).to(dt)
@@ -133,7 +136,7 @@ class Reference:
             total = acc if total is None else [(a.float() + b.float()).to(dt) for a, b in zip(total, acc)]
         avg = [(g.float() * (1.0 / self.world_size)).to(dt) for g in total]
         for p, g in zip(self.master, avg):
-            p.grad = g.float()
+            p.grad = g.float() / self.loss_scale
         norm = torch.nn.utils.clip_grad_norm_(self.master, MAX_NORM)
         self.opt.step()
         self.sched.step()

@@ -37,6 +37,11 @@ def load_grad(grad_ptr, offs, mask, grad_scale, MAXIMIZE: tl.constexpr):
 
 @triton.jit
 def store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT: tl.constexpr):
+    """The fp32 master, and its copy in the model's dtype: bf16 rounded on the bits (see rounding.py), fp16
+    by the cast, which rounds to nearest even under the interpreter (numpy) and on GPUs alike."""
     tl.store(param_ptr + offs, p, mask=mask)
     if HAS_PARAM_OUT:
-        tl.store(param_out_ptr + offs, round_to_bf16(p), mask=mask)
+        if param_out_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(param_out_ptr + offs, round_to_bf16(p), mask=mask)
+        else:
+            tl.store(param_out_ptr + offs, p.to(param_out_ptr.dtype.element_ty), mask=mask)

@@ -146,8 +146,6 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     coef, values = _coefficients(lr, step, beta1, beta2, weight_decay, param.device)
     decay, step_size, bc2_sqrt = values if values is not None else (1.0, 1.0, 1.0)
     gs_is_tensor = isinstance(grad_scale, torch.Tensor)
-    if param_out is not None and param_out.dtype != torch.bfloat16:
-        raise NotImplementedError("the Triton AdamW kernel writes bf16 param_out only; use backend='torch' for fp16")
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, param_out if param_out is not None else param, n,
         coef if coef is not None else param, float(decay), float(step_size), float(bc2_sqrt),

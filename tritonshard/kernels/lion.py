@@ -85,8 +85,6 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     n = param.numel()
     if n == 0:
         return
-    if param_out is not None and param_out.dtype != torch.bfloat16:
-        raise NotImplementedError("the Triton Lion kernel writes bf16 param_out only; use backend='torch' for fp16")
     coef, values = _coefficients(lr, weight_decay, param.device)
     decay, neg_lr = values if values is not None else (1.0, 0.0)
     gs = isinstance(grad_scale, torch.Tensor)

@@ -104,8 +104,6 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
     n = param.numel()
     if n == 0:
         return
-    if param_out is not None and param_out.dtype != torch.bfloat16:
-        raise NotImplementedError("the Triton SGD kernel writes bf16 param_out only; use backend='torch' for fp16")
     coef, values = pack_coefficients([-(lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr)], param.device)
     st, gs = isinstance(step, torch.Tensor), isinstance(grad_scale, torch.Tensor)
     _sgd_kernel[(triton.cdiv(n, BLOCK),)](

@@ -1,7 +1,7 @@
 """Sharded optimizers with the torch.optim.Optimizer API."""
 
 from .adamw import ShardedAdamW
-from .base import ShardedOptimizer
+from .base import LossScaleConfig, ShardedOptimizer
 from .sgd import ShardedLion, ShardedSGD
 
-__all__ = ["ShardedOptimizer", "ShardedAdamW", "ShardedSGD", "ShardedLion"]
+__all__ = ["LossScaleConfig", "ShardedOptimizer", "ShardedAdamW", "ShardedSGD", "ShardedLion"]

@@ -57,12 +57,13 @@ class ShardedAdamW(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False):
+                 overlap_comm: bool = False, loss_scale=None):
         _check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
-                         grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm)
+                         grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
+                         loss_scale=loss_scale)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

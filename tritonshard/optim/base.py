@@ -43,6 +43,7 @@ are left out entirely: they keep their storage and dtype and are never updated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Optional
 
@@ -53,7 +54,20 @@ from .. import comm
 from ..buffer import DEFAULT_ALIGN, Buffer
 from ..kernels import flatten_into, scale_
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedOptimizer", "LossScaleConfig"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 parameters, with torch.amp.GradScaler's rules, kept on the device."""
+
+    #: the scale the first backward runs with
+    init_scale: float = 2.0 ** 16
+    #: multiplies the scale after ``growth_interval`` consecutive steps without inf/NaN
+    growth_factor: float = 2.0
+    #: multiplies the scale after a step with inf/NaN (that step is skipped)
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
 
 def _reject_duplicates(params: list) -> None:
@@ -116,7 +130,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device_mesh: instead of the two groups, a 2-D DeviceMesh whose dims are (replicate, shard).
         process_group: the data-parallel group (None: the default group, or a single process when
             torch.distributed is not initialized).
-        param_dtype: dtype of the model's parameters from now on (bf16).
+        param_dtype: dtype of the model's parameters from now on (bf16, or fp16 with loss scaling).
+        loss_scale: dynamic loss scaling (:class:`LossScaleConfig`); on by default for fp16. Multiply the loss by
+            ``opt.loss_scale`` (or use ``opt.scale_loss(loss)``) before backward; the unscale is folded into the
+            update's ``grad_scale``, an overflow skips the step and backs off, all without a host sync.
         grad_dtype: dtype of the gradient buffers (bf16 or fp32).
         bucket_cap_mb: at most this many MiB of ``param_dtype`` per bucket (a larger parameter gets its own).
         align: view alignment inside buckets, in elements (see :data:`tritonshard.buffer.DEFAULT_ALIGN`).
@@ -127,9 +144,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, *, process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
                  param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
-                 bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False):
-        if param_dtype != torch.bfloat16:
-            raise ValueError(f"param_dtype must be torch.bfloat16 (fused updates write bf16 weights), got {param_dtype}")
+                 bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
+                 loss_scale: Optional[LossScaleConfig] = None):
+        if param_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
+        if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
+            raise TypeError(f"loss_scale must be a LossScaleConfig or None, got {type(loss_scale).__name__}")
         if grad_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
@@ -180,6 +200,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._attached = False
         #: reduce-scatters launched so far (observable: lets a trace or test see them start during backward)
         self.reduce_scatters_launched = 0
+
+        # dynamic loss scaling: on by default for fp16 weights, whose gradients underflow without it
+        if loss_scale is None and param_dtype == torch.float16:
+            loss_scale = LossScaleConfig()
+        self.loss_scale_config = loss_scale
+        self._scale = (torch.full((), float(loss_scale.init_scale), dtype=torch.float32, device=self.device)
+                       if loss_scale is not None else None)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=self.device)
 
         # device-side bookkeeping: nothing here is ever read on the host inside step()
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -406,13 +434,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             total = total.pow(1.0 / norm_type)
         else:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        if self._scale is not None:
+            total = total / self._scale  # the norm of the true (unscaled) gradients
         # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged) gradients, without clipping; reduces the gradients if not yet done."""
-        return self._reduce_grads()[0].sqrt()
+        norm = self._reduce_grads()[0].sqrt()
+        return norm / self._scale if self._scale is not None else norm
+
+    @property
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        """The current loss scale (a 0-d device tensor), or None without loss scaling."""
+        return self._scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (``loss`` itself without loss scaling): call ``.backward()`` on this."""
+        return loss * self._scale if self._scale is not None else loss
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -428,11 +468,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _, found_inf = self._reduce_grads()
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         grad_scale = self._clip_coef if self._clip_coef is not None else 1.0
+        if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
+            grad_scale = grad_scale / self._scale
         for b in self.buckets:
             b.step.add_(1.0 - found_inf)  # skipped steps do not count
             self._update(b, self.param_groups[b.group_index], grad_scale, found_inf)
         self.skipped_steps.add_(found_inf.long())
         self.last_step_skipped.copy_(found_inf > 0)
+        if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
+            cfg = self.loss_scale_config
+            torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, cfg.growth_factor,
+                                     cfg.backoff_factor, cfg.growth_interval)
         for b in self.buckets:
             with torch.profiler.record_function(f"tritonshard.all_gather[bucket {b.index}]"):
                 b.ag_work = b.param_buffer.all_gather(async_op=True)
@@ -520,7 +566,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p in full:
                 state[i] = full[p]
         return {"state": state, "param_groups": groups,
-                "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone()}}
+                "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone(),
+                                **self._scaler_state()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
@@ -588,7 +635,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._apply_hparams(saved_groups)
             extra = state_dict.get("tritonshard", {})
             self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
+            self._load_scaler_state(extra)
             self._refresh_params_from_master()
+
+    def _scaler_state(self) -> dict:
+        if self._scale is None:
+            return {}
+        return {"loss_scale": self._scale.detach().clone(), "growth_tracker": self._growth_tracker.detach().clone()}
+
+    def _load_scaler_state(self, extra: dict) -> None:
+        if self._scale is not None and "loss_scale" in extra:
+            self._scale.fill_(float(extra["loss_scale"]))
+            self._growth_tracker.fill_(int(extra["growth_tracker"]))
 
     def _apply_hparams(self, saved_groups) -> None:
         """Restore the hyper-parameters this optimizer has (its defaults' keys; LR schedulers add initial_lr)."""

@@ -33,7 +33,7 @@ class ShardedSGD(ShardedOptimizer):
                  maximize=False, process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False):
+                 overlap_comm: bool = False, loss_scale=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize))
         self._check(defaults, "")
@@ -43,7 +43,8 @@ class ShardedSGD(ShardedOptimizer):
         self._state_names = ("momentum_buffer",) if uses_momentum else ()
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
-                         grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm)
+                         grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
+                         loss_scale=loss_scale)
 
     @staticmethod
     def _check(g: dict, where: str) -> None:
@@ -80,13 +81,14 @@ class ShardedLion(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False):
+                 overlap_comm: bool = False, loss_scale=None):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         weight_decay=weight_decay, maximize=bool(maximize))
         self._check(defaults, "")
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
-                         grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm)
+                         grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
+                         loss_scale=loss_scale)
 
     @staticmethod
     def _check(g: dict, where: str) -> None:

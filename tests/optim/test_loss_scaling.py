@@ -1,0 +1,77 @@
+"""fp16 parameters with dynamic loss scaling: unscale folded into grad_scale, overflow skips and backs off, growth."""
+
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
+from tritonshard import LossScaleConfig, ShardedAdamW
+
+
+def _fp16_matches_reference(rank, world_size):
+    scale = 2.0 ** 10  # large enough to matter for fp16 gradients, small enough never to overflow here
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16,
+                       loss_scale=LossScaleConfig(init_scale=scale, growth_interval=10 ** 6))
+    assert model.fc1.weight.dtype == torch.float16
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref = Reference(world_size, model_dtype=torch.float16, loss_scale=scale)
+    for step in range(3):
+        norm = train_step(model, opt, sched, rank, step)
+        ref_norm = ref.step(step)
+        # the returned norm is of the unscaled gradients; the scale is a power of two, so unscaling is exact
+        assert abs(float(norm) - float(ref_norm)) <= 1e-6 * float(ref_norm)
+    assert float(opt.loss_scale) == scale and int(opt.skipped_steps) == 0
+    state = opt.state_dict()["state"]
+    worst = max(float((state[i]["master"] - p.detach()).abs().max()) for i, p in enumerate(ref.master))
+    scale_ref = max(float(p.detach().abs().max()) for p in ref.master)
+    # 2 ranks: the reference's arithmetic exactly (bf16 grad sums, power-of-two scales) up to fp32 op order, 1e-6
+    assert worst <= 1e-6 * scale_ref, f"fp16 + loss scaling vs reference: {worst / scale_ref:.2e}"
+    for p, q in zip([p for g in param_groups(model) for p in g["params"]], ref.bf16_weights()):
+        assert p.dtype == q.dtype == torch.float16
+        assert bool(((p.float() - q.float()).abs() <= 1e-6 * scale_ref + 2 ** -10 * q.float().abs()).all())
+
+
+def test_fp16_with_loss_scaling_matches_reference():
+    run_on_ranks(_fp16_matches_reference, 2)
+
+
+def _overflow_backoff_growth(rank, world_size):
+    model = make_model(0)
+    # 2^60: every fp16 gradient overflows; each overflow halves the scale until the gradients fit in fp16
+    opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16,
+                       loss_scale=LossScaleConfig(init_scale=2.0 ** 60, backoff_factor=0.5, growth_interval=2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    weights = [b.param_buffer.get_data().clone() for b in opt.buckets]
+    step = 0
+    while int(opt.skipped_steps) == step:  # skipped steps: nothing changes, the scale halves
+        assert all(torch.equal(w.view(torch.int16), b.param_buffer.get_data().view(torch.int16))
+                   for w, b in zip(weights, opt.buckets))
+        assert float(opt.loss_scale) == 2.0 ** (60 - step)
+        train_step(model, opt, sched, rank, step)
+        step += 1
+        assert step < 60
+    skipped = int(opt.skipped_steps)
+    assert skipped >= 30, f"2^60 should overflow fp16 gradients for many halvings, only {skipped} did"
+    assert all(float(b.step) == 1 for b in opt.buckets), "one applied step"
+    scale_after_first_good = float(opt.loss_scale)
+    train_step(model, opt, sched, rank, step)  # second clean step in a row: growth_interval=2 -> doubles
+    assert float(opt.loss_scale) == 2 * scale_after_first_good
+    assert not any(torch.equal(w.view(torch.int16), b.param_buffer.get_data().view(torch.int16))
+                   for w, b in zip(weights, opt.buckets))
+
+
+def test_overflow_skips_and_backs_off_then_grows():
+    run_on_ranks(_overflow_backoff_growth, 2)
+
+
+def test_bf16_has_no_loss_scale_by_default_and_state_dict_round_trips_the_scale():
+    assert ShardedAdamW([torch.nn.Parameter(torch.ones(3))]).loss_scale is None
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16)
+    assert float(opt.loss_scale) == 2.0 ** 16
+    opt._scale.fill_(1024.0)
+    opt._growth_tracker.fill_(7)
+    sd = opt.state_dict()
+    other = ShardedAdamW(param_groups(make_model(0)), lr=LR, param_dtype=torch.float16)
+    other.load_state_dict(sd)
+    assert float(other.loss_scale) == 1024.0 and int(other._growth_tracker) == 7
