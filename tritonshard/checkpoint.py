@@ -106,7 +106,8 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             i = index_of[b.params[piece.tensor_index]]
             sl = slice(piece.shard_start, piece.shard_end)
             pieces[i] = {"start": piece.tensor_start,
-                         **{name: t[sl].detach().cpu().clone() for name, t in (("master", b.master), *b.state.items())}}
+                         **{name: t[sl].detach().cpu().clone()
+                            for name, t in (("master", b.master_fp32()), *b.state.items())}}
     if opt.replica_rank == 0:  # hybrid sharding: replicas hold the same shards, the first one writes them
         atomic_save({"format": _FORMAT, "rank": opt.rank, "pieces": pieces},
                     os.path.join(partial, f"rank{opt.rank:05d}.pt"))
@@ -187,6 +188,7 @@ def load_sharded(opt, path: str) -> dict:
 
     with torch.no_grad():
         for b in opt.buckets:
+            master = b.master_fp32().clone()
             for piece in b.param_buffer.shard_pieces():
                 i = index_of[b.params[piece.tensor_index]]
                 lo, hi = piece.tensor_start, piece.tensor_end
@@ -201,12 +203,13 @@ def load_sharded(opt, path: str) -> dict:
                     saved = pieces_of(old_rank)[i]
                     dst = slice(piece.shard_start + a - lo, piece.shard_start + z - lo)
                     src = slice(a - saved["start"], z - saved["start"])
-                    for name, shard in (("master", b.master), *b.state.items()):
+                    for name, shard in (("master", master), *b.state.items()):
                         shard[dst].copy_(saved[name][src])
                     covered += z - a
                 if covered != hi - lo:
                     raise CheckpointMismatchError(f"parameter {i}: the checkpoint covers {covered} of the "
                                                   f"{hi - lo} elements this rank needs (incomplete checkpoint)")
+            b.set_master(master)
             steps = {meta["steps"][index_of[p]] for p in b.params}
             if len(steps) > 1:
                 raise CheckpointMismatchError(f"parameters sharing a bucket have different steps {sorted(steps)}")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Sequence
 
 import torch
 
-__all__ = ["check_scalar", "check_no_tensor", "validate_update", "pack_coefficients", "keep_old_where_found_inf"]
+from .rounding import combine_bf16_remainder, split_bf16_remainder
+
+__all__ = ["check_scalar", "check_no_tensor", "validate_update", "pack_coefficients", "keep_old_where_found_inf",
+           "master_view"]
 
 
 def check_scalar(name, value, device, lo, lo_inclusive=True, hi=None) -> None:
@@ -33,14 +37,20 @@ def check_no_tensor(**values) -> None:
 
 
 def validate_update(param: torch.Tensor, grad: torch.Tensor, states: Sequence[tuple[str, torch.Tensor]],
-                    found_inf, param_out, grad_scale) -> None:
-    """The tensors of a flat-shard update: fp32 param and states, bf16/fp16/fp32 grad, optional bf16/fp16
-    param_out, all contiguous, same numel, same device; found_inf a 1-element tensor there."""
+                    found_inf, param_out, grad_scale, remainders: bool = False) -> None:
+    """The tensors of a flat-shard update: fp32 param (int16 remainders with ``remainders``) and states,
+    bf16/fp16/fp32 grad, optional bf16/fp16 param_out (required bf16 with ``remainders``), all contiguous, same
+    numel, same device; found_inf a 1-element tensor there."""
     named = [("param", param), ("grad", grad), *states]
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in [("param", param), *states]:
+    if remainders:
+        if param.dtype != torch.int16:
+            raise TypeError(f"with remainders=True, param holds the int16 remainders, got {param.dtype}")
+        if not isinstance(param_out, torch.Tensor) or param_out.dtype != torch.bfloat16:
+            raise TypeError("with remainders=True, param_out must be the bf16 weights (the master's high half)")
+    for name, t in ([] if remainders else [("param", param)]) + list(states):
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
     if grad.dtype not in (torch.bfloat16, torch.float32, torch.float16):
@@ -84,3 +94,18 @@ def keep_old_where_found_inf(found_inf, pairs: Sequence[tuple[torch.Tensor, torc
     keep = found_inf.reshape(()) != 0 if found_inf is not None else None
     for dst, new in pairs:
         dst.copy_(new.to(dst.dtype) if keep is None else torch.where(keep, dst, new.to(dst.dtype)))
+
+
+@contextlib.contextmanager
+def master_view(param: torch.Tensor, param_out, remainders: bool):
+    """For the references: yield (fp32 master, param_out to write); with remainders, rebuild the master from the
+    bf16 weights and int16 remainders, and split it back on exit (an exact round trip, see rounding.py)."""
+    if not remainders:
+        yield param, param_out
+        return
+    master = combine_bf16_remainder(param_out, param)
+    yield master, None
+    hi, rem = split_bf16_remainder(master)
+    param_out.copy_(hi)
+    param.copy_(rem)
+

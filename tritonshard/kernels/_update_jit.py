@@ -36,12 +36,32 @@ def load_grad(grad_ptr, offs, mask, grad_scale, MAXIMIZE: tl.constexpr):
 
 
 @triton.jit
-def store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT: tl.constexpr):
+def load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER: tl.constexpr):
+    """The fp32 master: loaded, or (REMAINDER) rebuilt from the bf16 weight and the int16 remainder."""
+    if REMAINDER:
+        hi = tl.load(param_out_ptr + offs, mask=mask).to(tl.uint16, bitcast=True).to(tl.int32)
+        rem = tl.load(param_ptr + offs, mask=mask).to(tl.int32)
+        return ((hi << 16) + rem).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(param_ptr + offs, mask=mask)
+
+
+@triton.jit
+def store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT: tl.constexpr,
+                REMAINDER: tl.constexpr = False):
     """The fp32 master, and its copy in the model's dtype: bf16 rounded on the bits (see rounding.py), fp16
-    by the cast, which rounds to nearest even under the interpreter (numpy) and on GPUs alike."""
-    tl.store(param_ptr + offs, p, mask=mask)
-    if HAS_PARAM_OUT:
-        if param_out_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(param_out_ptr + offs, round_to_bf16(p), mask=mask)
-        else:
-            tl.store(param_out_ptr + offs, p.to(param_out_ptr.dtype.element_ty), mask=mask)
+    by the cast, which rounds to nearest even under the interpreter (numpy) and on GPUs alike. With REMAINDER,
+    the master is stored as the bf16 weight plus an int16 remainder (see rounding.split_bf16_remainder)."""
+    if REMAINDER:
+        hi = round_to_bf16(p)
+        rem = p.to(tl.int32, bitcast=True) - (hi.to(tl.uint16, bitcast=True).to(tl.int32) << 16)
+        rem = tl.where(rem == 0x8000, 0x7FFF, rem)
+        tl.store(param_out_ptr + offs, hi, mask=mask)
+        tl.store(param_ptr + offs, rem.to(tl.int16), mask=mask)
+    else:
+        tl.store(param_ptr + offs, p, mask=mask)
+        if HAS_PARAM_OUT:
+            if param_out_ptr.dtype.element_ty == tl.bfloat16:
+                tl.store(param_out_ptr + offs, round_to_bf16(p), mask=mask)
+            else:
+                tl.store(param_out_ptr + offs, p.to(param_out_ptr.dtype.element_ty), mask=mask)

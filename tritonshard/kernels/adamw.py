@@ -28,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_no_tensor, check_scalar, keep_old_where_found_inf, pack_coefficients, validate_update
+from ._common import (check_no_tensor, check_scalar, keep_old_where_found_inf, master_view, pack_coefficients,
+                      validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import load_grad, scalar_arg, store_param, update_mask
+from ._update_jit import load_grad, load_param, scalar_arg, store_param, update_mask
 
 __all__ = ["adamw_step_", "adamw_step_ref"]
 
@@ -44,7 +45,7 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
                   beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                   COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                   HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_FROM_END: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  REMAINDER: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
@@ -52,7 +53,7 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
         step_size = tl.load(coef_ptr + 1)
         bc2_sqrt = tl.load(coef_ptr + 2)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
-    p = tl.load(param_ptr + offs, mask=mask)
+    p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
 
@@ -67,7 +68,7 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
 
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT)
+    store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT, REMAINDER)
 
 
 def _coefficients(lr, step, beta1, beta2, weight_decay, device):
@@ -105,9 +106,9 @@ def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, w
 
 
 def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              found_inf, param_out):
+              found_inf, param_out, remainders):
     validate_update(param, grad, [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)], found_inf, param_out,
-                    grad_scale)
+                    grad_scale, remainders)
     check_no_tensor(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     check_scalar("lr", lr, param.device, 0.0)
     check_scalar("step", step, param.device, 1.0)
@@ -120,7 +121,7 @@ def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_de
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr, beta1: float, beta2: float, eps: float, weight_decay: float, step, grad_scale=1.0,
                 found_inf: torch.Tensor | None = None, param_out: torch.Tensor | None = None,
-                maximize: bool = False, backend: str | None = None) -> None:
+                maximize: bool = False, remainders: bool = False, backend: str | None = None) -> None:
     """One AdamW step over a flat shard, in place. See the module docstring for the exact arithmetic.
 
     Args:
@@ -130,15 +131,19 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         grad_scale: number or 1-element device tensor multiplying the gradient first.
         found_inf: optional 1-element device tensor; when non-zero, nothing is written.
         param_out: optional bf16/fp16 tensor receiving the rounded new param in the same pass.
+        remainders: ``param`` is the int16 remainder of the master and ``param_out`` (bf16, required) its high
+            half: the fp32 master is rebuilt, updated and split again in the same pass (see
+            :func:`tritonshard.kernels.rounding.split_bf16_remainder`), 2 bytes per element instead of 4.
         backend: None (by device), "triton" or "torch".
     """
     _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-              found_inf, param_out)
+              found_inf, param_out, remainders)
     chosen = select_backend("adamw_step_", param.device, backend)
     if chosen is Backend.TORCH:
-        adamw_step_ref(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                       weight_decay=weight_decay, step=step, grad_scale=grad_scale, found_inf=found_inf,
-                       param_out=param_out, maximize=maximize)
+        with master_view(param, param_out, remainders) as (master, out):
+            adamw_step_ref(master, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, step=step, grad_scale=grad_scale, found_inf=found_inf,
+                           param_out=out, maximize=maximize)
         return
     n = param.numel()
     if n == 0:
@@ -154,4 +159,4 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         float(beta1), float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
         COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor, HAS_FOUND_INF=found_inf is not None,
         HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), LERP_FROM_END=(1 - beta1) >= 0.5,
-        BLOCK=BLOCK)
+        REMAINDER=remainders, BLOCK=BLOCK)

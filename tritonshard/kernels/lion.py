@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_no_tensor, check_scalar, keep_old_where_found_inf, pack_coefficients, validate_update
+from ._common import (check_no_tensor, check_scalar, keep_old_where_found_inf, master_view, pack_coefficients,
+                      validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import load_grad, scalar_arg, store_param, update_mask
+from ._update_jit import load_grad, load_param, scalar_arg, store_param, update_mask
 
 __all__ = ["lion_step_", "lion_step_ref"]
 
@@ -29,20 +30,21 @@ BLOCK = 2048
 def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, decay, neg_lr,
                  grad_scale_ptr, grad_scale_val, found_inf_ptr, beta1, one_minus_beta1, beta2, one_minus_beta2,
                  COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                 HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr,
+                 BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
         decay = tl.load(coef_ptr)
         neg_lr = tl.load(coef_ptr + 1)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
-    p = tl.load(param_ptr + offs, mask=mask)
+    p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     c = m * beta1 + one_minus_beta1 * g
     update = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     p = p * decay + neg_lr * update
     tl.store(exp_avg_ptr + offs, m * beta2 + one_minus_beta2 * g, mask=mask)
-    store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT)
+    store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT, REMAINDER)
 
 
 def _coefficients(lr, weight_decay, device):
@@ -69,9 +71,10 @@ def lion_step_ref(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_dec
 
 def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr, beta1: float = 0.9,
                beta2: float = 0.99, weight_decay: float = 0.0, grad_scale=1.0, found_inf: torch.Tensor | None = None,
-               param_out: torch.Tensor | None = None, maximize: bool = False, backend: str | None = None) -> None:
+               param_out: torch.Tensor | None = None, maximize: bool = False, remainders: bool = False,
+               backend: str | None = None) -> None:
     """One Lion step over a flat shard, in place (see the module docstring)."""
-    validate_update(param, grad, [("exp_avg", exp_avg)], found_inf, param_out, grad_scale)
+    validate_update(param, grad, [("exp_avg", exp_avg)], found_inf, param_out, grad_scale, remainders)
     check_no_tensor(beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     check_scalar("lr", lr, param.device, 0.0)
     check_scalar("beta1", beta1, param.device, 0.0, hi=1.0)
@@ -79,8 +82,9 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     check_scalar("weight_decay", weight_decay, param.device, 0.0)
     chosen = select_backend("lion_step_", param.device, backend)
     if chosen is Backend.TORCH:
-        lion_step_ref(param, grad, exp_avg, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                      grad_scale=grad_scale, found_inf=found_inf, param_out=param_out, maximize=maximize)
+        with master_view(param, param_out, remainders) as (master, out):
+            lion_step_ref(master, grad, exp_avg, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                          grad_scale=grad_scale, found_inf=found_inf, param_out=out, maximize=maximize)
         return
     n = param.numel()
     if n == 0:
@@ -94,4 +98,4 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
         grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
         float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
         COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
-        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), BLOCK=BLOCK)
+        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders, BLOCK=BLOCK)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._dispatch import Backend, select_backend
 
-__all__ = ["to_fp32", "round_to_bf16", "stochastic_round_to_bf16", "cast_to_bf16", "cast_to_bf16_ref",
+__all__ = ["split_bf16_remainder", "combine_bf16_remainder", "to_fp32", "round_to_bf16", "stochastic_round_to_bf16", "cast_to_bf16", "cast_to_bf16_ref",
            "stochastic_cast_to_bf16_ref"]
 
 BF16_CANONICAL_NAN = 0x7FC0
@@ -111,3 +111,29 @@ def cast_to_bf16(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, ou
         block = 4096
         _cast_kernel[(triton.cdiv(n, block),)](x, out, n, seed, STOCHASTIC=stochastic, BLOCK=block)
     return out
+
+
+# ----------------------------------------------------------------------------- fp32 = bf16 + 16-bit remainder
+# The fp32 master stored as its bf16 rounding (the model's weight, already in the param buffer) plus a signed 16-bit
+# remainder: bits(master) = (bits(bf16) << 16) + remainder. With round-to-nearest-even the remainder lies in
+# [-0x8000, +0x8000]; +0x8000 (an exact tie rounded down to an even bf16) does not fit in 16 bits, and no encoding
+# can fit it: an even bf16 value has 2^16 + 1 fp32 values rounding to it (both ties), one more than 16 bits can
+# name. That one case is stored as +0x7FFF: the master moves down by one fp32 ulp and still rounds to the same bf16.
+# Everywhere else, store and load are exact inverses (the "consistent rounding" other implementations miss when
+# they round the bf16 half one way and reconstruct it another).
+
+
+def split_bf16_remainder(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 -> (bf16 round-to-nearest-even, int16 remainder). Reference for the kernels' split."""
+    hi = master.to(torch.bfloat16)
+    hi32 = hi.view(torch.int16).to(torch.int32) << 16  # sign-extended: the same bit pattern as an int32
+    rem = master.view(torch.int32).to(torch.int64) - hi32.to(torch.int64)
+    rem = torch.where(rem == 0x8000, torch.full_like(rem, 0x7FFF), rem)
+    return hi, rem.to(torch.int16)
+
+
+def combine_bf16_remainder(hi: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """(bf16, int16 remainder) -> fp32: the inverse of :func:`split_bf16_remainder`."""
+    bits = (hi.view(torch.int16).to(torch.int32) << 16) + rem.to(torch.int32)
+    return bits.view(torch.float32)
+

@@ -19,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_no_tensor, check_scalar, keep_old_where_found_inf, pack_coefficients, validate_update
+from ._common import (check_no_tensor, check_scalar, keep_old_where_found_inf, master_view, pack_coefficients,
+                      validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import load_grad, scalar_arg, store_param, update_mask
+from ._update_jit import load_grad, load_param, scalar_arg, store_param, update_mask
 
 __all__ = ["sgd_step_", "sgd_step_ref"]
 
@@ -33,12 +34,13 @@ def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr
                 grad_scale_ptr, grad_scale_val, found_inf_ptr, momentum, one_minus_dampening, weight_decay,
                 COEF_IS_TENSOR: tl.constexpr, STEP_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr,
                 HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr,
+                BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     neg_lr = scalar_arg(coef_ptr, neg_lr, COEF_IS_TENSOR)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
-    p = tl.load(param_ptr + offs, mask=mask)
+    p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     d = g
     if HAS_WEIGHT_DECAY:
         d = d + weight_decay * p
@@ -51,7 +53,7 @@ def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr
             d = d + momentum * b
         else:
             d = b
-    store_param(param_ptr, param_out_ptr, offs, mask, p + neg_lr * d, HAS_PARAM_OUT)
+    store_param(param_ptr, param_out_ptr, offs, mask, p + neg_lr * d, HAS_PARAM_OUT, REMAINDER)
 
 
 def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
@@ -82,11 +84,11 @@ def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr,
               momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
               step=1, grad_scale=1.0, found_inf: torch.Tensor | None = None, param_out: torch.Tensor | None = None,
-              maximize: bool = False, backend: str | None = None) -> None:
+              maximize: bool = False, remainders: bool = False, backend: str | None = None) -> None:
     """One SGD step over a flat shard, in place (see the module docstring). ``momentum_buffer`` (fp32) is
     required when ``momentum != 0`` and ignored otherwise."""
     states = [("momentum_buffer", momentum_buffer)] if momentum != 0 else []
-    validate_update(param, grad, states, found_inf, param_out, grad_scale)
+    validate_update(param, grad, states, found_inf, param_out, grad_scale, remainders)
     check_no_tensor(momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     check_scalar("lr", lr, param.device, 0.0)
     check_scalar("step", step, param.device, 1.0)
@@ -97,9 +99,10 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
         raise ValueError("nesterov=True requires momentum > 0 and dampening == 0")
     chosen = select_backend("sgd_step_", param.device, backend)
     if chosen is Backend.TORCH:
-        sgd_step_ref(param, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
-                     weight_decay=weight_decay, nesterov=nesterov, step=step, grad_scale=grad_scale,
-                     found_inf=found_inf, param_out=param_out, maximize=maximize)
+        with master_view(param, param_out, remainders) as (master, out):
+            sgd_step_ref(master, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, step=step, grad_scale=grad_scale,
+                         found_inf=found_inf, param_out=out, maximize=maximize)
         return
     n = param.numel()
     if n == 0:
@@ -114,4 +117,4 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
         COEF_IS_TENSOR=coef is not None, STEP_IS_TENSOR=st, GRAD_SCALE_IS_TENSOR=gs,
         HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
         HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
-        MAXIMIZE=bool(maximize), BLOCK=BLOCK)
+        MAXIMIZE=bool(maximize), REMAINDER=remainders, BLOCK=BLOCK)

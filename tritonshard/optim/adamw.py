@@ -57,13 +57,13 @@ class ShardedAdamW(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False, loss_scale=None):
+                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False):
         _check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
-                         loss_scale=loss_scale)
+                         loss_scale=loss_scale, store_param_remainders=store_param_remainders)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -73,8 +73,8 @@ class ShardedAdamW(ShardedOptimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]
-        adamw_step_(bucket.master, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
+        param, param_out, remainders = bucket.update_target()
+        adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
                     bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
-                    found_inf=found_inf, param_out=bucket.param_buffer.get_local_shard(),
-                    maximize=group["maximize"])
+                    found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders)

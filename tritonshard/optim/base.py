@@ -53,6 +53,7 @@ import torch.distributed as dist
 from .. import comm
 from ..buffer import DEFAULT_ALIGN, Buffer
 from ..kernels import flatten_into, scale_
+from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig"]
 
@@ -86,7 +87,7 @@ class _Bucket:
 
     def __init__(self, group_index: int, params: list[torch.nn.Parameter], rank: int, world_size: int,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, align: int,
-                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...]):
+                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...], remainders: bool = False):
         self.group_index = group_index
         self.params = params
         self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
@@ -105,6 +106,11 @@ class _Bucket:
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does
             p.data = view  # the Parameter object stays (module and optimizer references keep working)
             p.grad = None
+        #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
+        self.master_remainder = None
+        if remainders:
+            self.master_remainder = split_bf16_remainder(self.master)[1]
+            self.master = None
         self.offsets = list(self.grad_buffer.offsets)
         self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
         # per-step communication state, reset by step() / zero_grad()
@@ -114,6 +120,29 @@ class _Bucket:
         self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
         self.rs_launched = False
         self.ag_work = None         # handle of its in-flight param all-gather
+
+    def master_fp32(self) -> torch.Tensor:
+        """The fp32 master shard (rebuilt from the bf16 shard and the remainders when those are stored)."""
+        if self.master_remainder is None:
+            return self.master
+        return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
+
+    def set_master(self, master: torch.Tensor) -> None:
+        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""
+        if self.master_remainder is None:
+            if master is not self.master:
+                self.master.copy_(master)
+            self.param_buffer.get_local_shard().copy_(self.master)
+        else:
+            hi, rem = split_bf16_remainder(master)
+            self.param_buffer.get_local_shard().copy_(hi)
+            self.master_remainder.copy_(rem)
+
+    def update_target(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(param argument, param_out, remainders) for the fused update kernels."""
+        if self.master_remainder is None:
+            return self.master, self.param_buffer.get_local_shard(), False
+        return self.master_remainder, self.param_buffer.get_local_shard(), True
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -145,9 +174,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
                  param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
-                 loss_scale: Optional[LossScaleConfig] = None):
+                 loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False):
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
+        if store_param_remainders and param_dtype != torch.bfloat16:
+            raise ValueError("store_param_remainders=True needs param_dtype=torch.bfloat16 (the master's high half)")
+        self.store_param_remainders = bool(store_param_remainders)
         if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig or None, got {type(loss_scale).__name__}")
         if grad_dtype not in (torch.bfloat16, torch.float32):
@@ -221,7 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction helpers
     def _make_bucket(self, gi, params, align) -> _Bucket:
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
-                       align, self.process_group, self._state_names)
+                       align, self.process_group, self._state_names, self.store_param_remainders)
 
     def _check_params(self) -> None:
         devices = set()
@@ -513,7 +545,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out = {
             "params": sum(nbytes(b.param_buffer.get_data()) for b in self.buckets),
             "grads": sum(nbytes(b.grad_buffer.get_data()) for b in self.buckets),
-            "master": sum(nbytes(b.master) for b in self.buckets),
+            "master": sum(nbytes(b.master if b.master_remainder is None else b.master_remainder)
+                          for b in self.buckets),
             "state": sum(nbytes(t) for b in self.buckets for t in b.state.values()),
         }
         out["total"] = sum(out.values())
@@ -551,7 +584,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
         for b in self.buckets:
-            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master), *b.state.items())}
+            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master_fp32()), *b.state.items())}
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
                 entry = {"step": b.step.detach().clone()}
                 for name in (*b.state, "master"):
@@ -622,15 +655,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if len(steps) > 1:
                     raise ValueError(f"parameters sharing a bucket have different steps {sorted(steps)}; "
                                      "tritonshard keeps one step per bucket")
+                master = b.master_fp32().clone()
                 for piece in b.param_buffer.shard_pieces():
                     entry = entries.get(b.params[piece.tensor_index])
                     dst = slice(piece.shard_start, piece.shard_end)
-                    for name, shard in (("master", b.master), *b.state.items()):
+                    for name, shard in (("master", master), *b.state.items()):
                         if entry is not None and name in entry:
                             src = entry[name].reshape(-1)[piece.tensor_start:piece.tensor_end]
                             shard[dst].copy_(src)
                         elif name != "master":
                             shard[dst].zero_()
+                b.set_master(master)
                 b.step.fill_(steps.pop() if steps else 0.0)
             self._apply_hparams(saved_groups)
             extra = state_dict.get("tritonshard", {})
@@ -656,7 +691,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     g[k] = tuple(sg[k]) if k == "betas" else sg[k]
 
     def _refresh_params_from_master(self) -> None:
-        """bf16 params := round(master) on every shard, then all-gather (what every step ends with)."""
+        """All-gather the param shards, which set_master() rounded from the master (what every step ends with)."""
         for b in self.buckets:
-            b.param_buffer.get_local_shard().copy_(b.master)
             b.param_buffer.all_gather()

@@ -33,7 +33,7 @@ class ShardedSGD(ShardedOptimizer):
                  maximize=False, process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False, loss_scale=None):
+                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize))
         self._check(defaults, "")
@@ -44,7 +44,7 @@ class ShardedSGD(ShardedOptimizer):
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
-                         loss_scale=loss_scale)
+                         loss_scale=loss_scale, store_param_remainders=store_param_remainders)
 
     @staticmethod
     def _check(g: dict, where: str) -> None:
@@ -63,11 +63,12 @@ class ShardedSGD(ShardedOptimizer):
         self._check(self.param_groups[-1], f" (param_groups[{len(self.param_groups) - 1}])")
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
-        sgd_step_(bucket.master, bucket.grad_buffer.get_local_shard(), bucket.state.get("momentum_buffer"),
+        param, param_out, remainders = bucket.update_target()
+        sgd_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state.get("momentum_buffer"),
                   lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
                   weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
-                  grad_scale=grad_scale, found_inf=found_inf, param_out=bucket.param_buffer.get_local_shard(),
-                  maximize=group["maximize"])
+                  grad_scale=grad_scale, found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
+                  remainders=remainders)
 
 
 class ShardedLion(ShardedOptimizer):
@@ -81,14 +82,14 @@ class ShardedLion(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False, loss_scale=None):
+                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         weight_decay=weight_decay, maximize=bool(maximize))
         self._check(defaults, "")
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
-                         loss_scale=loss_scale)
+                         loss_scale=loss_scale, store_param_remainders=store_param_remainders)
 
     @staticmethod
     def _check(g: dict, where: str) -> None:
@@ -107,6 +108,7 @@ class ShardedLion(ShardedOptimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]
-        lion_step_(bucket.master, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], lr=group["lr"],
+        param, param_out, remainders = bucket.update_target()
+        lion_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], lr=group["lr"],
                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                   found_inf=found_inf, param_out=bucket.param_buffer.get_local_shard(), maximize=group["maximize"])
+                   found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders)
