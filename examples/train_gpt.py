@@ -144,6 +144,10 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="optimizer state (moments) dtype; bf16 halves it")
+    p.add_argument("--state-rounding", choices=["stochastic", "nearest"], default="stochastic",
+                   help="rounding of bf16 optimizer states")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap reduce-scatters with backward and all-gathers with the next forward")
     p.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
@@ -181,7 +185,9 @@ def main(argv=None):
 
     if args.optimizer == "tritonshard":
         opt = tritonshard.ShardedAdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
-                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap)
+                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
+                                       state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
+                                       state_rounding=args.state_rounding)
         if args.overlap:
             opt.attach(model)
         train_model = model

@@ -9,10 +9,10 @@ from typing import Sequence
 
 import torch
 
-from .rounding import combine_bf16_remainder, split_bf16_remainder
+from .rounding import combine_bf16_remainder, split_bf16_remainder, stochastic_cast_to_bf16_ref
 
 __all__ = ["check_scalar", "check_no_tensor", "validate_update", "pack_coefficients", "keep_old_where_found_inf",
-           "master_view"]
+           "master_view", "check_rounding", "seed_tensor", "host_seed"]
 
 
 def check_scalar(name, value, device, lo, lo_inclusive=True, hi=None) -> None:
@@ -50,9 +50,11 @@ def validate_update(param: torch.Tensor, grad: torch.Tensor, states: Sequence[tu
             raise TypeError(f"with remainders=True, param holds the int16 remainders, got {param.dtype}")
         if not isinstance(param_out, torch.Tensor) or param_out.dtype != torch.bfloat16:
             raise TypeError("with remainders=True, param_out must be the bf16 weights (the master's high half)")
-    for name, t in ([] if remainders else [("param", param)]) + list(states):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if not remainders and param.dtype != torch.float32:
+        raise TypeError(f"param must be float32, got {param.dtype}")
+    for name, t in states:
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
     if grad.dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise TypeError(f"grad must be bfloat16, float16 or float32, got {grad.dtype}")
     if param_out is not None:
@@ -89,11 +91,42 @@ def pack_coefficients(parts: list, device: torch.device):
     return torch.stack(parts).to(torch.float32), None
 
 
-def keep_old_where_found_inf(found_inf, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Reference helper: copy each ``new`` into its ``dst``, except where ``found_inf`` is set (sync-free)."""
+def keep_old_where_found_inf(found_inf, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                             stochastic_seed: int | None = None) -> None:
+    """Reference helper: copy each ``new`` into its ``dst``, except where ``found_inf`` is set (sync-free).
+
+    Casting to a bf16 ``dst`` rounds to nearest even, or stochastically with torch's RNG seeded from
+    ``stochastic_seed`` (same distribution as the kernels, different random bits)."""
     keep = found_inf.reshape(()) != 0 if found_inf is not None else None
-    for dst, new in pairs:
-        dst.copy_(new.to(dst.dtype) if keep is None else torch.where(keep, dst, new.to(dst.dtype)))
+    for k, (dst, new) in enumerate(pairs):
+        if stochastic_seed is not None and dst.dtype == torch.bfloat16:
+            gen = torch.Generator(device=new.device).manual_seed(stochastic_seed + k)
+            new = stochastic_cast_to_bf16_ref(new, gen)
+        new = new.to(dst.dtype)
+        dst.copy_(new if keep is None else torch.where(keep, dst, new))
+
+
+def check_rounding(state_rounding: str, seed, device) -> None:
+    if state_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"state_rounding must be 'nearest' or 'stochastic', got {state_rounding!r}")
+    if state_rounding == "stochastic":
+        if isinstance(seed, torch.Tensor):
+            if seed.numel() != 1 or seed.dtype != torch.int64 or seed.device != device:
+                raise ValueError(f"seed must be an int or a 1-element int64 tensor on {device}")
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"state_rounding='stochastic' needs seed=int or a 1-element int64 tensor, got {seed!r}")
+
+
+def seed_tensor(seed, device) -> torch.Tensor:
+    """The stochastic-rounding seed as the 1-element int64 device tensor the kernels read."""
+    if isinstance(seed, torch.Tensor):
+        return seed
+    return torch.full((1,), int(seed), dtype=torch.int64, device=device)
+
+
+def host_seed(seed) -> int:
+    """For the CPU references only: the seed as a Python int (reads a CPU tensor, no device sync)."""
+    return int(seed.reshape(-1)[0]) if isinstance(seed, torch.Tensor) else int(seed)
 
 
 @contextlib.contextmanager

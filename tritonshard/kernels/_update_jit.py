@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16, to_fp32
+from .rounding import round_to_bf16, stochastic_round_to_bf16, to_fp32
 
 
 @triton.jit
@@ -65,3 +65,23 @@ def store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT: tl.const
                 tl.store(param_out_ptr + offs, round_to_bf16(p), mask=mask)
             else:
                 tl.store(param_out_ptr + offs, p.to(param_out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_state(ptr, offs, mask):
+    """An optimizer state block (fp32 or bf16 in memory) as fp32."""
+    return to_fp32(tl.load(ptr + offs, mask=mask))
+
+
+@triton.jit
+def store_state(ptr, offs, mask, x, seed, STREAM: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Store an fp32 state block in the state's dtype: bf16 states round to nearest even or, with STOCHASTIC,
+    stochastically from Philox(seed + STREAM, element index) (a separate stream per state tensor)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        if STOCHASTIC:
+            tl.store(ptr + offs, stochastic_round_to_bf16(x, seed + STREAM, offs), mask=mask)
+        else:
+            tl.store(ptr + offs, round_to_bf16(x), mask=mask)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+

@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_no_tensor, check_scalar, keep_old_where_found_inf, master_view, pack_coefficients,
-                      validate_update)
+from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
+                      master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import load_grad, load_param, scalar_arg, store_param, update_mask
+from ._update_jit import load_grad, load_param, load_state, scalar_arg, store_param, store_state, update_mask
 
 __all__ = ["adamw_step_", "adamw_step_ref"]
 
@@ -41,11 +41,11 @@ BLOCK = 2048
 @triton.jit
 def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_ptr, n,
                   coef_ptr, decay, step_size, bc2_sqrt,
-                  grad_scale_ptr, grad_scale_val, found_inf_ptr,
+                  grad_scale_ptr, grad_scale_val, found_inf_ptr, seed_ptr,
                   beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                   COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                   HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_FROM_END: tl.constexpr,
-                  REMAINDER: tl.constexpr, BLOCK: tl.constexpr):
+                  REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
@@ -54,8 +54,11 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
         bc2_sqrt = tl.load(coef_ptr + 2)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
     p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
-    m = tl.load(exp_avg_ptr + offs, mask=mask)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+    m = load_state(exp_avg_ptr, offs, mask)
+    v = load_state(exp_avg_sq_ptr, offs, mask)
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr)
 
     p = p * decay
     if LERP_FROM_END:  # torch.lerp's formula for weight >= 0.5
@@ -66,8 +69,8 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(-step_size * m, denom)
 
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    store_state(exp_avg_ptr, offs, mask, m, seed, 0, STOCHASTIC)
+    store_state(exp_avg_sq_ptr, offs, mask, v, seed, 1, STOCHASTIC)
     store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT, REMAINDER)
 
 
@@ -85,7 +88,8 @@ def _coefficients(lr, step, beta1, beta2, weight_decay, device):
 
 
 def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                   grad_scale=1.0, found_inf=None, param_out=None, maximize=False) -> None:
+                   grad_scale=1.0, found_inf=None, param_out=None, maximize=False, state_rounding="nearest",
+                   seed=None) -> None:
     """Pure-PyTorch reference (and the CPU fallback), torch.optim.AdamW's single-tensor arithmetic.
 
     Sync-free like the kernel: a set ``found_inf`` selects the old values with ``torch.where``.
@@ -97,12 +101,12 @@ def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, w
     if maximize:
         g = -g
     p = param * decay
-    m = exp_avg.lerp(g, 1 - beta1)
-    v = exp_avg_sq * beta2 + (1 - beta2) * g * g
+    m = exp_avg.float().lerp(g, 1 - beta1)
+    v = exp_avg_sq.float() * beta2 + (1 - beta2) * g * g
     denom = v.sqrt() / bc2_sqrt + eps
     p = p + (-step_size * m) / denom
-    pairs = [(param, p), (exp_avg, m), (exp_avg_sq, v)] + ([(param_out, p)] if param_out is not None else [])
-    keep_old_where_found_inf(found_inf, pairs)
+    pairs = [(exp_avg, m), (exp_avg_sq, v), (param, p)] + ([(param_out, p)] if param_out is not None else [])
+    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
 
 
 def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
@@ -121,7 +125,8 @@ def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_de
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr, beta1: float, beta2: float, eps: float, weight_decay: float, step, grad_scale=1.0,
                 found_inf: torch.Tensor | None = None, param_out: torch.Tensor | None = None,
-                maximize: bool = False, remainders: bool = False, backend: str | None = None) -> None:
+                maximize: bool = False, remainders: bool = False, state_rounding: str = "nearest", seed=None,
+                backend: str | None = None) -> None:
     """One AdamW step over a flat shard, in place. See the module docstring for the exact arithmetic.
 
     Args:
@@ -131,6 +136,9 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         grad_scale: number or 1-element device tensor multiplying the gradient first.
         found_inf: optional 1-element device tensor; when non-zero, nothing is written.
         param_out: optional bf16/fp16 tensor receiving the rounded new param in the same pass.
+        state_rounding, seed: bf16 ``exp_avg``/``exp_avg_sq`` are stored rounded to nearest even, or with
+            ``"stochastic"`` from Philox(seed, element index); ``seed`` an int or a 1-element int64 device tensor
+            (advance it every step).
         remainders: ``param`` is the int16 remainder of the master and ``param_out`` (bf16, required) its high
             half: the fp32 master is rebuilt, updated and split again in the same pass (see
             :func:`tritonshard.kernels.rounding.split_bf16_remainder`), 2 bytes per element instead of 4.
@@ -138,12 +146,13 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     """
     _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
               found_inf, param_out, remainders)
+    check_rounding(state_rounding, seed, param.device)
     chosen = select_backend("adamw_step_", param.device, backend)
     if chosen is Backend.TORCH:
         with master_view(param, param_out, remainders) as (master, out):
             adamw_step_ref(master, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, found_inf=found_inf,
-                           param_out=out, maximize=maximize)
+                           param_out=out, maximize=maximize, state_rounding=state_rounding, seed=seed)
         return
     n = param.numel()
     if n == 0:
@@ -156,7 +165,9 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         coef if coef is not None else param, float(decay), float(step_size), float(bc2_sqrt),
         grad_scale if gs_is_tensor else param, 1.0 if gs_is_tensor else float(grad_scale),
         found_inf if found_inf is not None else param,
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param,
         float(beta1), float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
         COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor, HAS_FOUND_INF=found_inf is not None,
         HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), LERP_FROM_END=(1 - beta1) >= 0.5,
-        REMAINDER=remainders, BLOCK=BLOCK)
+        REMAINDER=remainders, STOCHASTIC=state_rounding == "stochastic",
+        BLOCK=BLOCK)

@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_no_tensor, check_scalar, keep_old_where_found_inf, master_view, pack_coefficients,
-                      validate_update)
+from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
+                      master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import load_grad, load_param, scalar_arg, store_param, update_mask
+from ._update_jit import load_grad, load_param, load_state, scalar_arg, store_param, store_state, update_mask
 
 __all__ = ["lion_step_", "lion_step_ref"]
 
@@ -28,10 +28,10 @@ BLOCK = 2048
 
 @triton.jit
 def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, decay, neg_lr,
-                 grad_scale_ptr, grad_scale_val, found_inf_ptr, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                 COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                 HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 grad_scale_ptr, grad_scale_val, found_inf_ptr, seed_ptr, beta1, one_minus_beta1, beta2,
+                 one_minus_beta2, COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr,
+                 HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
@@ -39,11 +39,14 @@ def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, d
         neg_lr = tl.load(coef_ptr + 1)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
     p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
-    m = tl.load(exp_avg_ptr + offs, mask=mask)
+    m = load_state(exp_avg_ptr, offs, mask)
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr)
     c = m * beta1 + one_minus_beta1 * g
     update = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     p = p * decay + neg_lr * update
-    tl.store(exp_avg_ptr + offs, m * beta2 + one_minus_beta2 * g, mask=mask)
+    store_state(exp_avg_ptr, offs, mask, m * beta2 + one_minus_beta2 * g, seed, 0, STOCHASTIC)
     store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT, REMAINDER)
 
 
@@ -53,7 +56,7 @@ def _coefficients(lr, weight_decay, device):
 
 
 def lion_step_ref(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, grad_scale=1.0,
-                  found_inf=None, param_out=None, maximize=False) -> None:
+                  found_inf=None, param_out=None, maximize=False, state_rounding="nearest", seed=None) -> None:
     """Pure-PyTorch reference (and the CPU fallback), sync-free."""
     coef, values = _coefficients(lr, weight_decay, param.device)
     decay, neg_lr = (coef[0], coef[1]) if coef is not None else values
@@ -61,18 +64,19 @@ def lion_step_ref(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_dec
     g = grad.float() * gs
     if maximize:
         g = -g
-    update = (exp_avg * beta1 + (1 - beta1) * g).sign()
+    m = exp_avg.float()
+    update = (m * beta1 + (1 - beta1) * g).sign()
     p = param * decay + neg_lr * update
-    pairs = [(param, p), (exp_avg, exp_avg * beta2 + (1 - beta2) * g)]
+    pairs = [(exp_avg, m * beta2 + (1 - beta2) * g), (param, p)]
     if param_out is not None:
         pairs.append((param_out, p))
-    keep_old_where_found_inf(found_inf, pairs)
+    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
 
 
 def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr, beta1: float = 0.9,
                beta2: float = 0.99, weight_decay: float = 0.0, grad_scale=1.0, found_inf: torch.Tensor | None = None,
                param_out: torch.Tensor | None = None, maximize: bool = False, remainders: bool = False,
-               backend: str | None = None) -> None:
+               state_rounding: str = "nearest", seed=None, backend: str | None = None) -> None:
     """One Lion step over a flat shard, in place (see the module docstring)."""
     validate_update(param, grad, [("exp_avg", exp_avg)], found_inf, param_out, grad_scale, remainders)
     check_no_tensor(beta1=beta1, beta2=beta2, weight_decay=weight_decay)
@@ -80,11 +84,13 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     check_scalar("beta1", beta1, param.device, 0.0, hi=1.0)
     check_scalar("beta2", beta2, param.device, 0.0, hi=1.0)
     check_scalar("weight_decay", weight_decay, param.device, 0.0)
+    check_rounding(state_rounding, seed, param.device)
     chosen = select_backend("lion_step_", param.device, backend)
     if chosen is Backend.TORCH:
         with master_view(param, param_out, remainders) as (master, out):
             lion_step_ref(master, grad, exp_avg, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                          grad_scale=grad_scale, found_inf=found_inf, param_out=out, maximize=maximize)
+                          grad_scale=grad_scale, found_inf=found_inf, param_out=out, maximize=maximize,
+                          state_rounding=state_rounding, seed=seed)
         return
     n = param.numel()
     if n == 0:
@@ -96,6 +102,7 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
         param, grad, exp_avg, param_out if param_out is not None else param, n,
         coef if coef is not None else param, float(decay), float(neg_lr),
         grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
-        float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param, float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
         COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
-        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders, BLOCK=BLOCK)
+        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
+        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK)

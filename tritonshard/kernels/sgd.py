@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_no_tensor, check_scalar, keep_old_where_found_inf, master_view, pack_coefficients,
-                      validate_update)
+from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
+                      master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import load_grad, load_param, scalar_arg, store_param, update_mask
+from ._update_jit import load_grad, load_param, load_state, scalar_arg, store_param, store_state, update_mask
 
 __all__ = ["sgd_step_", "sgd_step_ref"]
 
@@ -31,11 +31,11 @@ BLOCK = 2048
 
 @triton.jit
 def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr, step_ptr, step_val,
-                grad_scale_ptr, grad_scale_val, found_inf_ptr, momentum, one_minus_dampening, weight_decay,
-                COEF_IS_TENSOR: tl.constexpr, STEP_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr,
-                HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-                HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr,
-                BLOCK: tl.constexpr):
+                grad_scale_ptr, grad_scale_val, found_inf_ptr, seed_ptr, momentum, one_minus_dampening,
+                weight_decay, COEF_IS_TENSOR: tl.constexpr, STEP_IS_TENSOR: tl.constexpr,
+                GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr,
+                HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     neg_lr = scalar_arg(coef_ptr, neg_lr, COEF_IS_TENSOR)
@@ -46,9 +46,12 @@ def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr
         d = d + weight_decay * p
     if HAS_MOMENTUM:
         first = scalar_arg(step_ptr, step_val, STEP_IS_TENSOR) == 1.0
-        b = tl.load(buf_ptr + offs, mask=mask)
+        seed = 0
+        if STOCHASTIC:
+            seed = tl.load(seed_ptr)
+        b = load_state(buf_ptr, offs, mask)
         b = tl.where(first, d, b * momentum + one_minus_dampening * d)
-        tl.store(buf_ptr + offs, b, mask=mask)
+        store_state(buf_ptr, offs, mask, b, seed, 0, STOCHASTIC)
         if NESTEROV:
             d = d + momentum * b
         else:
@@ -57,7 +60,8 @@ def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr
 
 
 def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, step=1, grad_scale=1.0, found_inf=None, param_out=None, maximize=False) -> None:
+                 nesterov=False, step=1, grad_scale=1.0, found_inf=None, param_out=None, maximize=False,
+                 state_rounding="nearest", seed=None) -> None:
     """Pure-PyTorch reference (and the CPU fallback), torch.optim.SGD's single-tensor arithmetic, sync-free."""
     coef, values = pack_coefficients([-(lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr)], param.device)
     neg_lr = coef[0] if coef is not None else values[0]
@@ -70,7 +74,7 @@ def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.
     pairs = []
     if momentum != 0:
         first = (step.reshape(()) == 1) if isinstance(step, torch.Tensor) else step == 1
-        b = torch.where(torch.as_tensor(first, device=param.device), d, momentum_buffer * momentum +
+        b = torch.where(torch.as_tensor(first, device=param.device), d, momentum_buffer.float() * momentum +
                         (1 - dampening) * d)
         pairs.append((momentum_buffer, b))
         d = d + momentum * b if nesterov else b
@@ -78,15 +82,16 @@ def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.
     pairs.append((param, p))
     if param_out is not None:
         pairs.append((param_out, p))
-    keep_old_where_found_inf(found_inf, pairs)
+    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
 
 
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr,
               momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
               step=1, grad_scale=1.0, found_inf: torch.Tensor | None = None, param_out: torch.Tensor | None = None,
-              maximize: bool = False, remainders: bool = False, backend: str | None = None) -> None:
-    """One SGD step over a flat shard, in place (see the module docstring). ``momentum_buffer`` (fp32) is
-    required when ``momentum != 0`` and ignored otherwise."""
+              maximize: bool = False, remainders: bool = False, state_rounding: str = "nearest",
+              seed=None, backend: str | None = None) -> None:
+    """One SGD step over a flat shard, in place (see the module docstring). ``momentum_buffer`` (fp32 or bf16,
+    see adamw_step_ for ``state_rounding``/``seed``) is required when ``momentum != 0`` and ignored otherwise."""
     states = [("momentum_buffer", momentum_buffer)] if momentum != 0 else []
     validate_update(param, grad, states, found_inf, param_out, grad_scale, remainders)
     check_no_tensor(momentum=momentum, dampening=dampening, weight_decay=weight_decay)
@@ -97,12 +102,14 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
     check_scalar("weight_decay", weight_decay, param.device, 0.0)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov=True requires momentum > 0 and dampening == 0")
+    check_rounding(state_rounding, seed, param.device)
     chosen = select_backend("sgd_step_", param.device, backend)
     if chosen is Backend.TORCH:
         with master_view(param, param_out, remainders) as (master, out):
             sgd_step_ref(master, grad, momentum_buffer, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, step=step, grad_scale=grad_scale,
-                         found_inf=found_inf, param_out=out, maximize=maximize)
+                         found_inf=found_inf, param_out=out, maximize=maximize, state_rounding=state_rounding,
+                         seed=seed)
         return
     n = param.numel()
     if n == 0:
@@ -112,9 +119,12 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
     _sgd_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, momentum_buffer if momentum != 0 else param, param_out if param_out is not None else param, n,
         coef if coef is not None else param, values[0] if values else 0.0,
-        step if st else param, 0.0 if st else float(step), grad_scale if gs else param, 1.0 if gs else float(grad_scale),
-        found_inf if found_inf is not None else param, float(momentum), float(1 - dampening), float(weight_decay),
+        step if st else param, 0.0 if st else float(step), grad_scale if gs else param,
+        1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param,
+        float(momentum), float(1 - dampening), float(weight_decay),
         COEF_IS_TENSOR=coef is not None, STEP_IS_TENSOR=st, GRAD_SCALE_IS_TENSOR=gs,
         HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
         HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
-        MAXIMIZE=bool(maximize), REMAINDER=remainders, BLOCK=BLOCK)
+        MAXIMIZE=bool(maximize), REMAINDER=remainders,
+        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK)

@@ -57,13 +57,15 @@ class ShardedAdamW(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False):
+                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False,
+                 state_dtype=torch.float32, state_rounding: str = "stochastic"):
         _check_hparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
-                         loss_scale=loss_scale, store_param_remainders=store_param_remainders)
+                         loss_scale=loss_scale, store_param_remainders=store_param_remainders,
+                         state_dtype=state_dtype, state_rounding=state_rounding)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -77,4 +79,5 @@ class ShardedAdamW(ShardedOptimizer):
         adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
                     bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
-                    found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders)
+                    found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,
+                    **bucket.state_kwargs())

@@ -87,7 +87,8 @@ class _Bucket:
 
     def __init__(self, group_index: int, params: list[torch.nn.Parameter], rank: int, world_size: int,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, align: int,
-                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...], remainders: bool = False):
+                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...], remainders: bool = False,
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic", seed: int = 0):
         self.group_index = group_index
         self.params = params
         self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
@@ -100,7 +101,11 @@ class _Bucket:
         for piece in self.param_buffer.shard_pieces():
             src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
             self.master[piece.shard_start:piece.shard_end].copy_(src)
-        self.state = {name: torch.zeros(n, dtype=torch.float32, device=device) for name in state_names}
+        self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
+        # bf16 states: rounding mode, and a per-bucket, per-rank seed advanced on the device every step
+        self.state_rounding = state_rounding
+        self.sr_seed = (torch.full((1,), seed, dtype=torch.int64, device=device)
+                        if state_dtype == torch.bfloat16 and state_rounding == "stochastic" else None)
         self.step = torch.zeros((), dtype=torch.float32, device=device)  # steps taken (skipped ones excluded)
         for p, view in zip(params, self.param_buffer.get_views()):
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does
@@ -138,6 +143,14 @@ class _Bucket:
             self.param_buffer.get_local_shard().copy_(hi)
             self.master_remainder.copy_(rem)
 
+    def state_kwargs(self) -> dict:
+        """Rounding arguments of the update kernels for this bucket's states ({} for fp32 states)."""
+        if not self.state or next(iter(self.state.values())).dtype == torch.float32:
+            return {}
+        if self.sr_seed is None:
+            return {"state_rounding": "nearest"}
+        return {"state_rounding": "stochastic", "seed": self.sr_seed}
+
     def update_target(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(param argument, param_out, remainders) for the fused update kernels."""
         if self.master_remainder is None:
@@ -160,6 +173,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         process_group: the data-parallel group (None: the default group, or a single process when
             torch.distributed is not initialized).
         param_dtype: dtype of the model's parameters from now on (bf16, or fp16 with loss scaling).
+        store_param_remainders: keep the fp32 master as the bf16 weight plus an int16 remainder (bf16 only).
+        state_dtype: dtype of the optimizer state shards (fp32, or bf16 to halve them).
+        state_rounding: how bf16 states are rounded: "stochastic" (unbiased; the default) or "nearest".
         loss_scale: dynamic loss scaling (:class:`LossScaleConfig`); on by default for fp16. Multiply the loss by
             ``opt.loss_scale`` (or use ``opt.scale_loss(loss)``) before backward; the unscale is folded into the
             update's ``grad_scale``, an overflow skips the step and backs off, all without a host sync.
@@ -174,12 +190,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
                  param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
-                 loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False):
+                 loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False,
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic"):
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
             raise ValueError("store_param_remainders=True needs param_dtype=torch.bfloat16 (the master's high half)")
         self.store_param_remainders = bool(store_param_remainders)
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        if state_rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"state_rounding must be 'stochastic' or 'nearest', got {state_rounding!r}")
+        self.state_dtype, self.state_rounding = state_dtype, state_rounding
         if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be a LossScaleConfig or None, got {type(loss_scale).__name__}")
         if grad_dtype not in (torch.bfloat16, torch.float32):
@@ -252,8 +274,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction helpers
     def _make_bucket(self, gi, params, align) -> _Bucket:
+        # stochastic-rounding streams differ per rank and per bucket (fixed at construction, advanced per step)
+        seed = 0x5EED + 1_000_003 * (self.rank + self.world_size * self.replica_rank) + 7919 * len(self.buckets)
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
-                       align, self.process_group, self._state_names, self.store_param_remainders)
+                       align, self.process_group, self._state_names, self.store_param_remainders,
+                       self.state_dtype, self.state_rounding, seed)
 
     def _check_params(self) -> None:
         devices = set()
@@ -504,6 +529,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad_scale = grad_scale / self._scale
         for b in self.buckets:
             b.step.add_(1.0 - found_inf)  # skipped steps do not count
+            if b.sr_seed is not None:
+                b.sr_seed.add_(1)
             self._update(b, self.param_groups[b.group_index], grad_scale, found_inf)
         self.skipped_steps.add_(found_inf.long())
         self.last_step_skipped.copy_(found_inf > 0)
@@ -588,7 +615,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
                 entry = {"step": b.step.detach().clone()}
                 for name in (*b.state, "master"):
-                    entry[name] = gathered[name][off:off + n].view(p.shape).clone()
+                    entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
                 full[p] = entry
         state, groups = {}, []
         indexed = self._indexed_params()

@@ -33,7 +33,8 @@ class ShardedSGD(ShardedOptimizer):
                  maximize=False, process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False):
+                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False,
+                 state_dtype=torch.float32, state_rounding: str = "stochastic"):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize))
         self._check(defaults, "")
@@ -44,7 +45,8 @@ class ShardedSGD(ShardedOptimizer):
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
-                         loss_scale=loss_scale, store_param_remainders=store_param_remainders)
+                         loss_scale=loss_scale, store_param_remainders=store_param_remainders,
+                         state_dtype=state_dtype, state_rounding=state_rounding)
 
     @staticmethod
     def _check(g: dict, where: str) -> None:
@@ -68,7 +70,7 @@ class ShardedSGD(ShardedOptimizer):
                   lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
                   weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
                   grad_scale=grad_scale, found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
-                  remainders=remainders)
+                  remainders=remainders, **bucket.state_kwargs())
 
 
 class ShardedLion(ShardedOptimizer):
@@ -82,14 +84,16 @@ class ShardedLion(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN,
-                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False):
+                 overlap_comm: bool = False, loss_scale=None, store_param_remainders: bool = False,
+                 state_dtype=torch.float32, state_rounding: str = "stochastic"):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         weight_decay=weight_decay, maximize=bool(maximize))
         self._check(defaults, "")
         super().__init__(params, defaults, process_group=process_group, replica_group=replica_group,
                          device_mesh=device_mesh, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, align=align, overlap_comm=overlap_comm,
-                         loss_scale=loss_scale, store_param_remainders=store_param_remainders)
+                         loss_scale=loss_scale, store_param_remainders=store_param_remainders,
+                         state_dtype=state_dtype, state_rounding=state_rounding)
 
     @staticmethod
     def _check(g: dict, where: str) -> None:
@@ -111,4 +115,5 @@ class ShardedLion(ShardedOptimizer):
         param, param_out, remainders = bucket.update_target()
         lion_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], lr=group["lr"],
                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                   found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders)
+                   found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,
+                   **bucket.state_kwargs())
