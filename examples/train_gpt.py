@@ -4,7 +4,7 @@ Run it (2 processes on CPU with gloo; on GPUs the same script uses NCCL, one pro
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer torch   # fp32 DDP + AdamW baseline
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --resume            # continue from the last checkpoint
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --resume            # continue from a checkpoint
 
 The data is generated, not downloaded: a character-level stream of addition problems ("123+45=168;"), so the
 loss has something to learn (the digits of the sum) and falls well below the entropy of random digits.

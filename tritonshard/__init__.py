@@ -6,4 +6,5 @@ from .optim import LossScaleConfig, ShardedAdamW, ShardedLion, ShardedOptimizer,
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardedAdamW", "ShardedSGD", "ShardedLion", "ShardedOptimizer", "LossScaleConfig", "Buffer", "Layout", "ShardPiece", "LayoutMismatchError", "DEFAULT_ALIGN", "__version__"]
+__all__ = ["ShardedAdamW", "ShardedSGD", "ShardedLion", "ShardedOptimizer", "LossScaleConfig", "Buffer", "Layout",
+           "ShardPiece", "LayoutMismatchError", "DEFAULT_ALIGN", "__version__"]

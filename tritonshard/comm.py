@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter_single", "all_gather_single", "all_gather_text", "group_size", "group_rank", "is_initialized"]
+__all__ = ["reduce_scatter_single", "all_gather_single", "all_gather_text", "group_size", "group_rank",
+           "is_initialized"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")

@@ -102,7 +102,8 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
         param, grad, exp_avg, param_out if param_out is not None else param, n,
         coef if coef is not None else param, float(decay), float(neg_lr),
         grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
-        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param, float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param,
+        float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
         COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
         HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
         STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK)

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from ._dispatch import Backend, select_backend
 
-__all__ = ["split_bf16_remainder", "combine_bf16_remainder", "to_fp32", "round_to_bf16", "stochastic_round_to_bf16", "cast_to_bf16", "cast_to_bf16_ref",
+__all__ = ["split_bf16_remainder", "combine_bf16_remainder", "to_fp32", "round_to_bf16", "stochastic_round_to_bf16",
+           "cast_to_bf16", "cast_to_bf16_ref",
            "stochastic_cast_to_bf16_ref"]
 
 BF16_CANONICAL_NAN = 0x7FC0

@@ -297,7 +297,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "buckets"):
             raise RuntimeError("param groups cannot be added after construction: the buffers are laid out once")
-        super().add_param_group(param_group)
+        super().add_param_group(param_group)  # fills in the defaults
+        self._check_group(self.param_groups[-1], f" (param_groups[{len(self.param_groups) - 1}])")
+
+    def _check_group(self, group: dict, where: str) -> None:
+        """Validate one group's hyper-parameters (subclasses); ``where`` names the group in the message."""
 
     # ------------------------------------------------------------------ gradients into the buffers
     def _on_grad_ready(self, param: torch.Tensor) -> None:

@@ -1,0 +1,41 @@
+"""Hyper-parameter checks shared by the optimizer front ends: ValueError/TypeError naming the value and group."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def require(ok: bool, msg: str, where: str) -> None:
+    if not ok:
+        raise ValueError(msg + where)
+
+
+def check_lr(lr, where: str) -> None:
+    """A number >= 0, or a tensor (read on the device, so a changing lr needs no recompile)."""
+    if isinstance(lr, torch.Tensor):
+        return
+    if not _is_number(lr):
+        raise TypeError(f"lr must be a number or a 0-d tensor, got {type(lr).__name__}{where}")
+    require(lr >= 0, f"lr must be >= 0, got {lr}", where)
+
+
+def check_betas(betas, where: str) -> None:
+    require(isinstance(betas, (tuple, list)) and len(betas) == 2, f"betas must be a pair (beta1, beta2), got "
+            f"{betas!r}", where)
+    for i, b in enumerate(betas):
+        require(_is_number(b) and 0.0 <= b < 1.0, f"betas[{i}] must be in [0, 1), got {b!r}", where)
+
+
+def check_min(name: str, value, where: str, lo: float = 0.0, strict: bool = False) -> None:
+    ok = _is_number(value) and (value > lo if strict else value >= lo)
+    require(ok, f"{name} must be {'>' if strict else '>='} {lo:g}, got {value!r}", where)
+
+
+def check_number(name: str, value, where: str) -> None:
+    require(_is_number(value), f"{name} must be a number, got {value!r}", where)
