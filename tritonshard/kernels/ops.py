@@ -15,9 +15,11 @@ from torch import Tensor
 
 from .adamw import adamw_step_ as _adamw_step
 from .flatten import flatten_into as _flatten_into
+from .lion import lion_step_ as _lion_step
 from .scale import scale_ as _scale
+from .sgd import sgd_step_ as _sgd_step
 
-__all__ = ["flatten_into", "scale_", "adamw_step_"]
+__all__ = ["flatten_into", "scale_", "adamw_step_", "sgd_step_", "lion_step_"]
 
 
 @torch.library.custom_op("tritonshard::flatten_into", mutates_args=("out",))
@@ -41,23 +43,57 @@ def _(x, factor, factor_tensor):
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
 
 
+def _value(x: float, x_tensor: Optional[Tensor]):
+    return x_tensor if x_tensor is not None else x
+
+
 @torch.library.custom_op("tritonshard::adamw_step_",
                          mutates_args=("param", "exp_avg", "exp_avg_sq", "param_out"))
 def _adamw_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param_out: Optional[Tensor],
               lr: float, lr_tensor: Optional[Tensor], step: float, step_tensor: Optional[Tensor],
               grad_scale: float, grad_scale_tensor: Optional[Tensor], found_inf: Optional[Tensor],
-              beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool) -> None:
-    _adamw_step(param, grad, exp_avg, exp_avg_sq,
-                lr=lr_tensor if lr_tensor is not None else lr,
-                step=step_tensor if step_tensor is not None else step,
-                grad_scale=grad_scale_tensor if grad_scale_tensor is not None else grad_scale,
-                found_inf=found_inf, param_out=param_out, beta1=beta1, beta2=beta2, eps=eps,
-                weight_decay=weight_decay, maximize=maximize)
+              beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool, remainders: bool,
+              state_rounding: str, seed: Optional[Tensor]) -> None:
+    _adamw_step(param, grad, exp_avg, exp_avg_sq, lr=_value(lr, lr_tensor), step=_value(step, step_tensor),
+                grad_scale=_value(grad_scale, grad_scale_tensor), found_inf=found_inf, param_out=param_out,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                remainders=remainders, state_rounding=state_rounding, seed=seed)
 
 
 @_adamw_op.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, param_out, lr, lr_tensor, step, step_tensor, grad_scale,
-      grad_scale_tensor, found_inf, beta1, beta2, eps, weight_decay, maximize):
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("tritonshard::sgd_step_", mutates_args=("param", "momentum_buffer", "param_out"))
+def _sgd_op(param: Tensor, grad: Tensor, momentum_buffer: Optional[Tensor], param_out: Optional[Tensor],
+            lr: float, lr_tensor: Optional[Tensor], step: float, step_tensor: Optional[Tensor],
+            grad_scale: float, grad_scale_tensor: Optional[Tensor], found_inf: Optional[Tensor],
+            momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+            remainders: bool, state_rounding: str, seed: Optional[Tensor]) -> None:
+    _sgd_step(param, grad, momentum_buffer, lr=_value(lr, lr_tensor), step=_value(step, step_tensor),
+              grad_scale=_value(grad_scale, grad_scale_tensor), found_inf=found_inf, param_out=param_out,
+              momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+              maximize=maximize, remainders=remainders, state_rounding=state_rounding, seed=seed)
+
+
+@_sgd_op.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("tritonshard::lion_step_", mutates_args=("param", "exp_avg", "param_out"))
+def _lion_op(param: Tensor, grad: Tensor, exp_avg: Tensor, param_out: Optional[Tensor], lr: float,
+             lr_tensor: Optional[Tensor], grad_scale: float, grad_scale_tensor: Optional[Tensor],
+             found_inf: Optional[Tensor], beta1: float, beta2: float, weight_decay: float, maximize: bool,
+             remainders: bool, state_rounding: str, seed: Optional[Tensor]) -> None:
+    _lion_step(param, grad, exp_avg, lr=_value(lr, lr_tensor), grad_scale=_value(grad_scale, grad_scale_tensor),
+               found_inf=found_inf, param_out=param_out, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+               maximize=maximize, remainders=remainders, state_rounding=state_rounding, seed=seed)
+
+
+@_lion_op.register_fake
+def _(*args):
     return None
 
 
@@ -76,9 +112,36 @@ def scale_(x: Tensor, factor) -> tuple[Tensor, Tensor]:
     return torch.ops.tritonshard.scale_(x, *_split(factor))
 
 
+def _seed(seed, device) -> Optional[Tensor]:
+    if seed is None or isinstance(seed, Tensor):
+        return seed
+    return torch.full((1,), int(seed), dtype=torch.int64, device=device)
+
+
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
-                found_inf=None, param_out=None, maximize=False) -> None:
+                found_inf=None, param_out=None, maximize=False, remainders=False, state_rounding="nearest",
+                seed=None) -> None:
     """:func:`tritonshard.kernels.adamw_step_` through ``torch.ops.tritonshard.adamw_step_``."""
     torch.ops.tritonshard.adamw_step_(param, grad, exp_avg, exp_avg_sq, param_out, *_split(lr), *_split(step),
                                       *_split(grad_scale), found_inf, float(beta1), float(beta2), float(eps),
-                                      float(weight_decay), bool(maximize))
+                                      float(weight_decay), bool(maximize), bool(remainders), state_rounding,
+                                      _seed(seed, param.device))
+
+
+def sgd_step_(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+              step=1, grad_scale=1.0, found_inf=None, param_out=None, maximize=False, remainders=False,
+              state_rounding="nearest", seed=None) -> None:
+    """:func:`tritonshard.kernels.sgd_step_` through ``torch.ops.tritonshard.sgd_step_``."""
+    torch.ops.tritonshard.sgd_step_(param, grad, momentum_buffer, param_out, *_split(lr), *_split(step),
+                                    *_split(grad_scale), found_inf, float(momentum), float(dampening),
+                                    float(weight_decay), bool(nesterov), bool(maximize), bool(remainders),
+                                    state_rounding, _seed(seed, param.device))
+
+
+def lion_step_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, grad_scale=1.0,
+               found_inf=None, param_out=None, maximize=False, remainders=False, state_rounding="nearest",
+               seed=None) -> None:
+    """:func:`tritonshard.kernels.lion_step_` through ``torch.ops.tritonshard.lion_step_``."""
+    torch.ops.tritonshard.lion_step_(param, grad, exp_avg, param_out, *_split(lr), *_split(grad_scale), found_inf,
+                                     float(beta1), float(beta2), float(weight_decay), bool(maximize),
+                                     bool(remainders), state_rounding, _seed(seed, param.device))

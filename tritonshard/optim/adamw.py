@@ -7,9 +7,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..kernels import adamw_step_
 from ._hparams import check_betas, check_lr, check_min
-from .base import ShardedOptimizer, _Bucket
+from .base import ShardedOptimizer, _Bucket, kernels
 
 __all__ = ["ShardedAdamW"]
 
@@ -52,7 +51,7 @@ class ShardedAdamW(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]
         param, param_out, remainders = bucket.update_target()
-        adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
+        kernels().adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
                     bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
                     found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,

@@ -52,7 +52,8 @@ import torch.distributed as dist
 
 from .. import comm
 from ..buffer import DEFAULT_ALIGN, Buffer
-from ..kernels import flatten_into, scale_
+from .. import kernels as _eager_kernels
+from ..kernels import ops as _op_kernels
 from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig"]
@@ -80,6 +81,17 @@ def _reject_duplicates(params: list) -> None:
             if id(p) in seen:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is passed twice (param_groups[{gi}])")
             seen.add(id(p))
+
+
+def kernels():
+    """The kernel entry points for this call: the launchers in eager mode; under ``torch.compile`` the same kernels
+    as ``torch.library`` custom ops, which dynamo records as single nodes instead of tracing the launchers."""
+    return _op_kernels if torch.compiler.is_compiling() else _eager_kernels
+
+
+def _trace(label: str):
+    """A profiler range in eager mode (visible in traces); nothing under torch.compile."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch.profiler.record_function(label)
 
 
 class _Bucket:
@@ -349,7 +361,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for p, view in zip(b.params, b.grad_buffer.get_views()):
                 if p.grad is None:
                     view.zero_()  # no gradient this time: contributes zeros
-        flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads], accumulate=b.has_grads)
+        kernels().flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads],
+                               accumulate=b.has_grads)
         for p in b.params:
             p.grad = None
         b.has_grads = True
@@ -362,7 +375,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not b.has_grads:  # no gradient since zero_grad(): the buffer still holds the previous step's
                 b.grad_buffer.zero_()
                 b.has_grads = True
-            with torch.profiler.record_function(f"tritonshard.reduce_scatter[bucket {b.index}]"):
+            with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
                 b.rs_work = b.grad_buffer.reduce_scatter(op=dist.ReduceOp.SUM, async_op=True)
             b.rs_launched = True
             self.reduce_scatters_launched += 1
@@ -397,13 +410,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._adopt_observed_order()
         partials = []
         for b in self.buckets:
-            with torch.profiler.record_function(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
+            with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
                 b.rs_work.wait()
             b.rs_work = None
             shard = b.grad_buffer.get_local_shard()
             if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
-            partials.append(torch.stack(scale_(shard, 1.0 / (self.world_size * self.replica_size))))
+            partials.append(torch.stack(kernels().scale_(shard, 1.0 / (self.world_size * self.replica_size))))
         totals = (torch.stack(partials).sum(0) if partials
                   else torch.zeros(2, dtype=torch.float32, device=self.device))
         if comm.is_initialized() and self.world_size > 1:
@@ -441,7 +454,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters."""
         for b in self.buckets if buckets is None else buckets:
             if b.ag_work is not None:
-                with torch.profiler.record_function(f"tritonshard.wait_all_gather[bucket {b.index}]"):
+                with _trace(f"tritonshard.wait_all_gather[bucket {b.index}]"):
                     b.ag_work.wait()
                 b.ag_work = None
 
@@ -543,7 +556,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
         for b in self.buckets:
-            with torch.profiler.record_function(f"tritonshard.all_gather[bucket {b.index}]"):
+            with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
                 b.ag_work = b.param_buffer.all_gather(async_op=True)
         if not self._attached:
             self.wait_for_params()  # nobody would wait before the next forward

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import lion_step_, sgd_step_
 from ._hparams import check_betas, check_lr, check_min, check_number, require
-from .base import ShardedOptimizer, _Bucket
+from .base import ShardedOptimizer, _Bucket, kernels
 
 __all__ = ["ShardedSGD", "ShardedLion"]
 
@@ -35,7 +34,7 @@ class ShardedSGD(ShardedOptimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         param, param_out, remainders = bucket.update_target()
-        sgd_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state.get("momentum_buffer"),
+        kernels().sgd_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state.get("momentum_buffer"),
                   lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
                   weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
                   grad_scale=grad_scale, found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
@@ -62,7 +61,7 @@ class ShardedLion(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]
         param, param_out, remainders = bucket.update_target()
-        lion_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], lr=group["lr"],
+        kernels().lion_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], lr=group["lr"],
                    beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
                    found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,
                    **bucket.state_kwargs())
