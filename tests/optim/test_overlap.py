@@ -146,3 +146,21 @@ def _no_stale_forward(rank, world_size):
 
 def test_forward_never_runs_on_stale_weights():
     run_on_ranks(_no_stale_forward, 2)
+
+
+def _one_rank_without_backward(rank, world_size):
+    # rank 1 has no data this step (no backward, so no hook fires there); the collectives must still match:
+    # it launches the same reduce-scatters in the same order from step(), and joins the launch-order broadcast
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    if rank == 0:
+        model(torch.randn(6, 13).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    model(torch.randn(6, 13).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    assert opt.reduce_scatters_launched == 2 * len(opt.buckets)
+
+
+def test_a_rank_without_gradients_does_not_desynchronize_the_collectives():
+    run_on_ranks(_one_rank_without_backward, 2)

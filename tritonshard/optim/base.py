@@ -428,8 +428,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _adopt_observed_order(self) -> None:
         """Once, after the first backward: launch later steps' reduce-scatters in the order buckets completed
         (rank 0's observation, broadcast, so every rank agrees); buckets that never completed go last."""
-        if not self._observed_order:
+        if self._observed_order is None:
             return
+        # every rank takes part in the broadcast, also one whose backward produced no gradient (nothing observed),
+        # so the collectives stay matched; rank 0's observation decides
         seen = self._observed_order
         order = seen + [i for i in range(len(self.buckets)) if i not in seen]
         self._observed_order = None
