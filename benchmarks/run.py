@@ -124,6 +124,20 @@ def scale_job(n, device):
     return ours, theirs, "mul_+vector_norm+isfinite"
 
 
+def _fused_torch_step(optimizer_cls, p, grad, out, **hp):
+    """The PyTorch way of the same update: upcast the bf16 grad, the fused fp32 optimizer, then a separate bf16
+    copy of the weights."""
+    tp = torch.nn.Parameter(p.clone())
+    tp.grad = torch.empty_like(tp)
+    topt = optimizer_cls([tp], fused=True, **hp)
+
+    def theirs():
+        tp.grad.copy_(grad)
+        topt.step()
+        out.copy_(tp.detach())
+    return theirs
+
+
 def adamw_job(n, device):
     g = torch.Generator(device="cpu").manual_seed(1)
     p = torch.randn(n, generator=g).to(device)
@@ -140,16 +154,8 @@ def adamw_job(n, device):
     def ours():
         adamw_step_(p, grad, m, v, step=2, param_out=out, **hp)
 
-    # the PyTorch way: upcast the grad, fused AdamW on fp32, then a separate bf16 copy of the weights
-    tp = torch.nn.Parameter(p.clone())
-    tp.grad = torch.empty_like(tp)
-    topt = torch.optim.AdamW([tp], lr=1e-3, weight_decay=0.01, fused=True)
-
-    def theirs():
-        tp.grad.copy_(grad)
-        topt.step()
-        out2.copy_(tp.detach())
-    return ours, theirs, "fused AdamW+casts"
+    return ours, _fused_torch_step(torch.optim.AdamW, p, grad, out2, lr=1e-3, weight_decay=0.01), \
+        "fused AdamW+casts"
 
 
 def sgd_job(n, device):
@@ -166,15 +172,7 @@ def sgd_job(n, device):
     def ours():
         sgd_step_(p, grad, buf, step=2, param_out=out, **hp)
 
-    tp = torch.nn.Parameter(p.clone())
-    tp.grad = torch.empty_like(tp)
-    topt = torch.optim.SGD([tp], fused=True, **hp)
-
-    def theirs():
-        tp.grad.copy_(grad)
-        topt.step()
-        out2.copy_(tp.detach())
-    return ours, theirs, "fused SGD+casts"
+    return ours, _fused_torch_step(torch.optim.SGD, p, grad, out2, **hp), "fused SGD+casts"
 
 
 def lion_job(n, device):

@@ -9,10 +9,10 @@ from benchmarks import step as bench_step
 
 def test_microbenchmarks_smoke(tmp_path):
     rows = bench_run.main(["--out", str(tmp_path), "--sizes", "4099,16384", "--reps", "2",
-                           "--markdown", str(tmp_path / "results.md")]) or []
+                           "--markdown", str(tmp_path / "results.md")])
     with open(tmp_path / "results.csv") as f:
         csv_rows = list(csv.DictReader(f))
-    assert len(csv_rows) == len(bench_run.JOBS) * 2
+    assert len(csv_rows) == len(rows) == len(bench_run.JOBS) * 2
     for r in csv_rows:
         n, per = int(r["numel"]), int(r["bytes_per_elem"])
         assert int(r["bytes_moved"]) == n * per
@@ -22,7 +22,6 @@ def test_microbenchmarks_smoke(tmp_path):
     assert env["backend"] == "triton-interpreter"  # tests/conftest.py turns the interpreter on without a GPU
     assert {r["our_backend"] for r in csv_rows} == {"triton-interpreter"}
     assert "| kernel |" in (tmp_path / "results.md").read_text()
-    del rows
 
 
 def test_step_benchmark_smoke(tmp_path):
