@@ -427,7 +427,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _adopt_observed_order(self) -> None:
         """Once, after the first backward: launch later steps' reduce-scatters in the order buckets completed
-        (rank 0's observation, broadcast, so every rank agrees); buckets that never completed go last."""
+        (rank 0's observation, broadcast, so every rank agrees); buckets that never completed go last. The one
+        host read of the whole optimizer (``tolist()``), in the first step only."""
         if self._observed_order is None:
             return
         # every rank takes part in the broadcast, also one whose backward produced no gradient (nothing observed),
