@@ -4,34 +4,41 @@ Two ways to save a :class:`~tritonshard.ShardedOptimizer`:
 
 * ``opt.state_dict()`` + :func:`atomic_save`: one file in ``torch.optim``'s format, gathered on every rank
   (12 B/param for AdamW, transiently). Simple, and loadable by any world size.
-* :func:`save_sharded` / :func:`load_sharded`: every rank writes only the slices it owns (its shard pieces, each with
-  its global offset inside the flattened parameter), plus one small metadata file. Loading at any world size and
-  bucket size reads, on each rank, only the byte ranges of the old files that overlap its new pieces
-  (``torch.load(mmap=True)``), so nothing is ever gathered on one rank.
+* :func:`save_sharded` / :func:`load_sharded`, through ``torch.distributed.checkpoint`` (DCP): every rank writes
+  only the slices it owns, each a chunk of the flattened parameter at its global offset
+  (``param.<i>.<state>``), plus a small ``meta.pt`` (parameter signature, groups, steps, loss scale, extra).
+  Loading at any world size and bucket size reads, on each rank, only the stored chunks that overlap its new
+  pieces (DCP's resharding read plan), so nothing is ever gathered on one rank.
 
-Why not ``torch.distributed.checkpoint``: a rank's piece of a parameter is an arbitrary contiguous range of the
-flattened tensor (the flat buffer is cut into equal shards regardless of parameter boundaries). DCP expresses such
-ranges only through ``ShardedTensor``, deprecated since torch 2.13 (it warns on every use), or ``DTensor``, whose
-``Shard(0)`` placement fixes the split points; using it would need an all-to-all exchange per save and load. The
-format here is the same idea (per-rank files with global offsets, a metadata file), 100 lines, and no deprecated
-API.
+DCP has no public tensor type for "this rank holds an arbitrary contiguous range of the flattened tensor" (the
+flat buffer is cut into equal shards regardless of parameter boundaries): ``DTensor``'s ``Shard(0)`` fixes the
+split points and ``ShardedTensor`` is deprecated (it warns on every use in torch 2.13). Two small planners
+(:class:`_PiecesSavePlanner`, :class:`_PiecesLoadPlanner`) therefore emit the write and read items for those
+ranges themselves; the storage format is plain DCP.
 
-Atomicity: every file is written to a temporary name, fsynced and renamed into place; a sharded checkpoint is
-written into ``<path>.partial`` and renamed to ``<path>`` by rank 0 only once every rank has finished, and
-:func:`save_checkpoint` advances a ``latest`` pointer file (written atomically) only after that. A crash at any
-point leaves the previous checkpoint loadable and never a half-written one that looks valid. Loading never
-unpickles code: ``torch.load(weights_only=True)``.
+Atomicity: a sharded checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` by one rank only once
+every rank has finished; :func:`save_checkpoint` then advances a ``latest`` pointer file (written to a temporary
+name and renamed). A crash at any point leaves the previous checkpoint loadable and never a half-written one that
+looks valid. Loading never unpickles code from the checkpoint's content: ``meta.pt`` and :func:`load_file` use
+``torch.load(weights_only=True)``, and DCP reads tensor chunks as raw bytes.
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
+import dataclasses
 import os
+import warnings
 import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
 
@@ -100,27 +107,24 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
         shutil.rmtree(partial)  # left by a save that died
     _barrier(opt)
     os.makedirs(partial, exist_ok=True)
-    pieces = {}
+    pieces = {}  # DCP key -> (numel of the flattened parameter, offset of this rank's piece, the piece)
     for b in opt.buckets:
+        master = b.master_fp32()
         for piece in b.param_buffer.shard_pieces():
-            i = index_of[b.params[piece.tensor_index]]
+            p = b.params[piece.tensor_index]
             sl = slice(piece.shard_start, piece.shard_end)
-            pieces[i] = {"start": piece.tensor_start,
-                         **{name: t[sl].detach().cpu().clone()
-                            for name, t in (("master", b.master_fp32()), *b.state.items())}}
+            for name, t in (("master", master), *b.state.items()):
+                pieces[_key(index_of[p], name)] = (p.numel(), piece.tensor_start, t[sl].detach())
     if opt.replica_rank == 0:  # hybrid sharding: replicas hold the same shards, the first one writes them
-        atomic_save({"format": _FORMAT, "rank": opt.rank, "pieces": pieces},
-                    os.path.join(partial, f"rank{opt.rank:05d}.pt"))
-    # which rank holds which range of which parameter: lets a loader open only the files it needs
-    ranges = {index_of[b.params[pc.tensor_index]]: (pc.tensor_start, pc.tensor_end)
-              for b in opt.buckets for pc in b.param_buffer.shard_pieces()}
-    everyone = _all_gather_objects(opt, ranges)
+        with _single_process_ok():
+            dcp.save({}, checkpoint_id=partial, planner=_PiecesSavePlanner(pieces), process_group=_dcp_group(opt),
+                     no_dist=not comm.is_initialized())
     if _is_lead(opt):
         steps = {index_of[p]: float(b.step) for b in opt.buckets for p in b.params}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
                 "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
-                "state_names": list(opt._state_names), "ranges": everyone, "extra": extra or {},
+                "state_names": list(opt._state_names), "extra": extra or {},
                 "scaler": opt._scaler_state()}
         atomic_save(meta, os.path.join(partial, "meta.pt"))
     _barrier(opt)
@@ -138,12 +142,81 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     _barrier(opt)
 
 
-def _all_gather_objects(opt, obj) -> list:
-    """All-gather a literal (dict of ints and tuples) through its repr: no pickle, no numpy."""
-    if not (comm.is_initialized() and opt.world_size > 1):
-        return [obj]
-    texts = comm.all_gather_text(repr(obj), opt.process_group, opt.world_size, opt.device)
-    return [ast.literal_eval(t) for t in texts]
+def _key(index: int, name: str) -> str:
+    """The DCP key of one state of one parameter (torch.optim numbering): the flattened parameter's values."""
+    return f"param.{index}.{name}"
+
+
+def _dcp_group(opt):
+    return opt.process_group if comm.is_initialized() else None
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns on every save/load without a process group even when asked for exactly that (no_dist=True);
+    one process is a supported case here, so that one message is silenced, nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _chunk(offset: int, numel: int) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([numel]))
+
+
+class _PiecesSavePlanner(DefaultSavePlanner):
+    """Saves, under each key, this rank's piece of a flattened parameter as a chunk at its global offset.
+
+    DCP stores chunks with offsets natively; what it has no public type for is a tensor split at arbitrary
+    points (DTensor's Shard(0) fixes the split points, ShardedTensor is deprecated), so the write items are made
+    here from ``pieces``: key -> (numel of the whole flattened parameter, offset of the piece, the piece).
+    """
+
+    def __init__(self, pieces: dict):
+        super().__init__()
+        self.pieces = pieces
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [WriteItem(index=MetadataIndex(key, torch.Size([offset])), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(chunk=_chunk(offset, piece.numel()),
+                                                       properties=TensorProperties.create_from_tensor(piece),
+                                                       size=torch.Size([numel])))
+                 for key, (numel, offset, piece) in self.pieces.items()]
+        self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        if write_item.index.fqn in self.pieces:
+            return self.pieces[write_item.index.fqn][2]
+        return super().resolve_data(write_item)
+
+
+class _PiecesLoadPlanner(DefaultLoadPlanner):
+    """Reads into each of this rank's pieces (key -> (offset, destination)) the parts of the stored chunks that
+    overlap it, whatever the world size and bucket layout that wrote them (DCP's resharding read plan)."""
+
+    def __init__(self, targets: dict):
+        super().__init__()
+        self.targets = targets
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for key, (offset, dest) in self.targets.items():
+            stored = self.metadata.state_dict_metadata.get(key)
+            if stored is None:
+                raise CheckpointMismatchError(f"the checkpoint has no '{key}' (incomplete checkpoint)")
+            items += create_read_items_for_chunk_list(key, stored, [_chunk(offset, dest.numel())])
+        self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
+        return self.plan
+
+    def resolve_tensor(self, read_item):
+        key = read_item.dest_index.fqn
+        if key not in self.targets:
+            return super().resolve_tensor(read_item)
+        (start,), (length,) = read_item.dest_offsets, read_item.lengths
+        return self.targets[key][1].narrow(0, start, length)
 
 
 def _check_signature(opt, meta) -> None:
@@ -179,36 +252,20 @@ def load_sharded(opt, path: str) -> dict:
     _check_signature(opt, meta)
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
-    files: dict[int, dict] = {}
-
-    def pieces_of(rank: int) -> dict:
-        if rank not in files:
-            files[rank] = load_file(os.path.join(path, f"rank{rank:05d}.pt"), mmap=True)["pieces"]
-        return files[rank]
-
     with torch.no_grad():
-        for b in opt.buckets:
-            master = b.master_fp32().clone()
+        masters = [b.master_fp32().clone() for b in opt.buckets]
+        targets = {}  # DCP key -> (offset of this rank's piece in the flattened parameter, where it goes)
+        for b, master in zip(opt.buckets, masters):
             for piece in b.param_buffer.shard_pieces():
                 i = index_of[b.params[piece.tensor_index]]
-                lo, hi = piece.tensor_start, piece.tensor_end
-                covered = 0
-                for old_rank, ranges in enumerate(meta["ranges"]):
-                    if i not in ranges:
-                        continue
-                    s, e = ranges[i]
-                    a, z = max(lo, s), min(hi, e)
-                    if a >= z:
-                        continue
-                    saved = pieces_of(old_rank)[i]
-                    dst = slice(piece.shard_start + a - lo, piece.shard_start + z - lo)
-                    src = slice(a - saved["start"], z - saved["start"])
-                    for name, shard in (("master", master), *b.state.items()):
-                        shard[dst].copy_(saved[name][src])
-                    covered += z - a
-                if covered != hi - lo:
-                    raise CheckpointMismatchError(f"parameter {i}: the checkpoint covers {covered} of the "
-                                                  f"{hi - lo} elements this rank needs (incomplete checkpoint)")
+                sl = slice(piece.shard_start, piece.shard_end)
+                for name, shard in (("master", master), *b.state.items()):
+                    targets[_key(i, name)] = (piece.tensor_start, shard[sl])
+        # each rank reads only the stored chunks that overlap its own pieces (DCP's resharding read plan)
+        with _single_process_ok():
+            dcp.load({}, checkpoint_id=path, planner=_PiecesLoadPlanner(targets), process_group=_dcp_group(opt),
+                     no_dist=not comm.is_initialized())
+        for b, master in zip(opt.buckets, masters):
             b.set_master(master)
             steps = {meta["steps"][index_of[p]] for p in b.params}
             if len(steps) > 1:

@@ -46,7 +46,8 @@ def _hybrid(rank, world_size, mode, tmp):
     # a checkpoint from the hybrid layout loads into plain sharding over 2 (written once per shard)
     path = os.path.join(tmp, f"{mode}-ckpt")
     save_sharded(opt, path)
-    assert sorted(f for f in os.listdir(path) if f.startswith("rank")) == ["rank00000.pt", "rank00001.pt"]
+    data_files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    assert len(data_files) == 2, f"one DCP data file per shard (2), not per rank: {data_files}"
 
 
 def _load_plain(rank, world_size, path):
