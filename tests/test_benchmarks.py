@@ -33,3 +33,20 @@ def test_step_benchmark_smoke(tmp_path):
     # world size 1: 2 + 2 + 12 B/param, the same 16 B/param as fp32 AdamW, plus alignment padding (< 64 elements
     # per tensor, ~1% here)
     assert theirs["optimizer_bytes"] <= ours["optimizer_bytes"] <= 1.05 * theirs["optimizer_bytes"]
+
+
+def test_overlap_benchmark_smoke(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "benchmarks.overlap", "--tiny", "--out", str(tmp_path)], cwd=repo,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.load(open(tmp_path / "overlap.json"))
+    assert [r["overlap_comm"] for r in rows] == [False, True]
+    assert all(r["median_step_ms"] > 0 and r["world_size"] == 2 for r in rows)
