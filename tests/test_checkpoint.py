@@ -15,7 +15,7 @@ from tests.distributed import run_on_ranks
 from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedAdamW
 from tritonshard.checkpoint import (CheckpointMismatchError, atomic_save, latest_checkpoint, load_file,
-                                    load_sharded, save_checkpoint, save_sharded)
+                                    load_sharded, save_sharded)
 
 K = 2  # steps before the checkpoint; the runs continue to 2K
 SMALL_BUCKETS = 200 * 2 / 2 ** 20  # ~200 elements: several buckets, so bucket layouts differ from the default
