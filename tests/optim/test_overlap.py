@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.distributed import run_on_ranks
-from tests.optim.training import LR, make_model, param_groups, schedule, train_step
+from tests.optim.training import LR, loss_fn, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedAdamW
 
 BUCKET_CAPS = [1e-9, 200 * 2 / 2 ** 20, 25.0]  # one parameter per bucket, ~200 elements, one bucket per group
@@ -90,7 +90,7 @@ def _first_reduce_scatter_before_backward_ends(rank, world_size):
     x = torch.randn(6, 13).to(torch.bfloat16)
     # step 1: bucket order puts the never-used parameter's bucket first, which holds every launch back until the
     # end of backward; the order observed in this backward is adopted for the next steps
-    model(x).float().square().mean().backward()
+    loss_fn(model, x).backward()
     opt.step()
     opt.zero_grad()
     assert opt.buckets[opt._launch_order[-1]].params[0] is model.unused
@@ -98,7 +98,7 @@ def _first_reduce_scatter_before_backward_ends(rank, world_size):
     # fc1 is the first layer: its backward runs last. Record how many reduce-scatters had started by then.
     model.fc1.register_full_backward_hook(lambda mod, gin, gout: seen.append(opt.reduce_scatters_launched))
     before = opt.reduce_scatters_launched
-    model(x).float().square().mean().backward()
+    loss_fn(model, x).backward()
     in_flight = seen[0] - before
     # fc2's weight and bias and the norm's two parameters complete before fc1's backward: 4 buckets in flight
     assert in_flight >= 4, f"only {in_flight} reduce-scatters were in flight when the last layer's backward ran"
@@ -114,11 +114,11 @@ def _misuse(rank, world_size):
     model = make_model(0)
     opt = ShardedAdamW(param_groups(model), lr=LR, overlap_comm=True)
     x = torch.randn(6, 13).to(torch.bfloat16)
-    model(x).float().square().mean().backward()  # outside no_sync: reduce-scatters launched
+    loss_fn(model, x).backward()  # outside no_sync: reduce-scatters launched
     with pytest.raises(RuntimeError, match="no_sync"):
-        model(x).float().square().mean().backward()
+        loss_fn(model, x).backward()
     opt.zero_grad()  # recovers: waits for the in-flight collectives, forgets the gradients
-    model(x).float().square().mean().backward()
+    loss_fn(model, x).backward()
     opt.step()
 
 
@@ -134,7 +134,7 @@ def _no_stale_forward(rank, world_size):
     ref_opt = ShardedAdamW(param_groups(reference), lr=LR, bucket_cap_mb=1e-9)  # waits in step()
     x = torch.randn(6, 13).to(torch.bfloat16)
     for m, o in ((model, opt), (reference, ref_opt)):
-        m(x).float().square().mean().backward()
+        loss_fn(m, x).backward()
         o.step()
         o.zero_grad()
     assert any(b.ag_work is not None for b in opt.buckets), "all-gathers are still in flight after step()"
@@ -154,10 +154,10 @@ def _one_rank_without_backward(rank, world_size):
     model = make_model(0)
     opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
     if rank == 0:
-        model(torch.randn(6, 13).to(torch.bfloat16)).float().square().mean().backward()
+        loss_fn(model, torch.randn(6, 13).to(torch.bfloat16)).backward()
     opt.step()
     opt.zero_grad()
-    model(torch.randn(6, 13).to(torch.bfloat16)).float().square().mean().backward()
+    loss_fn(model, torch.randn(6, 13).to(torch.bfloat16)).backward()
     opt.step()
     assert opt.reduce_scatters_launched == 2 * len(opt.buckets)
 

@@ -74,6 +74,15 @@ def load_state(ptr, offs, mask):
 
 
 @triton.jit
+def stochastic_seed(seed_ptr, STOCHASTIC: tl.constexpr):
+    """The Philox seed of this launch (an int64 device scalar the optimizer advances each step), or 0 unused."""
+    if STOCHASTIC:
+        return tl.load(seed_ptr)
+    else:
+        return 0
+
+
+@triton.jit
 def store_state(ptr, offs, mask, x, seed, STREAM: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Store an fp32 state block in the state's dtype: bf16 states round to nearest even or, with STOCHASTIC,
     stochastically from Philox(seed + STREAM, element index) (a separate stream per state tensor)."""

@@ -128,7 +128,6 @@ class _Bucket:
         if remainders:
             self.master_remainder = split_bf16_remainder(self.master)[1]
             self.master = None
-        self.offsets = list(self.grad_buffer.offsets)
         self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
         # per-step communication state, reset by step() / zero_grad()
         self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
@@ -340,14 +339,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.overlap_comm and not self._no_sync_depth:
             # every bucket is reduced after the last micro-batch, including one that got no gradient at all, so
             # every rank issues the same collectives in the same order
-            for b in self.buckets:
-                b.launch_wanted = True
-            self._launch_in_order()
+            self._launch_all()
 
     def _flush_bucket(self, b: _Bucket) -> None:
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
         overwrites (parameters without a gradient get zeros), later ones accumulate."""
-        grads = [(p.grad, off) for p, off in zip(b.params, b.offsets) if p.grad is not None]
+        grads = [(p.grad, off) for p, off in zip(b.params, b.grad_buffer.offsets) if p.grad is not None]
         if not grads:
             return
         if b.rs_launched:
@@ -366,6 +363,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in b.params:
             p.grad = None
         b.has_grads = True
+
+    def _launch_all(self) -> None:
+        """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
+        for b in self.buckets:
+            b.launch_wanted = True
+        self._launch_in_order()
 
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
@@ -405,8 +408,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
         for b in self.buckets:
             self._flush_bucket(b)  # gradients set by hand, without a backward
-            b.launch_wanted = True
-        self._launch_in_order()
+        self._launch_all()
         self._adopt_observed_order()
         partials = []
         for b in self.buckets:
