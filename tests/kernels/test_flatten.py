@@ -75,14 +75,48 @@ def test_non_contiguous_sources():
         assert_bitwise_equal(out[off:off + t.numel()], t.flatten().to(torch.bfloat16), "non-contiguous source")
 
 
+def test_aligned_full_blocks_and_element_wise_tails_match_reference(monkeypatch):
+    # The kernel has two code paths: 16-byte-aligned tensors copy full BLOCKs unmasked (vector accesses on a GPU),
+    # everything else (tails, misaligned sources or destinations) masked element by element. Sizes around BLOCK
+    # multiples, sources at 2- and 4-byte offsets from an allocation, destinations at odd offsets.
+    launches = []
+    real = flatten_module._flatten_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["ALIGNED"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(flatten_module, "_flatten_kernel", Recording())
+    block = flatten_module.BLOCK
+    for out_dtype in OUT_DTYPES:
+        for src_dtype in (torch.float32, torch.bfloat16):
+            launches.clear()
+            aligned = [randn(n, n, torch.float32).to(src_dtype) for n in (block, 2 * block + 1, block - 1, 5)]
+            storage = randn(3 * block + 8, 7, torch.float32).to(src_dtype)
+            misaligned = [storage[1:block + 2], storage[block + 3:2 * block + 3]]  # 2/4-byte and odd offsets
+            tensors = aligned + misaligned
+            offsets, off = [], 0
+            for i, t in enumerate(tensors):
+                offsets.append(off + (3 if i == 2 else 0))  # tensors[2] lands at an odd destination offset
+                off = offsets[-1] + t.numel() + 64 - (offsets[-1] + t.numel()) % 64
+            out, ref, _ = _run_both(out_dtype, tensors, offsets, off, False, 0.37, seed=3)
+            assert_bitwise_equal(out, ref, f"aligned and misaligned {src_dtype}->{out_dtype}")
+            assert sorted(launches) == [False, True], f"both code paths must run, got ALIGNED={launches}"
+
+
 def test_many_tensors_one_launch_per_dtype(monkeypatch):
     launches = []
     real = flatten_module._flatten_kernel
 
     class Counting:
         def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
+            def launch(*args, **kwargs):
+                launches.append((kwargs["SRC_DTYPE"], kwargs["ALIGNED"]))
+                return real[grid](*args, **kwargs)
+            return launch
 
     monkeypatch.setattr(flatten_module, "_flatten_kernel", Counting())
     rng = random.Random(0)
@@ -101,15 +135,17 @@ def test_many_tensors_one_launch_per_dtype(monkeypatch):
     flatten_into(out, tensors, offsets)
     flatten_into_ref(ref, tensors, offsets)
     assert_bitwise_equal(out, ref, "500 mixed tensors")
-    assert len(launches) == 3, f"one launch per source dtype, got {len(launches)}"
-    # single-dtype list of 1,000 tensors: exactly one launch
+    # one launch per (source dtype, 16-byte aligned or not): align=1 offsets give both kinds for every dtype
+    assert len(launches) == len(set(launches)) == 6, f"one launch per (dtype, alignment), got {launches}"
+    # single-dtype list of 1,000 tensors in a Buffer-like layout (64-element aligned offsets): exactly one launch
     launches.clear()
     tensors = [randn(rng.randint(1, 50), i) for i in range(1000)]
-    layout = Layout([t.numel() for t in tensors], 1)
+    layout = Layout([t.numel() for t in tensors], 1, align=64)
     out = torch.zeros(layout.padded_numel, dtype=torch.float32, device=DEVICE)
     flatten_into(out, tensors, list(layout.offsets))
     assert len(launches) == 1
-    assert_bitwise_equal(out[:layout.used_numel], torch.cat(tensors), "1,000 fp32 tensors")
+    for t, off in zip(tensors, layout.offsets):
+        assert_bitwise_equal(out[off:off + t.numel()], t, "1,000 fp32 tensors")
 
 
 def test_empty_inputs_launch_nothing():

@@ -12,15 +12,16 @@ logger.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["Backend", "select_backend", "last_backend", "interpreter_enabled"]
+__all__ = ["Backend", "select_backend", "last_backend", "interpreter_enabled", "compile_for_target"]
 
 log = logging.getLogger("tritonshard.kernels")
 
@@ -39,6 +40,7 @@ def _probe():
 # triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set at decoration time. Every kernel in
 # this package is decorated at import of the package, so this one probe says how all of them will run.
 _INTERPRETED = isinstance(_probe, InterpretedFunction)
+_FORCED_COMPILE = False  # set by compile_for_target(): launch the compiled kernels on CPU tensors (dry-run driver)
 _LAST: dict[str, Backend] = {}
 _LOGGED: set[tuple[str, Backend]] = set()
 
@@ -56,7 +58,7 @@ def select_backend(op: str, device: torch.device, backend: Optional[str] = None)
         chosen = Backend.TORCH
     elif _INTERPRETED:
         chosen = Backend.INTERPRETER
-    elif device.type == "cuda":
+    elif device.type == "cuda" or _FORCED_COMPILE:
         chosen = Backend.TRITON
     elif backend == "triton":
         raise ValueError(f"backend='triton' for {op} on {device} needs a CUDA device, or TRITON_INTERPRET=1 set "
@@ -68,6 +70,21 @@ def select_backend(op: str, device: torch.device, backend: Optional[str] = None)
         _LOGGED.add((op, chosen))
         log.info("tritonshard.kernels.%s runs on %s (%s)", op, device, chosen.value)
     return chosen
+
+
+@contextlib.contextmanager
+def compile_for_target() -> Iterator[None]:
+    """Inside: CPU tensors take the compiled-Triton path. Only for ``benchmarks.compile_check``, which installs a
+    driver that compiles each launch for a chosen GPU and launches nothing; with Triton's real driver on a machine
+    without a GPU, a launch here fails."""
+    global _FORCED_COMPILE
+    if _INTERPRETED:
+        raise RuntimeError("compile_for_target() needs TRITON_INTERPRET unset when triton is imported")
+    previous, _FORCED_COMPILE = _FORCED_COMPILE, True
+    try:
+        yield
+    finally:
+        _FORCED_COMPILE = previous
 
 
 def last_backend(op: str) -> Optional[Backend]:

@@ -9,7 +9,11 @@
 How one launch covers a list: an int64 table of source addresses, destination offsets and numels, and a block
 schedule (for program p: which tensor, which element to start at). Every program copies one BLOCK of one tensor,
 so 1,000 tiny tensors cost one launch and one huge tensor next to tiny ones still spreads over every SM. One launch
-per source dtype, because the element type of a pointer is a compile-time property of the kernel.
+per source dtype, because the element type of a pointer is a compile-time property of the kernel, and per alignment
+class: tensors whose source address and destination offset are multiples of 16 bytes (all of them, for a Buffer's
+64-element layout and freshly allocated gradients) copy full blocks with 16-byte vector accesses; others, and the
+last partial block of every tensor, go element by element. ``python -m benchmarks.compile_check`` shows the
+difference in the generated PTX (``ld.global.v4.b32`` against ``ld.global.b16``).
 
 Non-contiguous sources are made contiguous first (one extra copy of that tensor; ``t.flatten()``'s logical order is
 what lands in ``out``); contiguous ones are read in place.
@@ -38,17 +42,7 @@ BLOCK = 4096
 
 
 @triton.jit
-def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, out_ptr, scale,
-                    SRC_DTYPE: tl.constexpr, OUT_IS_BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    start = tl.load(block_start + pid)
-    n = tl.load(numels + t)
-    src = tl.load(src_ptrs + t).to(tl.pointer_type(SRC_DTYPE))
-    dst = out_ptr + tl.load(dst_offsets + t)
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
+def _flatten_block(src, dst, offs, mask, scale, ACCUMULATE: tl.constexpr, OUT_IS_BF16: tl.constexpr):
     x = to_fp32(tl.load(src + offs, mask=mask)) * scale
     if ACCUMULATE:
         x = x + to_fp32(tl.load(dst + offs, mask=mask))
@@ -56,6 +50,35 @@ def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, ou
         tl.store(dst + offs, round_to_bf16(x), mask=mask)
     else:
         tl.store(dst + offs, x, mask=mask)
+
+
+@triton.jit
+def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, out_ptr, scale,
+                    SRC_DTYPE: tl.constexpr, OUT_IS_BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
+                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    start = tl.load(block_start + pid)
+    n = tl.load(numels + t)
+    src_addr = tl.load(src_ptrs + t)
+    dst_off = tl.load(dst_offsets + t)
+    if ALIGNED:
+        # the host checked: every source address and destination byte offset is a multiple of 16 bytes, and
+        # block starts are multiples of BLOCK. Addresses read from a table carry no alignment the compiler can
+        # see; without these hints every access is scalar (2-byte stores for a bf16 out: compile_check's PTX).
+        src_addr = tl.multiple_of(src_addr, 16)
+        dst_off = tl.multiple_of(dst_off, 8 if OUT_IS_BF16 else 4)
+        start = tl.multiple_of(start, BLOCK)
+    # 64-bit arithmetic once per program for the block's base addresses, 32-bit offsets inside the block
+    src = src_addr.to(tl.pointer_type(SRC_DTYPE)) + start
+    dst = out_ptr + (dst_off + start)
+    offs = tl.arange(0, BLOCK)
+    if ALIGNED and start + BLOCK <= n:
+        # a full block: no mask, so nothing limits the vector width (a mask built from a loaded n has
+        # no known constancy and would force scalar accesses again)
+        _flatten_block(src, dst, offs, None, scale, ACCUMULATE, OUT_IS_BF16)
+    else:
+        _flatten_block(src, dst, offs, offs < n - start, scale, ACCUMULATE, OUT_IS_BF16)
 
 
 def flatten_into_ref(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *,
@@ -162,11 +185,17 @@ def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Se
     if chosen is Backend.TORCH:
         flatten_into_ref(out, tensors, offsets, accumulate=accumulate, scale=scale)
         return
-    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
+    # one launch per (source dtype, aligned): aligned = source address and destination byte offset both multiples
+    # of 16 bytes (what a Buffer's 64-element alignment and the caching allocator give), so the kernel may use
+    # 16-byte vector accesses; anything else takes the element-wise path
+    base_misaligned = out.data_ptr() % 16
+    by_dtype: dict[tuple[torch.dtype, bool], list[tuple[torch.Tensor, int]]] = {}
     for t, off in zip(tensors, offsets):
         if t.numel():
-            by_dtype.setdefault(t.dtype, []).append((t if t.is_contiguous() else t.contiguous(), int(off)))
-    for dtype, items in by_dtype.items():
+            t = t if t.is_contiguous() else t.contiguous()
+            aligned = not base_misaligned and t.data_ptr() % 16 == 0 and (int(off) * out.element_size()) % 16 == 0
+            by_dtype.setdefault((t.dtype, aligned), []).append((t, int(off)))
+    for (dtype, aligned), items in by_dtype.items():
         srcs = [t for t, _ in items]
         ptrs = tuple(t.data_ptr() for t in srcs)
         offs = tuple(off for _, off in items)
@@ -176,4 +205,4 @@ def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Se
         _flatten_kernel[(block_tensor.numel(),)](
             ptr_tab, off_tab, numel_tab, block_tensor, block_start, out, float(scale),
             SRC_DTYPE=_SRC_DTYPES[dtype], OUT_IS_BF16=out.dtype == torch.bfloat16, ACCUMULATE=accumulate,
-            BLOCK=BLOCK, enable_fp_fusion=False)
+            ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False)

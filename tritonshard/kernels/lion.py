@@ -105,4 +105,4 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
         float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
         COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
         HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
-        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK)
+        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK, enable_fp_fusion=True)

@@ -110,7 +110,8 @@ def cast_to_bf16(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, ou
     n = x.numel()
     if n:
         block = 4096
-        _cast_kernel[(triton.cdiv(n, block),)](x, out, n, seed, STOCHASTIC=stochastic, BLOCK=block)
+        _cast_kernel[(triton.cdiv(n, block),)](x, out, n, seed, STOCHASTIC=stochastic, BLOCK=block,
+                                                enable_fp_fusion=False)
     return out
 
 

@@ -118,5 +118,6 @@ def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torc
         _scale_kernel[(num_blocks,)](
             x, n, factor if is_tensor else x, 0.0 if is_tensor else float(factor), partial_sumsq, partial_nonfinite,
             FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK, enable_fp_fusion=False)
-    _finalize_kernel[(1,)](partial_sumsq, partial_nonfinite, num_blocks, sumsq, nonfinite, BLOCK=_FINALIZE_BLOCK)
+    _finalize_kernel[(1,)](partial_sumsq, partial_nonfinite, num_blocks, sumsq, nonfinite, BLOCK=_FINALIZE_BLOCK,
+                           enable_fp_fusion=False)
     return sumsq, nonfinite

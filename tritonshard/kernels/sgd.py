@@ -126,4 +126,4 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
         HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
         HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
         MAXIMIZE=bool(maximize), REMAINDER=remainders,
-        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK)
+        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK, enable_fp_fusion=True)

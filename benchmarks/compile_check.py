@@ -1,0 +1,365 @@
+"""Compile every kernel specialization the library launches for a real GPU target, on a machine without a GPU.
+
+    python -m benchmarks.compile_check [--arch 90] [--out DIR]
+
+The CPU suite runs the kernels through the Triton interpreter, which never meets the compiler: a construct the
+interpreter accepts can still fail to lower (a dtype branch, a bitcast, a Philox call on a loaded seed), and an
+access pattern that is right can still be slow (scalar loads where 16-byte vectors were meant). This check closes
+that gap without a GPU. It installs a dry-run Triton driver whose target is ``cuda:<arch>`` and whose launcher
+does nothing, then calls the library's own launchers on CPU tensors for every branch of their constexpr
+arguments. Triton specializes and compiles each launch exactly as it would on the GPU, through ``ptxas`` (shipped
+inside the triton wheel) to a cubin; nothing is executed.
+
+For each compiled kernel it reports the registers, spills and shared memory (``cuobjdump -res-usage`` on the
+cubin) and the widths of its global loads and stores (from the PTX), and fails when:
+
+* a launch does not compile;
+* a kernel spills registers to local memory;
+* a streaming kernel has no 16-byte global access, or the flatten kernel's aligned path has no 16-byte store
+  (exempt: the one-program finalize of ``scale_``, and flatten's ALIGNED=False path, element-wise by design).
+
+What it cannot tell: speed (that is ``benchmarks.run`` on a GPU), and whether the compiled code computes the
+right values (that is ``tests/kernels`` on a GPU, in ``benchmarks/gpu_check.sh``). The dry-run driver uses
+Triton's driver interface (``triton.runtime.driver.set_active``; the launcher and ``load_binary`` hooks of
+``CompiledKernel``), which is internal: checked with Triton 3.6 (the GPU machine's) and 3.9 (CI's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from tritonshard.kernels import (_dispatch, adamw_step_, cast_to_bf16, flatten_into, lion_step_, scale_,
+                                 sgd_step_)
+from tritonshard.kernels import adamw as adamw_mod
+from tritonshard.kernels import flatten as flatten_mod
+from tritonshard.kernels import lion as lion_mod
+from tritonshard.kernels import rounding as rounding_mod
+from tritonshard.kernels import scale as scale_mod
+from tritonshard.kernels import sgd as sgd_mod
+
+KERNELS = {
+    "flatten": flatten_mod._flatten_kernel,
+    "scale": scale_mod._scale_kernel,
+    "scale_finalize": scale_mod._finalize_kernel,
+    "cast_to_bf16": rounding_mod._cast_kernel,
+    "adamw": adamw_mod._adamw_kernel,
+    "sgd": sgd_mod._sgd_kernel,
+    "lion": lion_mod._lion_kernel,
+}
+# one program reducing a few partials: neither streaming nor worth vectorizing
+NOT_STREAMING = {"scale_finalize"}
+
+# ------------------------------------------------------------------------------------------------ dry-run driver
+
+
+class _DryRunUtils:
+    """What CompiledKernel asks of a driver's utils when it is first launched: nothing is loaded anywhere."""
+
+    def __init__(self, props: dict):
+        self.props = props
+
+    def load_binary(self, name, kernel, shared, device):
+        # (module, function, n_regs, n_spills, n_max_threads); registers and spills are read off the cubin instead
+        return None, None, 0, 0, 1024
+
+    def get_device_properties(self, device):
+        return self.props
+
+    def unload_module(self, module):
+        pass
+
+
+class DryRunDriver:
+    """A Triton driver that compiles for ``target`` and launches nothing. ``launches`` counts what was asked."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+        # H100/H200 limits: only max_shared_mem is consulted (a kernel asking more would fail to launch there)
+        self.utils = _DryRunUtils({"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536,
+                                   "warpSize": 32, "sm_clock_rate": 0, "mem_clock_rate": 0, "mem_bus_width": 0})
+        self.launches = 0
+
+        def launcher_cls(src, metadata):
+            def launch(*args, **kwargs):
+                self.launches += 1
+            return launch
+
+        self.launcher_cls = launcher_cls
+
+    def is_active(self):
+        return True
+
+    def get_current_device(self):
+        return 0
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_device_capability(self, device=None):
+        return divmod(self.target.arch, 10)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+    def get_benchmarker(self):
+        raise RuntimeError("the dry-run driver times nothing")
+
+
+# ------------------------------------------------------------------------------------------------ the launches
+
+
+def _t(n, dtype=torch.float32, offset=0):
+    """A CPU tensor of n elements; ``offset`` elements into its allocation (offset 1: not 16-byte aligned)."""
+    return torch.randn(n + offset).to(dtype)[offset:]
+
+
+def _update_tensors(n, state_dtype=torch.float32, grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                    remainders=False):
+    param = torch.zeros(n, dtype=torch.int16) if remainders else _t(n)
+    return param, _t(n, grad_dtype), _t(n, state_dtype), _t(n, state_dtype), _t(n, out_dtype)
+
+
+def _scalars(tensors: bool):
+    """lr, step, grad_scale and found_inf as Python numbers, or as 1-element device tensors (the optimizer's way
+    with a tensor lr schedule, capturable steps and loss scaling)."""
+    if not tensors:
+        return dict(lr=1e-3, step=3, grad_scale=0.5), None
+    return (dict(lr=torch.tensor(1e-3), step=torch.tensor(3.0), grad_scale=torch.tensor([0.5])),
+            torch.zeros(1))
+
+
+def cases() -> list[tuple[str, Callable[[], None]]]:
+    """Every branch of every launcher's constexpr arguments, each as (name, call)."""
+    n = 8192 + 64  # full blocks and a tail; a multiple of 16 like every Buffer shard
+    out = []
+    for out_dtype in (torch.bfloat16, torch.float32):
+        for src_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for acc in (False, True):
+                def flat(out_dtype=out_dtype, src_dtype=src_dtype, acc=acc):
+                    dst = torch.empty(3 * n, dtype=out_dtype)
+                    # an aligned multi-block tensor, an aligned small one, a misaligned source: both code paths
+                    flatten_into(dst, [_t(n, src_dtype), _t(33, src_dtype), _t(1000, src_dtype, offset=1)],
+                                 [0, n, n + 64], accumulate=acc, scale=0.5)
+                out.append((f"flatten {src_dtype}->{out_dtype} acc={acc}".replace("torch.", ""), flat))
+    for x_dtype in (torch.bfloat16, torch.float32):
+        for tensor_factor in (False, True):
+            out.append((f"scale {x_dtype} factor={'tensor' if tensor_factor else 'float'}".replace("torch.", ""),
+                        lambda x_dtype=x_dtype, tf=tensor_factor:
+                        scale_(_t(n, x_dtype), torch.tensor([0.25]) if tf else 0.25)))
+    for src_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for stochastic in (False, True):
+            out.append((f"cast_to_bf16 {src_dtype} stochastic={stochastic}".replace("torch.", ""),
+                        lambda src_dtype=src_dtype, s=stochastic: cast_to_bf16(_t(n, src_dtype), stochastic=s,
+                                                                               seed=5)))
+    # optimizer updates: one case per constexpr branch, the common configuration first
+    variants = [
+        ("bf16 grad, bf16 out", {}, {}),
+        ("fp32 grad, fp16 out, maximize", dict(grad_dtype=torch.float32, out_dtype=torch.float16),
+         dict(maximize=True)),
+        ("fp16 grad, no out", dict(grad_dtype=torch.float16), dict(param_out=None)),
+        ("tensor lr/step/grad_scale, found_inf", {}, dict(_tensors=True)),
+        ("remainders", dict(remainders=True), dict(remainders=True)),
+        ("bf16 states nearest", dict(state_dtype=torch.bfloat16), {}),
+        ("bf16 states stochastic", dict(state_dtype=torch.bfloat16), dict(state_rounding="stochastic", seed=7)),
+        ("bf16 states stochastic, tensor seed, remainders", dict(state_dtype=torch.bfloat16, remainders=True),
+         dict(state_rounding="stochastic", seed=torch.tensor([7]), remainders=True)),
+    ]
+    for name, tensor_kw, call_kw in variants:
+        def update(which, tensor_kw=tensor_kw, call_kw=dict(call_kw)):
+            p, g, s1, s2, po = _update_tensors(n, **tensor_kw)
+            scalars, found_inf = _scalars(call_kw.pop("_tensors", False))
+            kw = dict(scalars, found_inf=found_inf, param_out=po)
+            kw.update(call_kw)
+            if which == "adamw":
+                adamw_step_(p, g, s1, s2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, **kw)
+            elif which == "sgd":
+                sgd_step_(p, g, s1, momentum=0.9, weight_decay=0.01, nesterov=True, **kw)
+            else:
+                kw.pop("step")
+                lion_step_(p, g, s1, beta1=0.9, beta2=0.99, weight_decay=0.1, **kw)
+        for which in ("adamw", "sgd", "lion"):
+            out.append((f"{which} {name}", lambda which=which, update=update: update(which)))
+    out.append(("adamw beta1=0.3 (lerp from the end)", lambda: adamw_step_(
+        *_update_tensors(n)[:4], lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)))
+    out.append(("sgd no momentum, no weight decay", lambda: sgd_step_(
+        _t(n), _t(n, torch.bfloat16), None, lr=0.1, param_out=_t(n, torch.bfloat16))))
+    out.append(("sgd momentum, dampening, tensor step", lambda: sgd_step_(
+        _t(n), _t(n, torch.bfloat16), _t(n), lr=0.1, momentum=0.9, dampening=0.1, step=torch.tensor(2.0))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ inspection
+
+_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[A-Za-z][\w:]*)*?)(?:\.v(\d))?\.([bfsu])(\d+)\b")
+
+
+def global_access_bytes(ptx: str) -> dict[str, list[int]]:
+    """Bytes moved per thread by each kind of global load/store instruction in ``ptx``: {"ld": [16, 4], ...}."""
+    widths: dict[str, set[int]] = {"ld": set(), "st": set()}
+    for op, _qual, vec, _kind, bits in _ACCESS.findall(ptx):
+        widths[op].add(int(vec or 1) * int(bits) // 8)
+    return {op: sorted(w) for op, w in widths.items()}
+
+
+def resource_usage(cubin: bytes, name: str) -> dict[str, int] | None:
+    """REG, LOCAL, SHARED, STACK of the cubin's function, read by the cuobjdump that ships with Triton."""
+    tool = getattr(getattr(triton.knobs, "nvidia", None), "cuobjdump", None)
+    path = getattr(tool, "path", None)
+    if not path or not Path(path).exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([path, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(rf"Function {re.escape(name)}:\s*\n\s*(.*)", text)
+    if not m:
+        return None
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", m.group(1))}
+
+
+@dataclasses.dataclass
+class Compiled:
+    kernel: str
+    constexprs: dict
+    num_warps: int
+    registers: int | None
+    local_bytes: int | None
+    shared_bytes: int
+    load_bytes: list[int]
+    store_bytes: list[int]
+    problems: list[str]
+
+
+_DATA_POINTERS = {"param", "grad", "param_out", "exp_avg", "exp_avg_sq", "buf", "x", "out"}
+
+
+def _constexprs(compiled) -> dict:
+    src = compiled.src
+    names = src.fn.arg_names
+    out = {}
+    for key, value in src.constants.items():
+        idx = key[0] if isinstance(key, tuple) else names.index(key)
+        name = names[idx]
+        if name.isupper():  # the kernels' own switches (BLOCK, SRC_DTYPE, ...), not specialized scalars
+            out[name] = str(value)
+    for name, ty in src.signature.items():  # data pointers other than fp32 (bf16 grads, int16 remainders...)
+        name = name.removesuffix("_ptr")
+        if name in _DATA_POINTERS and isinstance(ty, str) and ty != "*fp32":
+            out[name] = ty[1:]
+    return out
+
+
+def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes: list[int],
+             store_bytes: list[int]) -> list[str]:
+    """What is wrong with one compiled specialization (the rules in the module docstring)."""
+    found = []
+    if local_bytes:
+        found.append(f"spills {local_bytes} bytes to local memory")
+    element_wise = kernel in NOT_STREAMING or constexprs.get("ALIGNED") == "False"
+    if not element_wise and 16 not in load_bytes + store_bytes:
+        found.append("no 16-byte global access: the compiler could not prove alignment")
+    if kernel == "flatten" and not element_wise and 16 not in store_bytes:
+        found.append("aligned flatten without 16-byte stores")
+    return found
+
+
+def inspect_kernels() -> list[Compiled]:
+    results = []
+    for kname, fn in KERNELS.items():
+        for _device, (cache, *_rest) in list(fn.device_caches.items()):
+            for compiled in cache.values():
+                ptx = compiled.asm["ptx"]
+                access = global_access_bytes(ptx)
+                usage = resource_usage(compiled.asm["cubin"], compiled.metadata.name) or {}
+                constexprs = _constexprs(compiled)
+                results.append(Compiled(kname, constexprs, compiled.metadata.num_warps, usage.get("REG"),
+                                        usage.get("LOCAL"), compiled.metadata.shared, access["ld"], access["st"],
+                                        problems(kname, constexprs, usage.get("LOCAL"), access["ld"], access["st"])))
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run(arch: int) -> tuple[list[tuple[str, str]], list[Compiled], DryRunDriver]:
+    if _dispatch.interpreter_enabled():
+        raise SystemExit("benchmarks.compile_check compiles real kernels, but triton was imported with "
+                         "TRITON_INTERPRET=1: run it with TRITON_INTERPRET unset")
+    dry = DryRunDriver(GPUTarget("cuda", arch, 32))
+    previous = driver._active  # None on a machine without a GPU (reset_active() would raise there)
+    driver.set_active(dry)
+    failures = []
+    try:
+        with _dispatch.compile_for_target():
+            for i, (name, call) in enumerate(cases()):
+                print(f"[{i + 1:2d}] {name}", file=sys.stderr, flush=True)
+                try:
+                    call()
+                except Exception as e:  # noqa: BLE001 -- reported with its case, then the check fails
+                    failures.append((name, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"))
+    finally:
+        driver._active = previous
+    return failures, inspect_kernels(), dry
+
+
+def markdown(arch: int, failures, compiled: list[Compiled]) -> str:
+    lines = [f"# compile_check: sm_{arch}, triton {triton.__version__}, torch {torch.__version__}", "",
+             f"{len(compiled)} specializations compiled, {len(failures)} launches failed.", "",
+             "| kernel | specialization | warps | regs | local B | shared B | ld B/thread | st B/thread | problems |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(compiled, key=lambda c: (c.kernel, sorted(c.constexprs.items()))):
+        spec = " ".join(f"{k}={v}" for k, v in sorted(c.constexprs.items()) if k != "BLOCK")
+        lines.append(f"| {c.kernel} | {spec} | {c.num_warps} | {c.registers} | {c.local_bytes} | {c.shared_bytes} "
+                     f"| {c.load_bytes} | {c.store_bytes} | {'; '.join(c.problems)} |")
+    for name, err in failures:
+        lines.append(f"\nFAILED to compile: {name}: {err}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an int: 80, 90 (default), 100")
+    ap.add_argument("--out", type=Path, help="folder for compile_check.md and compile_check.json")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    failures, compiled, dry = run(args.arch)
+    text = markdown(args.arch, failures, compiled)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "compile_check.md").write_text(text)
+        (args.out / "compile_check.json").write_text(json.dumps({
+            "arch": args.arch, "triton": triton.__version__, "torch": torch.__version__,
+            "launches": dry.launches, "failures": failures,
+            "compiled": [dataclasses.asdict(c) for c in compiled]}, indent=1))
+    print(text)
+    problems = sum(bool(c.problems) for c in compiled)
+    print(f"{len(compiled)} specializations, {dry.launches} dry launches, {len(failures)} compile failures, "
+          f"{problems} with problems, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return 1 if failures or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
