@@ -250,6 +250,7 @@ class Compiled:
     shared_bytes: int
     load_bytes: list[int]
     store_bytes: list[int]
+    layout_converts: int  # ttg.convert_layout ops: data reshuffled between register layouts via shared memory
     problems: list[str]
 
 
@@ -297,6 +298,7 @@ def inspect_kernels() -> list[Compiled]:
                 constexprs = _constexprs(compiled)
                 results.append(Compiled(kname, constexprs, compiled.metadata.num_warps, usage.get("REG"),
                                         usage.get("LOCAL"), compiled.metadata.shared, access["ld"], access["st"],
+                                        compiled.asm["ttgir"].count("ttg.convert_layout"),
                                         problems(kname, constexprs, usage.get("LOCAL"), access["ld"], access["st"])))
     return results
 
@@ -326,14 +328,25 @@ def run(arch: int) -> tuple[list[tuple[str, str]], list[Compiled], DryRunDriver]
 
 
 def markdown(arch: int, failures, compiled: list[Compiled]) -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        rev = "unknown"
     lines = [f"# compile_check: sm_{arch}, triton {triton.__version__}, torch {torch.__version__}", "",
-             f"{len(compiled)} specializations compiled, {len(failures)} launches failed.", "",
-             "| kernel | specialization | warps | regs | local B | shared B | ld B/thread | st B/thread | problems |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"`python -m benchmarks.compile_check --arch {arch}` at git {rev}, {time.strftime('%Y-%m-%d')}: "
+             "compiled through ptxas by a dry-run driver, nothing executed (no GPU involved).", "",
+             f"{len(compiled)} specializations compiled, {len(failures)} launches failed. Columns: registers per "
+             "thread and local-memory (spill) bytes from `cuobjdump -res-usage`; layout converts = "
+             "`ttg.convert_layout` ops in the TTGIR (shuffles through shared memory); bytes per global load/store "
+             "instruction from the PTX (16 = 128-bit vector access).", "",
+             "| kernel | specialization | warps | regs | local B | shared B | layout converts | ld B/instr | st B/instr "
+             "| problems |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(compiled, key=lambda c: (c.kernel, sorted(c.constexprs.items()))):
         spec = " ".join(f"{k}={v}" for k, v in sorted(c.constexprs.items()) if k != "BLOCK")
         lines.append(f"| {c.kernel} | {spec} | {c.num_warps} | {c.registers} | {c.local_bytes} | {c.shared_bytes} "
-                     f"| {c.load_bytes} | {c.store_bytes} | {'; '.join(c.problems)} |")
+                     f"| {c.layout_converts} | {c.load_bytes} | {c.store_bytes} | {'; '.join(c.problems)} |")
     for name, err in failures:
         lines.append(f"\nFAILED to compile: {name}: {err}")
     return "\n".join(lines) + "\n"

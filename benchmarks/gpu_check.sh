@@ -5,9 +5,10 @@
 #   2. ShardedAdamW steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host),
 #   3. the microbenchmark table (1M..256M elements) and the end-to-end step at 125M parameters.
 #
-# pytest and hypothesis are pure Python: install them here into .gpu_deps (git-ignored) and carry that folder:
-#   pip install --target .gpu_deps pytest hypothesis
-#   device run: carry [".gpu_deps"], command: bash benchmarks/gpu_check.sh
+# The lent H200 image has pytest and hypothesis (device/KINDS.md, 2026-11). Where a machine lacks them, install them
+# here into .gpu_deps (git-ignored, on PYTHONPATH below) and carry that folder:
+#   pip install --target .gpu_deps pytest hypothesis ; device run: carry [".gpu_deps"]
+# Command: OUT=$OUT bash benchmarks/gpu_check.sh   (about 3 minutes of a 15-minute budget: leave room for a rerun)
 # Everything it writes lands in $OUT (default benchmarks/out/gpu): logs, results.csv/json, plots, results.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -27,6 +27,7 @@ def test_every_specialization_compiles_for_sm90_with_vector_accesses(tmp_path):
     assert report["launches"] >= len(compiled) > 50
     # ptxas ran: the cubins' resource usage was read, and nothing spills
     assert all(c["registers"] and c["local_bytes"] == 0 for c in compiled)
+    assert all(isinstance(c["layout_converts"], int) for c in compiled)
     # the instrument tells the flatten kernel's two paths apart: 16-byte vector stores only where it may
     flat = [c for c in compiled if c["kernel"] == "flatten"]
     aligned = [c for c in flat if c["constexprs"]["ALIGNED"] == "True"]
