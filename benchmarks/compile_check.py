@@ -340,8 +340,8 @@ def markdown(arch: int, failures, compiled: list[Compiled]) -> str:
              "thread and local-memory (spill) bytes from `cuobjdump -res-usage`; layout converts = "
              "`ttg.convert_layout` ops in the TTGIR (shuffles through shared memory); bytes per global load/store "
              "instruction from the PTX (16 = 128-bit vector access).", "",
-             "| kernel | specialization | warps | regs | local B | shared B | layout converts | ld B/instr | st B/instr "
-             "| problems |",
+             "| kernel | specialization | warps | regs | local B | shared B | layout converts | ld B/instr "
+             "| st B/instr | problems |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(compiled, key=lambda c: (c.kernel, sorted(c.constexprs.items()))):
         spec = " ".join(f"{k}={v}" for k, v in sorted(c.constexprs.items()) if k != "BLOCK")

@@ -25,6 +25,7 @@ import csv
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -239,8 +240,11 @@ def environment(device: torch.device) -> dict:
 
 # ----------------------------------------------------------------------------- main
 def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: list[str] | None = None,
-        markdown: str | None = None) -> list[dict]:
+        markdown: str | None = None, errors: list[str] | None = None) -> list[dict]:
+    """Every job at every size. A job that fails (its validation included) is reported in ``errors`` and in the
+    table, and the others still run; SIGTERM (``timeout``) or Ctrl-C stops early and writes what was measured."""
     os.makedirs(out_dir, exist_ok=True)
+    errors = [] if errors is None else errors
     env = environment(device)
     print(f"tritonshard microbenchmarks on {env['device']} ({env['backend']}), torch {env['torch']}, "
           f"triton {env['triton']}, git {env['git']}", flush=True)
@@ -248,40 +252,64 @@ def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: l
     jobs = [(k, v) for k, v in JOBS.items() if not only or any(o in k for o in only)]
     total = len(jobs) * len(sizes)
     done = 0
-    for name, (bytes_key, op, make) in jobs:
-        for n in sizes:
-            done += 1
-            print(f"[{done}/{total}] {name}, {n / 2 ** 20:g}M elements ...", flush=True)
-            ours, theirs, their_name = make(n, device)
-            backend = last_backend(op)
-            nbytes = BYTES[bytes_key] * n
-            t_ours = bench(ours, device, reps)
-            t_theirs = bench(theirs, device, reps)
-            t_copy = copy_seconds(nbytes, device, reps)
-            rows.append({
-                "kernel": name, "numel": n, "bytes_moved": nbytes, "bytes_per_elem": BYTES[bytes_key],
-                "ours_ms": t_ours * 1e3, "ours_GBps": nbytes / t_ours / 1e9,
-                "copy_GBps": nbytes / t_copy / 1e9, "pct_of_copy": 100 * t_copy / t_ours,
-                "torch_impl": their_name, "torch_ms": t_theirs * 1e3, "torch_GBps": nbytes / t_theirs / 1e9,
-                "speedup_vs_torch": t_theirs / t_ours, "our_backend": str(backend.value if backend else "?"),
-                **env,
-            })
-            del ours, theirs
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    write(out_dir, rows, env, markdown)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        for name, (bytes_key, op, make) in jobs:
+            for n in sizes:
+                done += 1
+                print(f"[{done}/{total}] {name}, {n / 2 ** 20:g}M elements ...", flush=True)
+                try:
+                    rows.append(_measure(name, bytes_key, op, make, n, device, reps, env))
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except Exception as exc:  # noqa: BLE001 -- reported in the table and the exit status
+                    errors.append(f"{name} at {n} elements: {type(exc).__name__}: {exc}")
+                    print(f"  FAILED: {errors[-1]}", flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        errors.append(f"stopped after {done - 1} of {total} measurements (SIGTERM or Ctrl-C)")
+        print(errors[-1], flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if rows:
+        write(out_dir, rows, env, markdown, errors)
     return rows
 
 
-def write(out_dir: str, rows: list[dict], env: dict, markdown: str | None = None) -> None:
+def _measure(name, bytes_key, op, make, n, device, reps, env) -> dict:
+    ours, theirs, their_name = make(n, device)  # validates our output against the PyTorch way first
+    backend = last_backend(op)
+    nbytes = BYTES[bytes_key] * n
+    t_ours = bench(ours, device, reps)
+    t_theirs = bench(theirs, device, reps)
+    t_copy = copy_seconds(nbytes, device, reps)
+    return {
+        "kernel": name, "numel": n, "bytes_moved": nbytes, "bytes_per_elem": BYTES[bytes_key],
+        "ours_ms": t_ours * 1e3, "ours_GBps": nbytes / t_ours / 1e9,
+        "copy_GBps": nbytes / t_copy / 1e9, "pct_of_copy": 100 * t_copy / t_ours,
+        "torch_impl": their_name, "torch_ms": t_theirs * 1e3, "torch_GBps": nbytes / t_theirs / 1e9,
+        "speedup_vs_torch": t_theirs / t_ours, "our_backend": str(backend.value if backend else "?"),
+        **env,
+    }
+
+
+def write(out_dir: str, rows: list[dict], env: dict, markdown: str | None = None,
+          errors: list[str] | None = None) -> None:
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"environment": env, "rows": rows}, f, indent=1)
+        json.dump({"environment": env, "rows": rows, "errors": errors or []}, f, indent=1)
     plot(out_dir, rows)
     text = table(rows, env)
+    if errors:
+        text += "\n\nNot measured:\n" + "\n".join(f"- {e}" for e in errors) + "\n"
     if markdown:
         with open(markdown, "w") as f:
             f.write(f"# tritonshard microbenchmarks: {env['device']}\n\n"
@@ -331,7 +359,7 @@ def plot(out_dir: str, rows: list[dict]) -> None:
         plt.close(fig)
 
 
-def main(argv=None):
+def main(argv=None, errors: list[str] | None = None):
     p = argparse.ArgumentParser(description="tritonshard microbenchmarks")
     p.add_argument("--out", default="benchmarks/out", help="directory for results.csv/json and plots")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run, CI)")
@@ -347,8 +375,12 @@ def main(argv=None):
         sizes = [2 ** 14, 2 ** 16]
     else:
         sizes = [2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26, 2 ** 28]
-    return run(args.out, sizes, device, args.reps, args.only.split(",") if args.only else None, args.markdown)
+    rows = run(args.out, sizes, device, args.reps, args.only.split(",") if args.only else None, args.markdown,
+               errors)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    errors: list[str] = []
+    main(errors=errors)
+    sys.exit(1 if errors else 0)

@@ -4,9 +4,9 @@ vs FSDP2 ``fully_shard`` with bf16 parameters, with peak memory.
     python -m benchmarks.step --model 125M --out benchmarks/out      # GPU
     python -m benchmarks.step --model tiny --out /tmp/bench          # CPU smoke run (CI)
 
-One process (world size 1): the step is flatten -> reduce-scatter -> scale -> update -> all-gather with trivial
-collectives, i.e. the kernels' share of a real step. Gradients are set as ``param.grad`` before every timed step
-(the flatten is part of the step, as when grads arrive from backward).
+One process, a 1-rank process group (world size 1): the step is flatten -> reduce-scatter -> scale -> update ->
+all-gather with trivial collectives, i.e. the kernels' share of a real step. Gradients are set as ``param.grad``
+before every timed step (the flatten is part of the step, as when grads arrive from backward).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def bench_fsdp2(shapes, device, reps):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
-        return {"impl": "FSDP2 fully_shard bf16", "error": "needs torch.distributed (run under torchrun)"}
+        return {"impl": "FSDP2 fully_shard bf16", "error": "needs torch.distributed (main() starts a 1-rank group)"}
     reset_peak(device)
     module = torch.nn.Module()
     module.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes])
@@ -117,7 +117,9 @@ def bench_fsdp2(shapes, device, reps):
         opt.zero_grad()
     t = timed(step, device, reps)
     return {"impl": "FSDP2 fully_shard + fused AdamW (fp32 sharded params)", "step_ms": t * 1e3,
-            "peak_bytes": peak_bytes(device)}
+            "peak_bytes": peak_bytes(device),
+            "note": "clip + update of the shard only: FSDP2's bf16 all-gather and reduce-scatter run in the "
+                    "forward/backward hooks, outside this step"}
 
 
 def main(argv=None):
@@ -125,11 +127,18 @@ def main(argv=None):
     p.add_argument("--model", choices=list(SHAPES), default="125M")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="benchmarks/out")
+    p.add_argument("--markdown", help="append this model's table to FILE (gpu_check.sh's results.md)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = gpt_param_shapes(*SHAPES[args.model])
     n = sum(torch.Size(s).numel() for s in shapes)
     print(f"optimizer step, {args.model}: {n / 1e6:.1f}M parameters in {len(shapes)} tensors on {device}", flush=True)
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()
+    if own_group:  # a 1-rank group (NCCL on GPUs) so FSDP2 runs too; under torchrun, the launcher's group is used
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
     rows = []
     for fn in (bench_ours, bench_torch, bench_fsdp2):
         try:
@@ -140,10 +149,29 @@ def main(argv=None):
         rows.append(row)
         print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
+    if own_group:
+        dist.destroy_process_group()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"step-{args.model}.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(markdown(rows, args.model, n, device))
     return rows
+
+
+def markdown(rows: list[dict], model: str, n: int, device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"\n## Optimizer step, {model} ({n / 1e6:.1f}M parameters), {name}, torch {torch.__version__}\n",
+             "| implementation | step ms | peak memory GiB | optimizer state B/param | note |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | - | - | - | did not run: {r['error']} |")
+            continue
+        state = f"{r['optimizer_bytes'] / n:.1f}" if "optimizer_bytes" in r else "-"
+        lines.append(f"| {r['impl']} | {r['step_ms']:.2f} | {r['peak_bytes'] / 2**30:.2f} | {state} "
+                     f"| {r.get('note', '')} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

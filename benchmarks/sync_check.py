@@ -1,46 +1,85 @@
-"""Prove that a ShardedAdamW step never waits on the host: run it under torch.cuda.set_sync_debug_mode("error").
+"""Prove that sharded optimizer steps never wait on the host: run them under torch.cuda.set_sync_debug_mode("error").
 
-    python -m benchmarks.sync_check        # CUDA only
+    python -m benchmarks.sync_check        # on CUDA: the check; on CPU: the same steps, nothing to detect
 
 Backward, clip_grad_norm_, step and zero_grad of a small model run with synchronizing CUDA calls turned into
-errors, after one warm-up step (which fills the flatten kernel's device-side tables and compiles the kernels).
+errors, after one warm-up step (which fills the flatten kernel's device-side tables and compiles the kernels), for
+each configuration below: the default ShardedAdamW, bf16 optimizer states with stochastic rounding plus the
+remainder-stored master, fp16 parameters with dynamic loss scaling (where an overflow must skip a step without a
+host read), ShardedSGD and ShardedLion. On CPU (CI) the steps run without the detector, which keeps this script
+from rotting between GPU runs; only a CUDA run proves anything.
 """
 
+from __future__ import annotations
+
 import sys
+from typing import Callable
 
 import torch
 
 import tritonshard
 
+CONFIGS: dict[str, Callable] = {
+    "ShardedAdamW": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3),
+    "ShardedAdamW bf16 states + remainders": lambda ps: tritonshard.ShardedAdamW(
+        ps, lr=1e-3, state_dtype=torch.bfloat16, store_param_remainders=True),
+    "ShardedAdamW fp16 + loss scaling": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3, param_dtype=torch.float16),
+    "ShardedSGD momentum": lambda ps: tritonshard.ShardedSGD(ps, lr=1e-2, momentum=0.9),
+    "ShardedLion": lambda ps: tritonshard.ShardedLion(ps, lr=1e-4),
+}
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("sync_check: no CUDA device, nothing to check")
-        return 0
+
+def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> str:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).cuda()
-    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(32, 257, device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
+    opt = make(model.parameters())
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(32, 257, device=device, dtype=dtype)
 
-    def one_step():
-        model(x).float().square().mean().backward()
+    def one_step(poison: bool = False):
+        loss = model(x).float().square().mean()
+        if poison:  # an overflowing backward: with loss scaling the step must be skipped on the device
+            loss = loss * float("inf")
+        opt.scale_loss(loss).backward()
         norm = opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         return norm
 
+    scaled = opt.loss_scale is not None
     one_step()  # warm-up: compiles kernels, uploads the flatten schedule
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            norm = one_step()
+        for i in range(steps):
+            norm = one_step(poison=i == 1 and scaled)
     finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    print(f"sync_check: 3 steps under set_sync_debug_mode('error') passed; last grad norm {float(norm):.4f}, "
-          f"skipped steps {int(opt.skipped_steps)}")
-    return 0
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    skipped = int(opt.skipped_steps)
+    if not torch.isfinite(norm):
+        raise AssertionError(f"{name}: last grad norm is {float(norm)}")
+    if skipped != int(scaled):  # the poisoned step, and only it, is skipped
+        raise AssertionError(f"{name}: {skipped} skipped steps, expected {int(scaled)}")
+    return f"{name}: {steps} steps{' under set_sync_debug_mode(error)' if cuda else ''}, last grad norm " \
+           f"{float(norm):.4f}, skipped steps {skipped}"
+
+
+def main() -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        print("sync_check: no CUDA device; running the steps without the sync detector (proves nothing about syncs)")
+    failed = 0
+    for name, make in CONFIGS.items():
+        try:
+            print("sync_check: " + check(name, make, device), flush=True)
+        except Exception as exc:  # noqa: BLE001 -- one configuration's failure must not hide the others
+            failed += 1
+            print(f"sync_check: FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

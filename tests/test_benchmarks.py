@@ -29,7 +29,7 @@ def test_step_benchmark_smoke(tmp_path):
     ours, theirs, fsdp = rows
     assert "error" not in ours and ours["step_ms"] > 0
     assert "error" not in theirs and theirs["step_ms"] > 0
-    assert "error" in fsdp  # needs a process group: reported, not hidden
+    assert "error" not in fsdp and fsdp["step_ms"] > 0  # main() starts a 1-rank gloo group for FSDP2
     # world size 1: 2 + 2 + 12 B/param, the same 16 B/param as fp32 AdamW, plus alignment padding (< 64 elements
     # per tensor, ~1% here)
     assert theirs["optimizer_bytes"] <= ours["optimizer_bytes"] <= 1.05 * theirs["optimizer_bytes"]
@@ -50,3 +50,74 @@ def test_overlap_benchmark_smoke(tmp_path):
     rows = json.load(open(tmp_path / "overlap.json"))
     assert [r["overlap_comm"] for r in rows] == [False, True]
     assert all(r["median_step_ms"] > 0 and r["world_size"] == 2 for r in rows)
+
+
+SCALE = "scale_ bf16 (+norm, inf check)"
+
+
+def test_a_failing_job_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
+    real = bench_run.JOBS[SCALE]
+
+    def broken(n, device):
+        raise AssertionError("validation failed: ours != torch")
+
+    monkeypatch.setattr(bench_run, "JOBS", {"broken": (real[0], real[1], broken), SCALE: real})
+    errors = []
+    rows = bench_run.main(["--out", str(tmp_path), "--sizes", "4099", "--reps", "1",
+                           "--markdown", str(tmp_path / "results.md")], errors=errors)
+    assert [r["kernel"] for r in rows] == [SCALE]
+    assert len(errors) == 1 and "broken at 4099 elements: AssertionError: validation failed" in errors[0]
+    assert "Not measured" in (tmp_path / "results.md").read_text()
+    assert json.load(open(tmp_path / "results.json"))["errors"] == errors
+
+
+def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch):
+    import signal
+
+    real = bench_run.JOBS[SCALE]
+    calls = []
+
+    def interrupted_on_second_size(n, device):
+        calls.append(n)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what the SIGTERM handler raises when `timeout` stops the run
+        return real[2](n, device)
+
+    monkeypatch.setattr(bench_run, "JOBS", {SCALE: (real[0], real[1], interrupted_on_second_size)})
+    handler = signal.getsignal(signal.SIGTERM)
+    errors = []
+    rows = bench_run.main(["--out", str(tmp_path), "--sizes", "4099,8191", "--reps", "1"], errors=errors)
+    assert [r["numel"] for r in rows] == [4099]
+    assert "stopped after 1 of 2" in errors[0]
+    with open(tmp_path / "results.csv") as f:
+        assert [int(r["numel"]) for r in csv.DictReader(f)] == [4099]
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_sync_check_configurations_run(capsys):
+    # On CPU the detector is off (set_sync_debug_mode is CUDA's): this keeps the script's five configurations
+    # working, the fp16 one skipping exactly its poisoned step, through the interpreted kernels.
+    from benchmarks import sync_check
+
+    assert sync_check.main() == 0
+    out = capsys.readouterr().out
+    assert out.count("3 steps") == len(sync_check.CONFIGS)
+    assert "fp16 + loss scaling: 3 steps, last grad norm" in out and "skipped steps 1" in out
+
+
+def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
+    # the one prepared GPU script, shrunk by its knobs: a failure here would have cost a rare GPU run
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "TESTS": "tests/kernels/test_scale.py",
+           "BENCH_ARGS": "--sizes 4099 --reps 1 --only scale_", "MODELS": "tiny", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in (tmp_path / "kernel_tests.log").read_text()
+    assert "sync_check: ShardedLion" in (tmp_path / "sync_check.log").read_text()
+    results = (tmp_path / "results.md").read_text()
+    assert "| kernel |" in results and "## Optimizer step, tiny" in results
