@@ -4,7 +4,10 @@
 # one device command:
 #   1. the COMPILED kernels against the PyTorch references (tests/kernels on CUDA; RNE bit-exactness included),
 #   2. ShardedAdamW steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host),
-#   3. the microbenchmark table (1M..256M elements) and the end-to-end step at 125M and 1B parameters.
+#   3. the microbenchmark table (1M..256M elements) and the end-to-end step at 125M and 1B parameters,
+#   4. the training example (the project's main job) on the GPU: loss after 300 steps, tokens/s (16 sequences x 4
+#      micro-batches on one rank: the global batch of `make train`'s 2 ranks x 16 x 2, so the loss compares with
+#      the CPU figure in the README).
 #
 # The lent H200 image has pytest and hypothesis (device/KINDS.md, 2026-11). Where a machine lacks them, install them
 # here into .gpu_deps (git-ignored, on PYTHONPATH below) and carry that folder:
@@ -13,7 +16,7 @@
 #
 # Knobs (CI runs this script on CPU with small values, so it cannot rot between GPU runs): PY (the interpreter;
 # the GPU image has python3, maybe no python), TESTS (pytest targets), BENCH_ARGS (extra benchmarks.run
-# arguments), MODELS (benchmarks.step models).
+# arguments), MODELS (benchmarks.step models), TRAIN_STEPS (steps of the training example).
 # Everything it writes lands in $OUT (default benchmarks/out/gpu): logs, results.csv/json, plots, results.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +27,7 @@ PY=${PY:-python3}
 TESTS=${TESTS:-tests/kernels}
 BENCH_ARGS=${BENCH_ARGS:-}
 MODELS=${MODELS:-125M 1B}
+TRAIN_STEPS=${TRAIN_STEPS:-300}
 status=0
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
@@ -35,9 +39,14 @@ echo "== 2. step() without host sync"
 timeout 45 $PY -m benchmarks.sync_check > "$OUT/sync_check.log" 2>&1 || status=1
 tail -n 20 "$OUT/sync_check.log"
 echo "== 3. benchmarks"
-timeout 210 $PY -m benchmarks.run --out "$OUT" --markdown "$OUT/results.md" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" || status=1
+timeout 180 $PY -m benchmarks.run --out "$OUT" --markdown "$OUT/results.md" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" || status=1
 for model in $MODELS; do
-  timeout 75 $PY -m benchmarks.step --model $model --out "$OUT" --markdown "$OUT/results.md" 2>&1 \
+  timeout 60 $PY -m benchmarks.step --model $model --out "$OUT" --markdown "$OUT/results.md" 2>&1 \
     | tee -a "$OUT/step.log" || status=1
 done
+echo "== 4. the main job: examples/train_gpt.py, 1 GPU (NCCL), $TRAIN_STEPS steps"
+timeout 60 $PY -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --no-progress \
+  --steps "$TRAIN_STEPS" --grad-accum 4 --ckpt-interval 0 --out-dir "$OUT/train" > "$OUT/train.log" 2>&1 || status=1
+tail -n 5 "$OUT/train.log"
+$PY -m benchmarks.train_summary "$OUT/train/tritonshard/metrics.jsonl" >> "$OUT/results.md" || status=1
 exit $status

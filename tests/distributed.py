@@ -22,10 +22,17 @@ def _entry(rank: int, world_size: int, store_path: str, fn, args, warnings_as_er
     torch.set_num_threads(1)
     if warnings_as_errors:
         warnings.simplefilter("error", warnings_as_errors)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
+        # Teardown: one rank died of SIGABRT after its test body had passed (once, full suite, 2026-11-29), the
+        # way gloo aborts when a peer closes its sockets while a transfer is still finishing ("Connection closed by
+        # peer"). So no rank destroys the group before every rank has left the barrier: a handshake through the
+        # store, which does not use gloo's connections.
+        store.set(f"tests.distributed.done.{rank}", "1")
+        store.wait([f"tests.distributed.done.{r}" for r in range(world_size)])
     finally:
         dist.destroy_process_group()
 

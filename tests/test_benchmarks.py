@@ -113,7 +113,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "TESTS": "tests/kernels/test_scale.py",
-           "BENCH_ARGS": "--sizes 4099 --reps 1 --only scale_", "MODELS": "tiny", "OMP_NUM_THREADS": "1"}
+           "BENCH_ARGS": "--sizes 4099 --reps 1 --only scale_", "MODELS": "tiny", "TRAIN_STEPS": "4",
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -121,3 +122,15 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert "sync_check: ShardedLion" in (tmp_path / "sync_check.log").read_text()
     results = (tmp_path / "results.md").read_text()
     assert "| kernel |" in results and "## Optimizer step, tiny" in results
+    assert "## Training example: examples/train_gpt.py, 4 steps" in results
+
+
+def test_train_summary(tmp_path):
+    from benchmarks import train_summary
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": i + 1, "loss": 3.0 - 0.1 * i, "tokens_per_s": 100.0 + i, "skipped": 0} for i in range(20)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = train_summary.summary(str(path))
+    # last 10 losses: 2.0 .. 1.1, mean 1.55; tokens/s after 10 steps: 110 .. 119, median 114.5 -> "114" or "115"
+    assert "20 steps" in text and "| 3.000 | 1.550 |" in text and ("| 114 |" in text or "| 115 |" in text)
