@@ -3,6 +3,8 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from tests.helpers import assert_bitwise_equal
@@ -94,7 +96,8 @@ def test_aligned_full_blocks_and_element_wise_tails_match_reference(monkeypatch)
     for out_dtype in OUT_DTYPES:
         for src_dtype in (torch.float32, torch.bfloat16):
             launches.clear()
-            aligned = [randn(n, n, torch.float32).to(src_dtype) for n in (block, 2 * block + 1, block - 1, 5)]
+            aligned = [randn(n, n, torch.float32).to(src_dtype) for n in (block, 2 * block + 1, block - 1, 5,
+                                                                          block - 1)]
             storage = randn(3 * block + 8, 7, torch.float32).to(src_dtype)
             misaligned = [storage[1:block + 2], storage[block + 3:2 * block + 3]]  # 2/4-byte and odd offsets
             tensors = aligned + misaligned
@@ -102,8 +105,12 @@ def test_aligned_full_blocks_and_element_wise_tails_match_reference(monkeypatch)
             for i, t in enumerate(tensors):
                 offsets.append(off + (3 if i == 2 else 0))  # tensors[2] lands at an odd destination offset
                 off = offsets[-1] + t.numel() + 64 - (offsets[-1] + t.numel()) % 64
-            out, ref, _ = _run_both(out_dtype, tensors, offsets, off, False, 0.37, seed=3)
+            out, ref, initial = _run_both(out_dtype, tensors, offsets, off, False, 0.37, seed=3)
             assert_bitwise_equal(out, ref, f"aligned and misaligned {src_dtype}->{out_dtype}")
+            owned = torch.zeros(off, dtype=torch.bool, device=DEVICE)
+            for o, t in zip(offsets, tensors):
+                owned[o:o + t.numel()] = True
+            assert_bitwise_equal(out[~owned], initial[~owned], "the padding after each tensor is not written")
             assert sorted(launches) == [False, True], f"both code paths must run, got ALIGNED={launches}"
 
 
@@ -182,3 +189,38 @@ def test_torch_backend_is_explicit_and_observable():
     flatten_into(out, [t], [0], backend="torch")
     assert last_backend("flatten_into") is Backend.TORCH
     assert_bitwise_equal(out, t.to(torch.bfloat16), "torch backend")
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_layouts_and_alignments_match_reference(data):
+    # Property: whatever mix of sizes (around BLOCK boundaries), source misalignments (elements skipped at the start
+    # of an allocation) and destination offsets, every element lands where the reference puts it, bit for bit,
+    # and nothing outside the tensors is written.
+    block = flatten_module.BLOCK
+    src_dtype = data.draw(st.sampled_from(SRC_DTYPES), label="src_dtype")
+    out_dtype = data.draw(st.sampled_from(OUT_DTYPES), label="out_dtype")
+    count = data.draw(st.integers(1, 4), label="count")
+    sizes = data.draw(st.lists(st.sampled_from([1, 7, block - 1, block, block + 1, 2 * block + 3]),
+                               min_size=count, max_size=count), label="sizes")
+    # aligned tensors (fresh allocation, 16-byte destination offset) take the vector path, the rest element-wise
+    aligned = data.draw(st.lists(st.booleans(), min_size=count, max_size=count), label="aligned")
+    skips = data.draw(st.lists(st.integers(1, 9), min_size=count, max_size=count), label="source skips")
+    gaps = data.draw(st.lists(st.integers(0, 17), min_size=count, max_size=count), label="destination gaps")
+    seed = data.draw(st.integers(0, 2 ** 16), label="seed")
+    tensors, offsets, off = [], [], 0
+    for i, (n, a, skip, gap) in enumerate(zip(sizes, aligned, skips, gaps)):
+        if a:
+            tensors.append(randn(n, seed + i, torch.float32).to(src_dtype))
+            offsets.append(-(-(off + gap) // 8) * 8)
+        else:
+            tensors.append(randn(n + skip, seed + i, torch.float32).to(src_dtype)[skip:])
+            offsets.append(off + gap)
+        off = offsets[-1] + n
+    out, ref, initial = _run_both(out_dtype, tensors, offsets, off + 5, data.draw(st.booleans(), label="acc"),
+                                  0.37, seed)
+    assert_bitwise_equal(out, ref, f"sizes={sizes} aligned={aligned} skips={skips} gaps={gaps}")
+    owned = torch.zeros(out.numel(), dtype=torch.bool, device=DEVICE)
+    for o, t in zip(offsets, tensors):
+        owned[o:o + t.numel()] = True
+    assert_bitwise_equal(out[~owned], initial[~owned], "elements outside every tensor are not written")
