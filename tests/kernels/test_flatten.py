@@ -1,11 +1,12 @@
-"""flatten_into: bit-exact against flatten_into_ref for every dtype pair, accumulate and scale; one launch per dtype."""
+"""flatten_into: bit-exact against flatten_into_ref for every dtype pair, accumulate and scale, on both code paths
+(aligned full blocks, element-wise rest); one launch per (dtype, alignment)."""
 
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE, ODD_SIZES, randn, random_fp32_bits
