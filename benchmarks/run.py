@@ -6,8 +6,11 @@
 For each kernel and size: the median time over repeated runs (GPU: ``triton.testing.do_bench``, which warms up
 and flushes L2 between runs; CPU: ``time.perf_counter``), the bytes the job must move at minimum (an explicit
 formula per kernel, below), GB/s, the percentage of a device-to-device copy of the same number of bytes measured
-in the same run, and the same job done the PyTorch way, with the speed ratio. Every output is validated against
-the reference before it is timed.
+in the same run, and the same job done each PyTorch way (``_foreach_copy_`` and ``torch.cat`` for the flatten,
+``mul_`` + ``vector_norm`` + ``isfinite`` for the scale, fused ``torch.optim.AdamW`` with the casts around it and
+the bare ``torch._fused_adamw_`` kernel on fp32 for AdamW, ...), one row per way, with the speed ratio. Every
+output is validated against the reference before it is timed. A failing job is reported (table and exit status)
+and the others still run; SIGTERM or Ctrl-C writes what was measured.
 
 On a CPU, our launchers take the PyTorch reference path, or the Triton interpreter when TRITON_INTERPRET=1 (as
 under the tests); rows say which (``cpu-reference`` / ``triton-interpreter``) and such timings mean nothing: they
@@ -99,12 +102,21 @@ def flatten_job(n, device, src_dtype, accumulate, many):
         flatten_into(out, srcs, offsets, accumulate=accumulate)
 
     if accumulate:
-        def theirs():
+        def foreach():
             torch._foreach_add_(views, srcs)
-    else:
-        def theirs():
-            torch._foreach_copy_(views, srcs)
-    return ours, theirs, "_foreach_add_" if accumulate else "_foreach_copy_"
+        return ours, [("_foreach_add_", foreach)]
+
+    def foreach():
+        torch._foreach_copy_(views, srcs)
+
+    if src_dtype == out.dtype:
+        def cat():
+            torch.cat(srcs, out=out)
+        return ours, [("_foreach_copy_", foreach), ("torch.cat(out=)", cat)]
+
+    def cat():  # torch.cat cannot change the dtype: concatenate, then cast (one more pass over the data)
+        out.copy_(torch.cat(srcs))
+    return ours, [("_foreach_copy_", foreach), ("torch.cat + cast", cat)]
 
 
 def scale_job(n, device):
@@ -122,7 +134,7 @@ def scale_job(n, device):
         x.mul_(1.0)
         torch.linalg.vector_norm(x, dtype=torch.float32)
         torch.isfinite(x).all()
-    return ours, theirs, "mul_+vector_norm+isfinite"
+    return ours, [("mul_+vector_norm+isfinite", theirs)]
 
 
 def _fused_torch_step(optimizer_cls, p, grad, out, **hp):
@@ -155,8 +167,15 @@ def adamw_job(n, device):
     def ours():
         adamw_step_(p, grad, m, v, step=2, param_out=out, **hp)
 
-    return ours, _fused_torch_step(torch.optim.AdamW, p, grad, out2, lr=1e-3, weight_decay=0.01), \
-        "fused AdamW+casts"
+    g32, m3, v3, steps = grad.float(), m.clone(), v.clone(), [torch.tensor(2.0, device=device)]
+
+    def fused_kernel():  # the fused kernel alone on fp32 tensors: the same 28 bytes/element, no bf16 in or out
+        torch._fused_adamw_([p2], [g32], [m3], [v3], [], steps, lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+
+    return ours, [("fused AdamW+casts", _fused_torch_step(torch.optim.AdamW, p, grad, out2, lr=1e-3,
+                                                          weight_decay=0.01)),
+                  ("torch._fused_adamw_ fp32", fused_kernel)]
 
 
 def sgd_job(n, device):
@@ -173,7 +192,7 @@ def sgd_job(n, device):
     def ours():
         sgd_step_(p, grad, buf, step=2, param_out=out, **hp)
 
-    return ours, _fused_torch_step(torch.optim.SGD, p, grad, out2, **hp), "fused SGD+casts"
+    return ours, [("fused SGD+casts", _fused_torch_step(torch.optim.SGD, p, grad, out2, **hp))]
 
 
 def lion_job(n, device):
@@ -195,10 +214,11 @@ def lion_job(n, device):
         p2.add_((m2 * 0.9).add_(g32, alpha=0.1).sign_(), alpha=-1e-4)
         m2.mul_(0.99).add_(g32, alpha=0.01)
         out2.copy_(p2)
-    return ours, theirs, "torch ops (lion-pytorch)"
+    return ours, [("torch ops (lion-pytorch)", theirs)]
 
 
-# name -> (key into BYTES, launcher name for last_backend, job factory)
+# name -> (key into BYTES, launcher name for last_backend, job factory). A factory validates our kernel against
+# the reference, then returns (ours, [(name of a PyTorch way, fn), ...]): one table row per PyTorch way.
 JOBS = {
     "flatten fp32->bf16 (4 tensors)":
         ("flatten fp32->bf16", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, False, False)),
@@ -263,7 +283,7 @@ def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: l
                 done += 1
                 print(f"[{done}/{total}] {name}, {n / 2 ** 20:g}M elements ...", flush=True)
                 try:
-                    rows.append(_measure(name, bytes_key, op, make, n, device, reps, env))
+                    rows.extend(_measure(name, bytes_key, op, make, n, device, reps, env))
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except Exception as exc:  # noqa: BLE001 -- reported in the table and the exit status
@@ -281,21 +301,24 @@ def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: l
     return rows
 
 
-def _measure(name, bytes_key, op, make, n, device, reps, env) -> dict:
-    ours, theirs, their_name = make(n, device)  # validates our output against the PyTorch way first
+def _measure(name, bytes_key, op, make, n, device, reps, env) -> list[dict]:
+    ours, ways = make(n, device)  # validates our output against the reference first
     backend = last_backend(op)
     nbytes = BYTES[bytes_key] * n
     t_ours = bench(ours, device, reps)
-    t_theirs = bench(theirs, device, reps)
     t_copy = copy_seconds(nbytes, device, reps)
-    return {
-        "kernel": name, "numel": n, "bytes_moved": nbytes, "bytes_per_elem": BYTES[bytes_key],
-        "ours_ms": t_ours * 1e3, "ours_GBps": nbytes / t_ours / 1e9,
-        "copy_GBps": nbytes / t_copy / 1e9, "pct_of_copy": 100 * t_copy / t_ours,
-        "torch_impl": their_name, "torch_ms": t_theirs * 1e3, "torch_GBps": nbytes / t_theirs / 1e9,
-        "speedup_vs_torch": t_theirs / t_ours, "our_backend": str(backend.value if backend else "?"),
-        **env,
-    }
+    rows = []
+    for their_name, theirs in ways:
+        t_theirs = bench(theirs, device, reps)
+        rows.append({
+            "kernel": name, "numel": n, "bytes_moved": nbytes, "bytes_per_elem": BYTES[bytes_key],
+            "ours_ms": t_ours * 1e3, "ours_GBps": nbytes / t_ours / 1e9,
+            "copy_GBps": nbytes / t_copy / 1e9, "pct_of_copy": 100 * t_copy / t_ours,
+            "torch_impl": their_name, "torch_ms": t_theirs * 1e3, "torch_GBps": nbytes / t_theirs / 1e9,
+            "speedup_vs_torch": t_theirs / t_ours, "our_backend": str(backend.value if backend else "?"),
+            **env,
+        })
+    return rows
 
 
 def write(out_dir: str, rows: list[dict], env: dict, markdown: str | None = None,
@@ -343,10 +366,13 @@ def plot(out_dir: str, rows: list[dict]) -> None:
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
         rs = [r for r in rows if r["kernel"] == kernel]
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        xs = [r["numel"] for r in rs]
-        ax.plot(xs, [r["ours_GBps"] for r in rs], "o-", label="tritonshard")
-        ax.plot(xs, [r["torch_GBps"] for r in rs], "s--", label=f"PyTorch ({rs[0]['torch_impl']})")
-        ax.plot(xs, [r["copy_GBps"] for r in rs], ":", color="gray", label="device copy")
+        first = [r for r in rs if r["torch_impl"] == rs[0]["torch_impl"]]  # one row per size
+        xs = [r["numel"] for r in first]
+        ax.plot(xs, [r["ours_GBps"] for r in first], "o-", label="tritonshard")
+        for way, marker in zip(dict.fromkeys(r["torch_impl"] for r in rs), "sd^v"):
+            ax.plot([r["numel"] for r in rs if r["torch_impl"] == way],
+                    [r["torch_GBps"] for r in rs if r["torch_impl"] == way], f"{marker}--", label=f"PyTorch: {way}")
+        ax.plot(xs, [r["copy_GBps"] for r in first], ":", color="gray", label="device copy")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("elements")
         ax.set_ylabel("GB/s (minimum bytes moved)")
