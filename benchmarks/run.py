@@ -283,7 +283,7 @@ def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: l
                 done += 1
                 print(f"[{done}/{total}] {name}, {n / 2 ** 20:g}M elements ...", flush=True)
                 try:
-                    rows.extend(_measure(name, bytes_key, op, make, n, device, reps, env))
+                    rows.extend(_measure(name, bytes_key, op, make, n, device, reps, env, errors))
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except Exception as exc:  # noqa: BLE001 -- reported in the table and the exit status
@@ -301,7 +301,7 @@ def run(out_dir: str, sizes: list[int], device: torch.device, reps: int, only: l
     return rows
 
 
-def _measure(name, bytes_key, op, make, n, device, reps, env) -> list[dict]:
+def _measure(name, bytes_key, op, make, n, device, reps, env, errors: list[str]) -> list[dict]:
     ours, ways = make(n, device)  # validates our output against the reference first
     backend = last_backend(op)
     nbytes = BYTES[bytes_key] * n
@@ -309,7 +309,12 @@ def _measure(name, bytes_key, op, make, n, device, reps, env) -> list[dict]:
     t_copy = copy_seconds(nbytes, device, reps)
     rows = []
     for their_name, theirs in ways:
-        t_theirs = bench(theirs, device, reps)
+        try:
+            t_theirs = bench(theirs, device, reps)
+        except Exception as exc:  # noqa: BLE001 -- a PyTorch way missing from this torch loses its row only
+            errors.append(f"{name} at {n} elements, PyTorch way {their_name}: {type(exc).__name__}: {exc}")
+            print(f"  FAILED: {errors[-1]}", flush=True)
+            continue
         rows.append({
             "kernel": name, "numel": n, "bytes_moved": nbytes, "bytes_per_elem": BYTES[bytes_key],
             "ours_ms": t_ours * 1e3, "ours_GBps": nbytes / t_ours / 1e9,

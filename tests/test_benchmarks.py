@@ -140,3 +140,20 @@ def test_train_summary(tmp_path):
     text = train_summary.summary(str(path))
     # last 10 losses: 2.0 .. 1.1, mean 1.55; tokens/s after 10 steps: 110 .. 119, median 114.5 -> "114" or "115"
     assert "20 steps" in text and "| 3.000 | 1.550 |" in text and ("| 114 |" in text or "| 115 |" in text)
+
+
+def test_a_failing_pytorch_way_loses_only_its_row(tmp_path, monkeypatch):
+    real = bench_run.JOBS[SCALE]
+
+    def with_a_missing_way(n, device):
+        ours, ways = real[2](n, device)
+
+        def missing():
+            raise AttributeError("module 'torch' has no attribute '_fused_thing_'")
+        return ours, ways + [("torch._fused_thing_", missing)]
+
+    monkeypatch.setattr(bench_run, "JOBS", {SCALE: (real[0], real[1], with_a_missing_way)})
+    errors = []
+    rows = bench_run.main(["--out", str(tmp_path), "--sizes", "4099", "--reps", "1"], errors=errors)
+    assert [r["torch_impl"] for r in rows] == ["mul_+vector_norm+isfinite"]
+    assert len(errors) == 1 and "PyTorch way torch._fused_thing_: AttributeError" in errors[0]
