@@ -37,6 +37,29 @@ def _run_both(out_dtype, tensors, offsets, numel, accumulate, scale, seed):
     return out, ref, initial
 
 
+def _assert_outside_untouched(out, initial, tensors, offsets):
+    owned = torch.zeros(out.numel(), dtype=torch.bool, device=DEVICE)
+    for off, t in zip(offsets, tensors):
+        owned[off:off + t.numel()] = True
+    assert_bitwise_equal(out[~owned], initial[~owned], "elements outside every tensor are not written")
+
+
+def _record_launches(monkeypatch) -> list[dict]:
+    """Run the real kernel, and record the keyword (constexpr) arguments of every launch."""
+    launches = []
+    real = flatten_module._flatten_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(flatten_module, "_flatten_kernel", Recording())
+    return launches
+
+
 @pytest.mark.parametrize("src_dtype", SRC_DTYPES)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -48,10 +71,7 @@ def test_every_dtype_pair_matches_reference(src_dtype, out_dtype, accumulate, sc
     out, ref, initial = _run_both(out_dtype, tensors, list(layout.offsets), layout.padded_numel, accumulate,
                                   scale, seed=1)
     assert_bitwise_equal(out, ref, f"flatten {src_dtype}->{out_dtype} acc={accumulate} scale={scale}")
-    owned = torch.zeros(layout.padded_numel, dtype=torch.bool, device=DEVICE)
-    for off, n in zip(layout.offsets, sizes):
-        owned[off:off + n] = True
-    assert_bitwise_equal(out[~owned], initial[~owned], "elements outside every tensor are not written")
+    _assert_outside_untouched(out, initial, tensors, layout.offsets)
 
 
 # numpy (under the interpreter) warns when it multiplies a signalling NaN, which random bit patterns include
@@ -82,17 +102,7 @@ def test_aligned_full_blocks_and_element_wise_tails_match_reference(monkeypatch)
     # The kernel has two code paths: 16-byte-aligned tensors copy full BLOCKs unmasked (vector accesses on a GPU),
     # everything else (tails, misaligned sources or destinations) masked element by element. Sizes around BLOCK
     # multiples, sources at 2- and 4-byte offsets from an allocation, destinations at odd offsets.
-    launches = []
-    real = flatten_module._flatten_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs["ALIGNED"])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(flatten_module, "_flatten_kernel", Recording())
+    launches = _record_launches(monkeypatch)
     block = flatten_module.BLOCK
     for out_dtype in OUT_DTYPES:
         for src_dtype in (torch.float32, torch.bfloat16):
@@ -108,25 +118,13 @@ def test_aligned_full_blocks_and_element_wise_tails_match_reference(monkeypatch)
                 off = offsets[-1] + t.numel() + 64 - (offsets[-1] + t.numel()) % 64
             out, ref, initial = _run_both(out_dtype, tensors, offsets, off, False, 0.37, seed=3)
             assert_bitwise_equal(out, ref, f"aligned and misaligned {src_dtype}->{out_dtype}")
-            owned = torch.zeros(off, dtype=torch.bool, device=DEVICE)
-            for o, t in zip(offsets, tensors):
-                owned[o:o + t.numel()] = True
-            assert_bitwise_equal(out[~owned], initial[~owned], "the padding after each tensor is not written")
-            assert sorted(launches) == [False, True], f"both code paths must run, got ALIGNED={launches}"
+            _assert_outside_untouched(out, initial, tensors, offsets)
+            paths = sorted(k["ALIGNED"] for k in launches)
+            assert paths == [False, True], f"both code paths must run, got ALIGNED={paths}"
 
 
 def test_many_tensors_one_launch_per_dtype(monkeypatch):
-    launches = []
-    real = flatten_module._flatten_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((kwargs["SRC_DTYPE"], kwargs["ALIGNED"]))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(flatten_module, "_flatten_kernel", Counting())
+    launches = _record_launches(monkeypatch)
     rng = random.Random(0)
     sizes = [rng.choice([0, 1, 2, 3, 17, 64, 199, 1000]) for _ in range(500)] + [9000]  # a big one among tiny
     dtypes = [SRC_DTYPES[i % 3] for i in range(len(sizes))]
@@ -144,7 +142,8 @@ def test_many_tensors_one_launch_per_dtype(monkeypatch):
     flatten_into_ref(ref, tensors, offsets)
     assert_bitwise_equal(out, ref, "500 mixed tensors")
     # one launch per (source dtype, 16-byte aligned or not): align=1 offsets give both kinds for every dtype
-    assert len(launches) == len(set(launches)) == 6, f"one launch per (dtype, alignment), got {launches}"
+    kinds = [(k["SRC_DTYPE"], k["ALIGNED"]) for k in launches]
+    assert len(kinds) == len(set(kinds)) == 6, f"one launch per (dtype, alignment), got {kinds}"
     # single-dtype list of 1,000 tensors in a Buffer-like layout (64-element aligned offsets): exactly one launch
     launches.clear()
     tensors = [randn(rng.randint(1, 50), i) for i in range(1000)]
@@ -221,7 +220,4 @@ def test_random_layouts_and_alignments_match_reference(data):
     out, ref, initial = _run_both(out_dtype, tensors, offsets, off + 5, data.draw(st.booleans(), label="acc"),
                                   0.37, seed)
     assert_bitwise_equal(out, ref, f"sizes={sizes} aligned={aligned} skips={skips} gaps={gaps}")
-    owned = torch.zeros(out.numel(), dtype=torch.bool, device=DEVICE)
-    for o, t in zip(offsets, tensors):
-        owned[o:o + t.numel()] = True
-    assert_bitwise_equal(out[~owned], initial[~owned], "elements outside every tensor are not written")
+    _assert_outside_untouched(out, initial, tensors, offsets)
