@@ -18,6 +18,12 @@ cubin) and the widths of its global loads and stores (from the PTX), and fails w
 * a streaming kernel has no 16-byte global access, or the flatten kernel's aligned path has no 16-byte store
   (exempt: the one-program finalize of ``scale_``, and flatten's ALIGNED=False path, element-wise by design).
 
+Reading the report: "layout converts" counts TTGIR ``convert_layout`` ops (data reshuffled between threads through
+shared memory). In the update kernels with a bf16 gradient, the loads and the arithmetic use the bf16 accesses'
+8-elements-per-thread layout while each fp32 store keeps 4 per thread (one 16-byte vector), so every fp32 store is
+preceded by a conversion (3 in AdamW: param, exp_avg, exp_avg_sq; seen in the TTGIR, not chosen by us). Whether
+that costs bandwidth is for a GPU to say.
+
 What it cannot tell: speed (that is ``benchmarks.run`` on a GPU), and whether the compiled code computes the
 right values (that is ``tests/kernels`` on a GPU, in ``benchmarks/gpu_check.sh``). The dry-run driver uses
 Triton's driver interface (``triton.runtime.driver.set_active``; the launcher and ``load_binary`` hooks of
