@@ -128,3 +128,26 @@ def _params():
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
+
+
+def test_hooks_on_the_model_do_not_keep_the_optimizer_alive():
+    # The gradient hooks (and attach()'s forward pre-hooks) live on the user's parameters and modules. They must
+    # not own the optimizer: otherwise `del opt` frees nothing while the model lives, and the optimizer (with its
+    # buffers and process group) is torn down during interpreter shutdown.
+    import gc
+    import weakref
+
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, overlap_comm=True)
+    opt.attach(model)
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert alive() is None, "the model's hooks keep the optimizer alive"
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).float().square().mean().backward()  # the orphaned hooks do nothing
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

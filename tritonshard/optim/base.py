@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -70,6 +71,20 @@ class LossScaleConfig:
     #: multiplies the scale after a step with inf/NaN (that step is skipped)
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+
+
+def _weak_method(method):
+    """``method`` for a hook on the user's parameters or modules, without keeping its optimizer alive.
+
+    A bound method in such a hook would tie the optimizer (its buffers, its process group) to the model's lifetime:
+    ``del opt`` would free nothing, and the process group would be torn down during interpreter shutdown, which
+    can abort a gloo process. Once the optimizer is gone the hook does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return bound(*args, **kwargs) if bound is not None else None
+    return call
 
 
 def _reject_duplicates(params: list) -> None:
@@ -281,7 +296,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_coef: Optional[torch.Tensor] = None
         self._no_sync_depth = 0
         self._flush_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._bucket_of]
+        on_grad_ready = _weak_method(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in self._bucket_of]
 
     # ------------------------------------------------------------------ construction helpers
     def _make_bucket(self, gi, params, align) -> _Bucket:
@@ -475,13 +491,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self.overlap_comm:
             raise ValueError("attach() overlaps the all-gathers with forward; construct with overlap_comm=True")
         handles = []
+        wait_for_params = _weak_method(self.wait_for_params)
         for module in model.modules():
             owned = {self._bucket_of[p][0].index: self._bucket_of[p][0]
                      for p in module.parameters(recurse=False) if p in self._bucket_of}
             if owned:
                 buckets = [owned[i] for i in sorted(owned)]
                 handles.append(module.register_forward_pre_hook(
-                    lambda mod, args, buckets=buckets: self.wait_for_params(buckets)))
+                    lambda mod, args, buckets=buckets: wait_for_params(buckets)))
         self._attached = True
         return handles
 
