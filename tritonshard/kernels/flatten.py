@@ -189,13 +189,13 @@ def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Se
     # of 16 bytes (what a Buffer's 64-element alignment and the caching allocator give), so the kernel may use
     # 16-byte vector accesses; anything else takes the element-wise path
     base_misaligned = out.data_ptr() % 16
-    by_dtype: dict[tuple[torch.dtype, bool], list[tuple[torch.Tensor, int]]] = {}
+    groups: dict[tuple[torch.dtype, bool], list[tuple[torch.Tensor, int]]] = {}
     for t, off in zip(tensors, offsets):
         if t.numel():
             t = t if t.is_contiguous() else t.contiguous()
             aligned = not base_misaligned and t.data_ptr() % 16 == 0 and (int(off) * out.element_size()) % 16 == 0
-            by_dtype.setdefault((t.dtype, aligned), []).append((t, int(off)))
-    for (dtype, aligned), items in by_dtype.items():
+            groups.setdefault((t.dtype, aligned), []).append((t, int(off)))
+    for (dtype, aligned), items in groups.items():
         srcs = [t for t, _ in items]
         ptrs = tuple(t.data_ptr() for t in srcs)
         offs = tuple(off for _, off in items)
