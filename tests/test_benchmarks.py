@@ -2,9 +2,15 @@
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
 
 from benchmarks import run as bench_run
 from benchmarks import step as bench_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_microbenchmarks_smoke(tmp_path):
@@ -42,15 +48,9 @@ def test_step_benchmark_smoke(tmp_path):
 
 
 def test_overlap_benchmark_smoke(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "benchmarks.overlap", "--tiny", "--out", str(tmp_path)], cwd=repo,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
+                           "-m", "benchmarks.overlap", "--tiny", "--out", str(tmp_path)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.load(open(tmp_path / "overlap.json"))
@@ -78,8 +78,6 @@ def test_a_failing_job_is_reported_and_the_rest_still_run(tmp_path, monkeypatch)
 
 
 def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch):
-    import signal
-
     real = bench_run.JOBS[SCALE]
     calls = []
 
@@ -113,15 +111,10 @@ def test_sync_check_configurations_run(capsys):
 
 def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     # the one prepared GPU script, shrunk by its knobs: a failure here would have cost a rare GPU run
-    import os
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "TESTS": "tests/kernels/test_scale.py",
            "BENCH_ARGS": "--sizes 4099 --reps 1 --only scale_", "MODELS": "tiny", "TRAIN_STEPS": "4",
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=repo, env=env, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in (tmp_path / "kernel_tests.log").read_text()

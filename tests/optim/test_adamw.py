@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
+from tests.optim.training import LR, Reference, loss_fn, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedAdamW
 
 
@@ -141,7 +141,7 @@ def test_hooks_on_the_model_do_not_keep_the_optimizer_alive():
     opt = ShardedAdamW(param_groups(model), lr=LR, overlap_comm=True)
     opt.attach(model)
     x = torch.randn(6, 13).to(torch.bfloat16)
-    model(x).float().square().mean().backward()
+    loss_fn(model, x).backward()
     opt.step()
     opt.zero_grad()
     alive = weakref.ref(opt)
@@ -149,5 +149,5 @@ def test_hooks_on_the_model_do_not_keep_the_optimizer_alive():
     gc.collect()
     assert alive() is None, "the model's hooks keep the optimizer alive"
     before = [p.detach().clone() for p in model.parameters()]
-    model(x).float().square().mean().backward()  # the orphaned hooks do nothing
+    loss_fn(model, x).backward()  # the orphaned hooks do nothing
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
