@@ -100,6 +100,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     ``extra``: small picklable-free data (numbers, strings, tensors, lists, dicts) stored in the metadata by rank 0,
     e.g. the training step and RNG states.
     """
+    opt.sync_from_model()
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     partial = f"{path}.partial"
@@ -250,6 +251,7 @@ def load_sharded(opt, path: str) -> dict:
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     _check_signature(opt, meta)
+    opt.sync_from_model()
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     with torch.no_grad():
@@ -275,6 +277,7 @@ def load_sharded(opt, path: str) -> dict:
         opt.skipped_steps.fill_(meta["skipped_steps"])
         opt._load_scaler_state(meta.get("scaler", {}))
         opt._refresh_params_from_master()
+    opt._expose_state()
     return meta["extra"]
 
 

@@ -56,6 +56,8 @@ from ..buffer import DEFAULT_ALIGN, Buffer
 from .. import kernels as _eager_kernels
 from ..kernels import ops as _op_kernels
 from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
+from . import model_sync
+from .model_sync import ShardedGrad
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig"]
 
@@ -73,18 +75,8 @@ class LossScaleConfig:
     growth_interval: int = 2000
 
 
-def _weak_method(method):
-    """``method`` for a hook on the user's parameters or modules, without keeping its optimizer alive.
-
-    A bound method in such a hook would tie the optimizer (its buffers, its process group) to the model's lifetime:
-    ``del opt`` would free nothing, and the process group would be torn down during interpreter shutdown, which
-    can abort a gloo process. Once the optimizer is gone the hook does nothing."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args, **kwargs):
-        bound = ref()
-        return bound(*args, **kwargs) if bound is not None else None
-    return call
+def _shape(p) -> str:
+    return f"(shape {tuple(p.shape)})"
 
 
 def _reject_duplicates(params: list) -> None:
@@ -147,6 +139,8 @@ class _Bucket:
         # per-step communication state, reset by step() / zero_grad()
         self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
         self.ready: set = set()     # parameters whose gradient arrived in the current backward
+        self.placed: dict = {}     # parameters whose param.grad is our ShardedGrad placeholder (a dict: dynamo
+        #                             traces no sets of tensors)
         self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
         self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
         self.rs_launched = False
@@ -271,13 +265,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for i, b in enumerate(self.buckets):
             b.index = i
+        # the param-group dicts themselves (LR schedulers and load_state_dict update them in place), reached without
+        # going through self.param_groups: under torch.compile that attribute makes dynamo wrap every parameter's
+        # .grad, which holds a ShardedGrad placeholder after backward
+        self._group_of_bucket = [self.param_groups[b.group_index] for b in self.buckets]
         self.overlap_comm = bool(overlap_comm)
         # reduce-scatters are launched in _launch_order (the same on every rank): bucket order at first, then the
         # order in which buckets completed in the first backward (rank 0's, broadcast), adopted from step 2 on
         self._launch_order = list(range(len(self.buckets)))
         self._observed_order: Optional[list[int]] = [] if self.overlap_comm else None
         self._next_launch = 0  # _launch_order[:_next_launch] have their reduce-scatter launched this step
-        self._attached = False
+        self._defer_gathers = False  # attach() with overlap_comm: all-gathers are waited for in the next forward
         #: reduce-scatters launched so far (observable: lets a trace or test see them start during backward)
         self.reduce_scatters_launched = 0
 
@@ -296,8 +294,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_coef: Optional[torch.Tensor] = None
         self._no_sync_depth = 0
         self._flush_queued = False
-        on_grad_ready = _weak_method(self._on_grad_ready)
-        self._hooks = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in self._bucket_of]
+        self._grads_this_backward = False
+
+        # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
+        self._param_list = [p for b in self.buckets for p in b.params]
+        self._param_index = {p: i for i, p in enumerate(self._param_list)}
+        named = [g.get("param_names") for g in self.param_groups]
+        self._param_names: dict = {}
+        for gi, g in enumerate(self.param_groups):
+            for j, p in enumerate(g["params"]):
+                given = named[gi][j] if named[gi] is not None else None
+                self._param_names[p] = repr(given) if given else f"param_groups[{gi}]['params'][{j}] {_shape(p)}"
+        # what step() checks against: the view each parameter must alias, and its version counter (bumped by
+        # every in-place write through the parameter, e.g. model.load_state_dict; not by our buffer writes)
+        self._param_views = {p: view for b in self.buckets for p, view in zip(b.params, b.param_buffer.get_views())}
+        self._param_ptrs = {p: view.data_ptr() for p, view in self._param_views.items()}
+        self._param_versions = {p: p._version for p in self._param_list}
+        self._frozen_at_build = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._model_params: list = []  # (module, attribute name, parameter), filled by attach()
+        self._named_by_model: set = set()
+        self._attached_model = None
+        self._placeholders = {p: ShardedGrad(p, self, self._param_names[p]) for p in self._param_list}
+        self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
+        self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
+        self._state_exposed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self))
+                       for p in self._param_list]
+        self._hooks += [p.register_hook(model_sync.ClearPlaceholderHook(self, p)) for p in self._param_list]
 
     # ------------------------------------------------------------------ construction helpers
     def _make_bucket(self, gi, params, align) -> _Bucket:
@@ -331,11 +354,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Validate one group's hyper-parameters (subclasses); ``where`` names the group in the message."""
 
     # ------------------------------------------------------------------ gradients into the buffers
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        # first gradient of this backward: make sure every bucket is flushed once autograd has finished
+    def _queue_end_of_backward(self) -> None:
+        """Flush every bucket once autograd has finished this backward. Queued by the first gradient hook, or
+        earlier by a hook on the attached model's outputs, which runs in the outermost backward (a reentrant
+        activation checkpoint runs an inner backward whose callbacks run when the inner one ends)."""
         if not self._flush_queued:
             self._flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        self._grads_this_backward = True
         if self.overlap_comm:
             bucket, _ = self._bucket_of[param]
             bucket.ready.add(param)
@@ -349,10 +378,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _end_of_backward(self) -> None:
         self._flush_queued = False
+        got_grads, self._grads_this_backward = self._grads_this_backward, False
         for b in self.buckets:
             self._flush_bucket(b)  # buckets some of whose parameters got no gradient in this backward
             b.ready.clear()
-        if self.overlap_comm and not self._no_sync_depth:
+        # a backward that reached none of our parameters (torch.autograd.grad through the model's outputs, or a
+        # rank whose loss did not use them) launches nothing here; step() launches what is left on every rank
+        if self.overlap_comm and not self._no_sync_depth and got_grads:
             # every bucket is reduced after the last micro-batch, including one that got no gradient at all, so
             # every rank issues the same collectives in the same order
             self._launch_all()
@@ -360,13 +392,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _flush_bucket(self, b: _Bucket) -> None:
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
         overwrites (parameters without a gradient get zeros), later ones accumulate."""
-        grads = [(p.grad, off) for p, off in zip(b.params, b.grad_buffer.offsets) if p.grad is not None]
+        if b.placed:
+            self._take_back_cleared(b)
+        grads = [(p.grad, off) for p, off in zip(b.params, b.grad_buffer.offsets)
+                 if p.grad is not None and p not in b.placed]
         if not grads:
             return
         if b.rs_launched:
             raise RuntimeError(
                 f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
-                "overlap_comm=True, run every backward of an accumulation but the last inside opt.no_sync()")
+                "overlap_comm=True, run every backward of an accumulation but the last inside opt.no_sync() (with "
+                "a reentrant activation checkpoint, also call opt.attach(model))")
         if self._reduced is not None:
             raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
                                "call step() (or zero_grad()) first")
@@ -376,9 +412,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     view.zero_()  # no gradient this time: contributes zeros
         kernels().flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads],
                                accumulate=b.has_grads)
-        for p in b.params:
-            p.grad = None
+        if torch.compiler.is_compiling():
+            for p in b.params:
+                p.grad = None
+        else:  # param.grad says "there is a gradient, in tritonshard's buffer" (see ShardedGrad)
+            for p in b.params:
+                if p.grad is not None and p not in b.placed:
+                    p.grad = self._placeholders[p]
+                    b.placed[p] = True
         b.has_grads = True
+
+    def _take_placeholder(self, param: torch.Tensor) -> None:
+        """A new gradient for ``param`` is about to be accumulated: remove the placeholder, so autograd stores it
+        (the earlier gradients are in the grad buffer, which the next flush accumulates onto)."""
+        if param.grad is self._placeholders.get(param):
+            param.grad = None
+            self._bucket_of[param][0].placed.pop(param, None)
+
+    def _take_back_cleared(self, b: _Bucket) -> None:
+        """torch semantics for code that cleared or replaced ``param.grad`` after we took the gradient
+        (``model.zero_grad()``, ``p.grad = None``, ``p.grad = t``): the gradient in the buffer is discarded."""
+        for p in [p for p in b.placed if p.grad is not self._placeholders[p]]:
+            b.placed.pop(p)
+            self._discard_grad(p, keep_placeholder=False)
+
+    def _discard_grad(self, param: torch.Tensor, keep_placeholder: bool = True) -> None:
+        """Zero ``param``'s gradient in the grad buffer (``param.grad.zero_()``, or a cleared ``param.grad``)."""
+        b, i = self._bucket_of[param]
+        if b.rs_launched or self._reduced is not None:
+            raise RuntimeError(
+                f"the gradient of {self._param_names[param]} was zeroed, cleared or replaced after it was reduced "
+                "(by clip_grad_norm_, or by overlap_comm=True at the end of backward); change gradients before "
+                "clipping, and with overlap_comm=True before the last backward of the step")
+        if b.has_grads:
+            b.grad_buffer.get_views()[i].zero_()
+        if not keep_placeholder and param.grad is self._placeholders[param]:
+            param.grad = None
 
     def _launch_all(self) -> None:
         """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
@@ -422,8 +491,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._reduced
         if self._no_sync_depth:
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
-        for b in self.buckets:
-            self._flush_bucket(b)  # gradients set by hand, without a backward
+        self.sync_from_model()
+        if not torch.compiler.is_compiling():  # (a compiled step takes the gradients its backward flushed)
+            for b in self.buckets:
+                self._flush_bucket(b)  # gradients set by hand, without a backward
         self._launch_all()
         self._adopt_observed_order()
         partials = []
@@ -462,13 +533,210 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._launch_order = order
 
     def _reset_step_state(self) -> None:
+        compiling = torch.compiler.is_compiling()
         for b in self.buckets:
             if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
                 b.rs_work.wait()
             b.rs_work, b.rs_launched, b.launch_wanted, b.has_grads = None, False, False, False
             b.ready.clear()
+            if not compiling:  # step() and zero_grad() consume the gradients: param.grad is None after them
+                for p in b.placed:
+                    if p.grad is self._placeholders[p]:
+                        p.grad = None
+                b.placed.clear()
         self._next_launch = 0
         self._reduced, self._clip_coef = None, None
+        self._grad_multipliers.clear()
+        self._norm_cache.clear()
+
+    # ------------------------------------------------------------------ the model's view (see model_sync.py)
+    def sync_from_model(self) -> None:
+        """Bring the master shards up to date with what the user's code did to the parameters since the last step.
+
+        Runs at the start of every step (and of ``state_dict()``, checkpoint saves and loads); call it yourself
+        only when the step runs under ``torch.compile``, where it is skipped. On the host, no device sync:
+
+        * a parameter written in place (``model.load_state_dict``, ``torch.nn.init``, ``p.copy_``; its version
+          counter moved): every element of this rank's shard whose bf16 value is no longer the rounding of the
+          fp32 master takes the new value as its master (elementwise, on the device); the optimizer state stays,
+          as with torch.optim;
+        * a parameter that no longer aliases its buffer (a copying ``.to()`` on the same device and dtype, e.g.
+          accelerate's ``model.to("cpu:0")``, or ``p.data = t``): its values are copied back into the buffer and it
+          is made a view of it again, then as above;
+        * an error, naming the parameter, the cause and the fix, for what cannot be followed: a parameter moved to
+          another device or converted to another dtype, a parameter replaced in the model by another object
+          (``load_state_dict(..., assign=True)``; needs ``attach``), a parameter frozen when the optimizer was
+          built and trainable now.
+        """
+        if torch.compiler.is_compiling():
+            return
+        for module, name, p in self._model_params:
+            if module._parameters.get(name) is not p:
+                raise RuntimeError(
+                    f"parameter {self._param_names[p]} was replaced in the model by another tensor after the "
+                    "optimizer was built (e.g. model.load_state_dict(..., assign=True) or setattr), so the optimizer "
+                    "would keep updating the old one. Load with assign=False (the default: it copies into the "
+                    "existing parameters, which tritonshard follows), or build the optimizer after loading.")
+        for p in self._frozen_at_build:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {self._param_names[p]} was frozen (requires_grad=False) when the optimizer was built, "
+                    "so tritonshard laid out no buffer, master weights or state for it, and it is trainable now. "
+                    "Build the optimizer with every parameter that will ever train set to requires_grad=True (freeze "
+                    "later instead: a parameter frozen after construction is left unchanged by step()), or give the "
+                    "unfrozen parameters an optimizer of their own.")
+        dirty = set()
+        for p in self._param_list:
+            if p.data_ptr() != self._param_ptrs[p] or p.dtype != self.param_dtype or p.device != self.device:
+                self._readopt(p)
+                dirty.add(self._bucket_of[p][0].index)
+            elif p._version != self._param_versions[p]:
+                self._param_versions[p] = p._version
+                dirty.add(self._bucket_of[p][0].index)
+        if dirty:
+            self.wait_for_params()
+            for i in sorted(dirty):
+                self._reconcile_master(self.buckets[i])
+
+    def _readopt(self, p: torch.Tensor) -> None:
+        name = self._param_names[p]
+        if p.device != self.device:
+            raise RuntimeError(
+                f"parameter {name} was moved to {p.device} after the optimizer was built on {self.device} (e.g. "
+                "model.to(device) or accelerate's prepare()): tritonshard's buffers, master weights and state stay "
+                "where they were built. Move the model first, then build the optimizer.")
+        if p.dtype != self.param_dtype:
+            raise RuntimeError(
+                f"parameter {name} was converted to {p.dtype} after the optimizer was built (e.g. model.float() or "
+                f"model.half()): tritonshard trains it as {self.param_dtype} views of its buffers (fp32 master "
+                "weights kept sharded). Don't convert the model after building the optimizer; choose the weights' "
+                "dtype with param_dtype=.")
+        view = self._param_views[p]
+        if tuple(p.shape) != tuple(view.shape):
+            raise RuntimeError(f"parameter {name} changed shape from {tuple(view.shape)} to {tuple(p.shape)} "
+                               "after the optimizer was built")
+        self.wait_for_params()
+        with torch.no_grad():
+            view.copy_(p.detach())
+        p.data = view  # the same Parameter object, aliasing the buffer again
+        self._param_versions[p] = p._version
+        self._param_ptrs[p] = view.data_ptr()
+
+    @torch.no_grad()
+    def _reconcile_master(self, b: _Bucket) -> None:
+        """Master := the parameter's value wherever the bf16 shard is not the rounding of the master (an outside
+        write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
+        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays)."""
+        if b.master_remainder is not None:
+            return
+        shard = b.param_buffer.get_local_shard()
+        b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
+
+    def _frozen_since_build(self) -> list:
+        if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
+            return []
+        return [p for p in self._param_list if not p.requires_grad]
+
+    def _snapshot_pieces(self, params: list) -> list:
+        """Copies of this rank's master / state / bf16 pieces of ``params``, for ``_restore_pieces`` after the
+        flat update (which would decay their weights and move their moments)."""
+        wanted, kept = set(params), []
+        for b in self.buckets:
+            targets = [b.master if b.master_remainder is None else b.master_remainder,
+                       b.param_buffer.get_local_shard(), *b.state.values()]
+            for piece in b.param_buffer.shard_pieces():
+                if b.params[piece.tensor_index] in wanted and piece.numel:
+                    sl = slice(piece.shard_start, piece.shard_end)
+                    kept.append([(t[sl], t[sl].clone()) for t in targets])
+        return kept
+
+    @staticmethod
+    def _restore_pieces(kept: list) -> None:
+        for piece in kept:
+            for dst, saved in piece:
+                dst.copy_(saved)
+
+    def _common_multiplier(self):
+        """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every
+        parameter must have been scaled by the same ones: the update scales the whole gradient at once."""
+        if not self._grad_multipliers:
+            return None
+        keys = {tuple(id(c) if torch.is_tensor(c) else float(c) for c in self._grad_multipliers.get(p, ()))
+                for p in self._param_list}
+        if len(keys) != 1:
+            scaled = sum(1 for p in self._param_list if p in self._grad_multipliers)
+            raise RuntimeError(
+                f"param.grad was multiplied (e.g. by torch.nn.utils.clip_grad_norm_) for {scaled} of the "
+                f"{len(self._param_list)} parameters of this optimizer, or by different coefficients: tritonshard "
+                "folds one coefficient into the whole update. Clip all of the optimizer's parameters at once "
+                "(model.parameters()), or use opt.clip_grad_norm_(max_norm).")
+        total = None
+        for c in self._grad_multipliers[self._param_list[0]]:
+            total = c if total is None else total * c
+        return total
+
+    def _fold_grad_multiplier(self, p: torch.Tensor, coef) -> None:
+        """``p.grad.mul_(coef)`` on a ShardedGrad: applied in the update (``grad_scale``), not as a pass."""
+        self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
+        self._grad_multipliers.setdefault(p, []).append(coef)
+        self._norm_cache.clear()
+
+    def _param_grad_norm(self, p: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier):
+        what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All parameters' norms are computed at once
+        (one pass over the pieces, one all-reduce) and cached for the step."""
+        if norm_type not in self._norm_cache:
+            self._reduce_grads()
+            self._norm_cache[norm_type] = self._param_grad_norms(norm_type)
+        norm = self._norm_cache[norm_type][self._param_index[p]]
+        for c in self._grad_multipliers.get(p, ()):
+            norm = norm * (c.abs() if torch.is_tensor(c) else abs(c))
+        return norm
+
+    @torch.no_grad()
+    def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        is_inf = norm_type == math.inf
+        values, index = [], []
+        for b in self.buckets:
+            shard = b.grad_buffer.get_local_shard()
+            first = self._param_index[b.params[0]]
+            for piece in b.param_buffer.shard_pieces():
+                if not piece.numel:
+                    continue
+                seg = shard[piece.shard_start:piece.shard_end].float().abs()
+                values.append(seg.amax() if is_inf else (seg.square().sum() if norm_type == 2.0
+                                                         else seg.pow(norm_type).sum()))
+                index.append(first + piece.tensor_index)
+        acc = torch.zeros(len(self._param_list), dtype=torch.float32, device=self.device)
+        if values:
+            idx = torch.tensor(index, dtype=torch.int64, device=self.device)
+            if is_inf:
+                acc.scatter_reduce_(0, idx, torch.stack(values), reduce="amax")
+            else:
+                acc.index_add_(0, idx, torch.stack(values))
+        if comm.is_initialized() and self.world_size > 1:
+            dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
+        norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
+        return norms / self._scale if self._scale is not None else norms
+
+    def _expose_state(self) -> None:
+        """``opt.state[p]``: live views of the pieces of ``p``'s state this rank owns (1-D, in the order of
+        ``p.reshape(-1)[shard_range[0]:shard_range[1]]``), with ``step`` and, unless remainders are stored, the fp32
+        ``master``. A parameter this rank owns nothing of has empty pieces and ``shard_range == (0, 0)``."""
+        for b in self.buckets:
+            owned = {piece.tensor_index: piece for piece in b.param_buffer.shard_pieces()}
+            tensors = dict(b.state)
+            if b.master_remainder is None:
+                tensors["master"] = b.master
+            for i, p in enumerate(b.params):
+                piece = owned.get(i)
+                sl = slice(piece.shard_start, piece.shard_end) if piece else slice(0, 0)
+                entry = {"step": b.step, **{name: t[sl] for name, t in tensors.items()},
+                         "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)}
+                self.state[p] = entry
+        self._state_exposed = True
 
     # ------------------------------------------------------------------ parameter all-gathers
     def wait_for_params(self, buckets=None) -> None:
@@ -480,27 +748,61 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 b.ag_work = None
 
     def attach(self, model: torch.nn.Module) -> list:
-        """Let the parameter all-gathers overlap with the next forward (needs ``overlap_comm=True``).
+        """Tell the optimizer which model it trains: recommended for every model, needed for some idioms.
 
-        Installs a forward pre-hook on every module that directly owns parameters of this optimizer; the hook
-        waits for the buckets holding them, so a module never runs on stale weights while later buckets are still
-        being gathered. A module whose forward reads another module's parameters before that module has run
-        must own them too (or call ``opt.wait_for_params()`` first). Without ``attach``, ``step()`` waits for
-        every all-gather before it returns. Returns the hook handles.
+        * Errors name parameters by their names in ``model`` (``model.layers.0.mlp.up_proj.weight``).
+        * ``step()`` checks that the model still holds the optimizer's parameters (``load_state_dict(...,
+          assign=True)`` or ``setattr`` would replace them: an error, not a model that silently stops training).
+        * A ``DistributedDataParallel`` wrapped around the model later (accelerate's ``prepare``, Lightning) keeps
+          working: its own gradient reduction is switched off at its first forward, as tritonshard reduces the
+          gradients already. ``model`` may also be such a wrapper.
+        * ``model.no_sync()`` is ``opt.no_sync()`` (accelerate's ``accumulate()`` calls it).
+        * With ``overlap_comm=True``: the parameter all-gathers that ``step()`` launches overlap with the next
+          forward (a forward pre-hook on every module owning parameters waits for its buckets only), and the
+          end-of-backward flush is queued from the model's outputs, so reentrant activation checkpointing works.
+          Until the next forward, the model's own read and write paths wait for the gathers first:
+          ``parameters()``, ``named_parameters()``, ``state_dict()`` (so ``save_pretrained``), ``load_state_dict()``,
+          ``.to()`` and friends, pickling. A tensor taken from the model *before* ``step()`` and read after it
+          without going through the model needs ``opt.wait_for_params()`` first.
+
+        The model's class is replaced by a subclass of it (as FSDP2's ``fully_shard`` does; ``isinstance`` holds,
+        pickles and deep copies get the original class). Returns the hook handles.
         """
-        if not self.overlap_comm:
-            raise ValueError("attach() overlaps the all-gathers with forward; construct with overlap_comm=True")
-        handles = []
-        wait_for_params = _weak_method(self.wait_for_params)
-        for module in model.modules():
-            owned = {self._bucket_of[p][0].index: self._bucket_of[p][0]
-                     for p in module.parameters(recurse=False) if p in self._bucket_of}
-            if owned:
-                buckets = [owned[i] for i in sorted(owned)]
-                handles.append(module.register_forward_pre_hook(
-                    lambda mod, args, buckets=buckets: wait_for_params(buckets)))
-        self._attached = True
+        ddp_type = torch.nn.parallel.DistributedDataParallel
+        if isinstance(model, ddp_type):
+            model.require_backward_grad_sync = False  # tritonshard reduces the gradients
+            model = model.module
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"attach() takes the torch.nn.Module being trained, got {type(model).__name__}")
+        known = set(self._bucket_of) | set(self._frozen_at_build)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p in known and p not in self._named_by_model:
+                self._named_by_model.add(p)
+                self._param_names[p] = repr(name)
+                if p in self._placeholders:
+                    self._placeholders[p]._name = repr(name)
+        self._model_params = [(module, local, p) for module in model.modules()
+                              for local, p in module._parameters.items() if p is not None and p in known]
+        handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self))]
+        if self.overlap_comm:
+            for module in model.modules():
+                owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
+                                if p in self._bucket_of})
+                if owned:
+                    handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
+            handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
+            self._defer_gathers = True
+        model_sync.guard_model(model, self)
+        self._attached_model = weakref.ref(model)
         return handles
+
+    def _before_model_forward(self, module: torch.nn.Module) -> None:
+        """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
+        gradients a second time: turn its reduction off before its post-forward prepares one (its no_sync()
+        restores the value it found, False)."""
+        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None and ddp.require_backward_grad_sync and ddp.module is module:
+            ddp.require_backward_grad_sync = False
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -532,6 +834,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         if self._scale is not None:
             total = total / self._scale  # the norm of the true (unscaled) gradients
+        multiplier = self._common_multiplier()
+        if multiplier is not None:  # torch code already scaled the gradients (e.g. torch's clip_grad_norm_)
+            total = total * multiplier
         # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
@@ -566,11 +871,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grad_scale = self._clip_coef if self._clip_coef is not None else 1.0
         if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
             grad_scale = grad_scale / self._scale
+        multiplier = self._common_multiplier()
+        if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
+            grad_scale = grad_scale * multiplier
+        # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
+        # their weights and state must come out of the flat update unchanged
+        frozen = self._frozen_since_build()
+        kept = self._snapshot_pieces(frozen) if frozen else []
         for b in self.buckets:
             b.step.add_(1.0 - found_inf)  # skipped steps do not count
             if b.sr_seed is not None:
                 b.sr_seed.add_(1)
-            self._update(b, self.param_groups[b.group_index], grad_scale, found_inf)
+            self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
+        self._restore_pieces(kept)
         self.skipped_steps.add_(found_inf.long())
         self.last_step_skipped.copy_(found_inf > 0)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
@@ -580,24 +893,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
                 b.ag_work = b.param_buffer.all_gather(async_op=True)
-        if not self._attached:
+        if not self._defer_gathers:
             self.wait_for_params()  # nobody would wait before the next forward
         self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
+        if not self._state_exposed and not torch.compiler.is_compiling():
+            self._expose_state()
         return loss
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the accumulated gradients. ``set_to_none=True`` costs nothing (the next backward overwrites
-        the buffers); ``False`` also zero-fills the grad buffers and any ``param.grad``."""
-        for p in self._bucket_of:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-        self._reset_step_state()
+        """Forget the accumulated gradients, of every parameter in the param groups (as torch.optim does; frozen
+        ones included). ``set_to_none=True`` costs nothing for ours (the next backward overwrites the buffers);
+        ``False`` also zero-fills the grad buffers and zeroes any other ``param.grad``."""
+        self._reset_step_state()  # placeholders first: they hold no storage to zero
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
         if not set_to_none:
             for b in self.buckets:
                 b.grad_buffer.zero_()
@@ -647,6 +964,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
         use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
         """
+        self.sync_from_model()
         self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
         for b in self.buckets:
@@ -680,6 +998,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
                 or unknown parameter, differing steps inside one bucket).
         """
+        self.sync_from_model()
         self.wait_for_params()
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
@@ -738,6 +1057,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
             self._load_scaler_state(extra)
             self._refresh_params_from_master()
+        self._expose_state()
 
     def _scaler_state(self) -> dict:
         if self._scale is None:

@@ -1,0 +1,338 @@
+"""What the user's model sees of a sharded optimizer, and how the two stay consistent.
+
+The model's parameters are views into the optimizer's param buffers, and its gradients move into the grad buffers
+at the end of backward; the fp32 master shards are the truth. The user's code does not know that, so this module
+keeps every torch idiom either correct or loud (never silently wrong):
+
+* :class:`ShardedGrad` is what ``param.grad`` holds once tritonshard has taken the gradient: a placeholder without
+  storage. ``torch.nn.utils.clip_grad_norm_`` (and so accelerate's and the HF Trainer's clipping) works on it: a
+  norm of it is the parameter's *global* gradient norm (reduced over ranks), and ``mul_`` by the clip coefficient
+  is folded into the next update. ``zero_()`` discards the parameter's gradient. Any other use raises an error
+  that says where the gradient is; so does any access from below Python (``DistributedDataParallel``'s reducer,
+  autograd accumulating into it), instead of reading or writing garbage.
+* The hooks tritonshard puts on the user's parameters and modules are small objects holding the optimizer
+  weakly: the model does not keep the optimizer alive, and a pickled or deep-copied model carries inert hooks.
+* :func:`guard_model` (used by ``ShardedOptimizer.attach``) makes the model's own read and write paths
+  (``parameters()``, ``named_parameters()``, ``state_dict()``, ``load_state_dict()``, ``.to()`` and friends,
+  pickling) wait for in-flight parameter all-gathers, as FSDP2's ``fully_shard`` does, by swapping the model's
+  class for a subclass of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["ShardedGrad", "guard_model", "iter_tensors"]
+
+
+class _OptimizerRef:
+    """Base of the hook objects: a weak reference to the optimizer that pickles (and deep-copies) as None."""
+
+    __torch_unserializable__ = True  # tensor hooks are not saved with a tensor; say so to torch, no warning
+
+    def __init__(self, optimizer):
+        self._ref = weakref.ref(optimizer) if optimizer is not None else None
+
+    def optimizer(self):
+        return self._ref() if self._ref is not None else None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_ref"] = None  # a copy of the model is not attached to this optimizer
+        return state
+
+
+class GradReadyHook(_OptimizerRef):
+    """Post-accumulate-grad hook on a parameter: its gradient of this backward is complete."""
+
+    def __call__(self, param):
+        opt = self.optimizer()
+        if opt is not None:
+            opt._on_grad_ready(param)
+
+
+class ClearPlaceholderHook(_OptimizerRef):
+    """Tensor hook on a parameter, run before autograd accumulates a new gradient into ``param.grad``: a
+    :class:`ShardedGrad` there (the previous micro-batch's gradient, already in the grad buffer) is removed, so
+    autograd stores the new gradient instead of accumulating into a placeholder."""
+
+    def __init__(self, optimizer, param):
+        super().__init__(optimizer)
+        self._param = weakref.ref(param)
+
+    def __getstate__(self):
+        return {"_ref": None, "_param": None}
+
+    def __call__(self, grad):
+        opt, param = self.optimizer(), self._param() if self._param is not None else None
+        if opt is not None and param is not None:
+            opt._take_placeholder(param)
+        return None
+
+
+class WaitForParamsHook(_OptimizerRef):
+    """Forward pre-hook: wait for the all-gathers of the buckets holding this module's parameters."""
+
+    def __init__(self, optimizer, bucket_indices):
+        super().__init__(optimizer)
+        self.bucket_indices = tuple(bucket_indices)
+
+    def __call__(self, module, args):
+        opt = self.optimizer()
+        if opt is not None:
+            opt.wait_for_params([opt.buckets[i] for i in self.bucket_indices])
+
+
+class RootForwardPreHook(_OptimizerRef):
+    """Forward pre-hook on the attached model: everything must be gathered before the model is used, and a
+    ``DistributedDataParallel`` wrapped around it must not reduce the gradients a second time."""
+
+    def __call__(self, module, args):
+        opt = self.optimizer()
+        if opt is not None:
+            opt._before_model_forward(module)
+
+
+class RootForwardHook(_OptimizerRef):
+    """Forward hook on the attached model: a gradient hook on its outputs queues the end-of-backward callback in
+    the outermost backward (a hook on a parameter inside a reentrant activation checkpoint would queue it in the
+    checkpoint's inner backward, which ends before the outer one has produced every gradient)."""
+
+    def __call__(self, module, args, output):
+        opt = self.optimizer()
+        if opt is None or not torch.is_grad_enabled():
+            return None
+        hook = _OutputGradHook(opt)
+        for t in iter_tensors(output):
+            if t.requires_grad:
+                t.register_hook(hook)
+        return None
+
+
+class _OutputGradHook(_OptimizerRef):
+    def __call__(self, grad):
+        opt = self.optimizer()
+        if opt is not None:
+            opt._queue_end_of_backward()
+        return None
+
+
+def iter_tensors(obj, _depth: int = 0):
+    """The tensors in a model output: a tensor, or nested tuples / lists / dicts (Hugging Face ``ModelOutput`` is
+    a dict) of them."""
+    if _depth > 8:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v, _depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v, _depth + 1)
+
+
+# ---------------------------------------------------------------------------------------------- param.grad
+_METADATA = frozenset({
+    "shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "layout", "is_sparse", "is_cuda", "is_cpu",
+    "ndim", "is_meta", "is_quantized", "is_nested", "is_mkldnn", "is_xpu", "is_mps", "grad", "names", "_base",
+    "is_sparse_csr", "output_nr", "_version", "itemsize", "nbytes",
+})
+_METADATA_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "is_contiguous",
+    "get_device", "requires_grad_", "detach_", "__format__", "__len__", "is_signed", "_is_view", "is_inference",
+    "is_neg", "is_conj", "_is_zerotensor", "is_pinned",
+})
+_NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm}
+
+
+class ShardedGrad(torch.Tensor):
+    """``param.grad`` after backward: the gradient lives in the optimizer's grad buffer (sharded after the
+    reduce-scatter), not here. No storage; shape, dtype and device are the parameter's.
+
+    Supported, with torch.optim's meaning: ``torch.linalg.vector_norm`` / ``.norm()`` / ``torch._foreach_norm``
+    (the parameter's gradient norm over all ranks, after averaging, unscaled), ``mul_`` / ``_foreach_mul_`` by one
+    coefficient for every parameter (``torch.nn.utils.clip_grad_norm_``: folded into the update), ``zero_()``
+    (discards this parameter's gradient), metadata (``shape``, ``dtype``...). Anything else raises.
+    """
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, optimizer, name: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        t._optimizer = weakref.ref(optimizer)
+        t._param = weakref.ref(param)
+        t._name = name
+        return t
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"ShardedGrad(param={self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def _owner(self):
+        opt, param = self._optimizer(), self._param()
+        if opt is None or param is None:
+            raise RuntimeError(f"the gradient of {self._name} belonged to a tritonshard optimizer that no longer "
+                               "exists")
+        return opt, param
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attr in _METADATA:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            raise _unsupported(args[0], f"reading .{attr}")
+        if name in _METADATA_METHODS:
+            if name in ("requires_grad_", "detach_"):
+                return args[0]  # a placeholder never requires grad (Module.zero_grad(set_to_none=False) asks)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _NORMS:
+            return _norm(args[0], _norm_type(func, args, kwargs))
+        if func is torch._foreach_norm:
+            ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+            return [_norm(t, ord_) for t in args[0]]
+        if func is torch.Tensor.mul_:
+            _mul(args[0], args[1] if len(args) > 1 else kwargs["other"])
+            return args[0]
+        if func is torch._foreach_mul_:
+            scalars = args[1]
+            for i, t in enumerate(args[0]):
+                _mul(t, scalars[i] if isinstance(scalars, (list, tuple)) else scalars)
+            return None
+        if func is torch.Tensor.zero_:
+            opt, param = args[0]._owner()
+            opt._discard_grad(param)
+            return args[0]
+        placeholder = next((a for a in _flat(args, kwargs) if isinstance(a, ShardedGrad)), None)
+        raise _unsupported(placeholder, f"{name or func}()")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        placeholder = next((a for a in _flat(args, kwargs or {}) if isinstance(a, ShardedGrad)), None)
+        raise _unsupported(placeholder, f"{func} (called from C++)", below_python=True)
+
+
+def _flat(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def _norm_type(func, args, kwargs) -> float:
+    if func is torch.linalg.vector_norm:
+        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    else:
+        ord_ = args[1] if len(args) > 1 else kwargs.get("p", 2)
+    if kwargs.get("dim") is not None or (func is not torch.linalg.vector_norm and len(args) > 2):
+        raise _unsupported(args[0], "a norm over some dimensions (only the full norm is available)")
+    return 2.0 if ord_ in (None, "fro") else float(ord_)
+
+
+def _norm(t, ord_) -> torch.Tensor:
+    if not isinstance(t, ShardedGrad):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(t, ord_)
+    opt, param = t._owner()
+    return opt._param_grad_norm(param, float(ord_))
+
+
+def _mul(t, coef) -> None:
+    if not isinstance(t, ShardedGrad):
+        t.mul_(coef)
+        return
+    opt, param = t._owner()
+    opt._fold_grad_multiplier(param, coef)
+
+
+def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bool = False) -> RuntimeError:
+    name = placeholder._name if placeholder is not None else "a parameter"
+    msg = (f"tritonshard: {what} on the gradient of {name}: after backward, tritonshard keeps gradients in its "
+           "sharded buffers and param.grad is a placeholder. It supports the norms and the multiply of "
+           "torch.nn.utils.clip_grad_norm_ and zero_(); for anything else read opt.grad_norm() or clip with "
+           "opt.clip_grad_norm_(max_norm).")
+    if below_python:
+        msg += (" A C++ access like this one usually means the model was wrapped in DistributedDataParallel (or "
+                "FSDP) after the optimizer was built without opt.attach(model): that wrapper would reduce the "
+                "gradients a second time. Don't wrap the model (tritonshard is the data parallelism), or call "
+                "opt.attach(model) before wrapping it, which turns the wrapper's gradient reduction off.")
+    return RuntimeError(msg)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+class _GuardedModule:
+    """Mixin put in front of the attached model's class (``guard_model``): the model's own read and write paths wait
+    for in-flight parameter all-gathers first. ``no_sync()`` is the optimizer's, so accelerate's ``accumulate()``
+    (which calls ``model.no_sync()``) skips communication as it does with DDP."""
+
+    def _tritonshard_wait(self) -> None:
+        ref = self.__dict__.get("_tritonshard_optimizer")
+        opt = ref() if ref is not None else None
+        if opt is not None:
+            opt.wait_for_params()
+
+    def _tritonshard_opt(self):
+        ref = self.__dict__.get("_tritonshard_optimizer")
+        return ref() if ref is not None else None
+
+    def parameters(self, *args, **kwargs):
+        self._tritonshard_wait()
+        return super().parameters(*args, **kwargs)
+
+    def named_parameters(self, *args, **kwargs):
+        self._tritonshard_wait()
+        return super().named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        self._tritonshard_wait()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._tritonshard_wait()  # a gather landing after the load would overwrite the loaded weights
+        return super().load_state_dict(*args, **kwargs)
+
+    def _apply(self, *args, **kwargs):  # .to(), .float(), .cuda(), ... copy the parameters
+        self._tritonshard_wait()
+        return super()._apply(*args, **kwargs)
+
+    def no_sync(self):
+        opt = self._tritonshard_opt()
+        return opt.no_sync() if opt is not None else contextlib.nullcontext()
+
+    def __reduce_ex__(self, protocol):
+        self._tritonshard_wait()
+        state = self.__getstate__()
+        state.pop("_tritonshard_optimizer", None)
+        return _rebuild_module, (type(self)._tritonshard_base, state)
+
+
+def _rebuild_module(cls, state):
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    return module
+
+
+_GUARDED_CLASSES: dict[type, type] = {}
+
+
+def guard_model(model: torch.nn.Module, optimizer) -> None:
+    """Swap ``model``'s class for a guarded subclass of it (same name, ``isinstance`` still holds) whose read and
+    write paths wait for ``optimizer``'s in-flight all-gathers. Pickling and deep copies produce the original class,
+    without the guard. Idempotent."""
+    cls = type(model)
+    if not isinstance(model, _GuardedModule):
+        guarded = _GUARDED_CLASSES.get(cls)
+        if guarded is None:
+            guarded = type(cls.__name__, (_GuardedModule, cls),
+                           {"_tritonshard_base": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            _GUARDED_CLASSES[cls] = guarded
+        model.__class__ = guarded
+    object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
