@@ -418,8 +418,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:  # param.grad says "there is a gradient, in tritonshard's buffer" (see ShardedGrad)
             for p in b.params:
                 if p.grad is not None and p not in b.placed:
-                    p.grad = self._placeholders[p]
-                    b.placed[p] = True
+                    if p.dtype == self.param_dtype and p.device == self.device:
+                        p.grad = self._placeholders[p]
+                        b.placed[p] = True
+                    else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
+                        p.grad = None
         b.has_grads = True
 
     def _take_placeholder(self, param: torch.Tensor) -> None:
@@ -661,17 +664,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameter must have been scaled by the same ones: the update scales the whole gradient at once."""
         if not self._grad_multipliers:
             return None
+        # parameters without a gradient on this rank (param.grad None; zeros in the buffer) are skipped by torch's
+        # clipping, and scaling their zeros changes nothing
+        with_grad = [p for b in self.buckets for p in b.placed] + list(self._grad_multipliers)
         keys = {tuple(id(c) if torch.is_tensor(c) else float(c) for c in self._grad_multipliers.get(p, ()))
-                for p in self._param_list}
+                for p in with_grad}
         if len(keys) != 1:
             scaled = sum(1 for p in self._param_list if p in self._grad_multipliers)
             raise RuntimeError(
                 f"param.grad was multiplied (e.g. by torch.nn.utils.clip_grad_norm_) for {scaled} of the "
-                f"{len(self._param_list)} parameters of this optimizer, or by different coefficients: tritonshard "
-                "folds one coefficient into the whole update. Clip all of the optimizer's parameters at once "
-                "(model.parameters()), or use opt.clip_grad_norm_(max_norm).")
+                f"{len(set(with_grad))} parameters of this optimizer that have a gradient, or by different "
+                "coefficients: tritonshard folds one coefficient into the whole update. Clip all of the optimizer's "
+                "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm).")
         total = None
-        for c in self._grad_multipliers[self._param_list[0]]:
+        for c in self._grad_multipliers[with_grad[-1]]:
             total = c if total is None else total * c
         return total
 
