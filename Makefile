@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: test train install clean
+.PHONY: test train train-hf install clean
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -18,6 +18,10 @@ test: $(VENV)/.installed
 # `make train TRAIN_ARGS="--optimizer torch"` runs the fp32 torch.optim.AdamW baseline on the same data and seed.
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py $(TRAIN_ARGS)
+
+# The same training idioms as Hugging Face code: a LlamaForCausalLM from a tiny config, torch's clipping, save_pretrained.
+train-hf: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_hf.py $(TRAIN_ARGS)
 
 install: $(VENV)/.installed
 

@@ -91,6 +91,7 @@ def test_hf_trainer_clips_with_the_global_norm(tmp_path):
     data = [{"input_ids": ids, "labels": ids} for step in range(steps) for ids in tokens(step, batch=batch)]
     model = tiny_llama(0)
     opt = ShardedAdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt.attach(model)  # the documented order: before handing both to the Trainer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=batch, max_steps=steps,
                              max_grad_norm=MAX_NORM, learning_rate=lr, logging_steps=1, report_to=[],

@@ -166,6 +166,11 @@ def test_other_uses_of_param_grad_are_errors_that_say_where_the_gradient_is():
     # the per-parameter norm is the parameter's own gradient norm: their norm is the global norm
     per_param = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
     assert_close_rel(per_param.norm(), opt.grad_norm(), 1e-6, what="norm of per-parameter norms")
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")  # torch's loss scaling reads and rescales param.grad: an error (use
+    scaler.scale(lm_loss(model, tokens(1))).backward()  # tritonshard's own, param_dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="placeholder"):
+        scaler.unscale_(opt)
 
 
 def test_model_zero_grad_between_backward_and_step_discards_the_gradients():
@@ -304,6 +309,25 @@ def test_peft_style_reentrant_checkpointing_with_overlap():
     """Before the fix: a false 'gradients for bucket N arrived after its reduce-scatter was launched' error (the
     end-of-backward callback was queued in the checkpoint's inner backward)."""
     assert_bitwise_equal(_peft_style(overlap=True), _peft_style(overlap=False), "weights, overlap vs not")
+
+
+def _accumulate_with(no_sync_of: str):
+    model = tiny_gpt2(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3, bucket_cap_mb=0.01, overlap_comm=True)
+    opt.attach(model)
+    ctx = {"opt": opt.no_sync, "model": model.no_sync}[no_sync_of]
+    for step in range(2):
+        with ctx():
+            lm_loss(model, tokens(step, micro=0)).backward()
+        lm_loss(model, tokens(step, micro=1)).backward()
+        opt.step()
+        opt.zero_grad()
+    return flat_weights(model)
+
+
+def test_model_no_sync_is_the_optimizers_after_attach():
+    """accelerate's accumulate() calls model.no_sync(); with overlap_comm a late gradient would raise without it."""
+    assert_bitwise_equal(_accumulate_with("model"), _accumulate_with("opt"), "weights, model.no_sync vs opt.no_sync")
 
 
 # ---------------------------------------------------------------------------------------------- 8. pickling
