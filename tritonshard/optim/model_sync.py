@@ -255,16 +255,17 @@ def _mul(t, coef) -> None:
 
 def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bool = False) -> RuntimeError:
     name = placeholder._name if placeholder is not None else "a parameter"
-    msg = (f"tritonshard: {what} on the gradient of {name}: after backward, tritonshard keeps gradients in its "
-           "sharded buffers and param.grad is a placeholder. It supports the norms and the multiply of "
-           "torch.nn.utils.clip_grad_norm_ and zero_(); for anything else read opt.grad_norm() or clip with "
-           "opt.clip_grad_norm_(max_norm).")
+    where = (f"tritonshard: {what} on the gradient of {name}: after backward, tritonshard keeps gradients in its "
+             "sharded buffers and param.grad is a placeholder without storage.")
     if below_python:
-        msg += (" A C++ access like this one usually means the model was wrapped in DistributedDataParallel (or "
-                "FSDP) after the optimizer was built without opt.attach(model): that wrapper would reduce the "
-                "gradients a second time. Don't wrap the model (tritonshard is the data parallelism), or call "
-                "opt.attach(model) before wrapping it, which turns the wrapper's gradient reduction off.")
-    return RuntimeError(msg)
+        return RuntimeError(
+            where + " A C++ access like this one means the model was wrapped in DistributedDataParallel (or FSDP) "
+            "after the optimizer was built, without opt.attach(model): the wrapper would reduce the gradients a "
+            "second time. Call opt.attach(model) before wrapping (it switches the wrapper's gradient reduction "
+            "off), or don't wrap the model: tritonshard is the data parallelism.")
+    return RuntimeError(
+        where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, and zero_(); for "
+        "anything else read opt.grad_norm(), or clip with opt.clip_grad_norm_(max_norm).")
 
 
 # ---------------------------------------------------------------------------------------------- the model
