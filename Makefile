@@ -12,7 +12,7 @@ NPROC ?= 2
 .PHONY: test train train-hf install clean
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS)
 
 # The main job: a small GPT trained with ShardedAdamW on 2 processes (gloo on CPU, NCCL on GPUs).
 # `make train TRAIN_ARGS="--optimizer torch"` runs the fp32 torch.optim.AdamW baseline on the same data and seed.

@@ -41,3 +41,42 @@ def test_bad_state_arguments():
         ShardedAdamW([torch.nn.Parameter(torch.ones(2))], state_dtype=torch.float16)
     with pytest.raises(ValueError, match="state_rounding"):
         ShardedAdamW([torch.nn.Parameter(torch.ones(2))], state_dtype=torch.bfloat16, state_rounding="down")
+
+
+def _rounded_up(stored: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Whether stochastic rounding carried into the bf16 bits: stored high half != the exact value's high half."""
+    hi = (exact.view(torch.int32) >> 16) & 0xFFFF
+    return (stored.view(torch.int16).to(torch.int32) & 0xFFFF) != hi
+
+
+def test_stochastic_rounding_decisions_are_uncorrelated_across_states_and_steps():
+    """Each (state tensor, step) must round with its own random bits. Rounding up happens when frac + r >= 1 for the
+    element's fractional position frac and a uniform r; two decisions that share r are positively correlated
+    (for independent uniform fracs the indicators' correlation is 1/3), independent ones are not (+-1/sqrt(n))."""
+    n, beta1, beta2 = 1 << 14, 0.9, 0.999
+    param = torch.nn.Parameter(torch.randn(n))
+    opt = ShardedAdamW([param], lr=1e-3, betas=(beta1, beta2), weight_decay=0.0, state_dtype=torch.bfloat16)
+    b = opt.buckets[0]
+    gen = torch.Generator().manual_seed(0)
+    decisions = []  # per step: (exp_avg rounded up, exp_avg_sq rounded up)
+    for _ in range(3):
+        m0, v0 = (t[:n].float() for t in (b.state["exp_avg"], b.state["exp_avg_sq"]))
+        param.grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+        g = param.grad.float()
+        opt.step()
+        # the kernel's fp32 arithmetic (tritonshard/kernels/adamw.py), before the state's rounding
+        m = m0 + (1 - beta1) * (g - m0)
+        v = v0 * beta2 + (1 - beta2) * g * g
+        decisions.append((_rounded_up(b.state["exp_avg"][:n], m), _rounded_up(b.state["exp_avg_sq"][:n], v)))
+
+    def corr(x, y):
+        return float(torch.corrcoef(torch.stack([x.float(), y.float()]))[0, 1])
+
+    pairs = {"exp_avg vs exp_avg_sq, same step": (decisions[1][0], decisions[1][1]),
+             "exp_avg_sq at t vs exp_avg at t+1": (decisions[1][1], decisions[2][0]),
+             "exp_avg at t vs exp_avg at t+1": (decisions[1][0], decisions[2][0]),
+             "exp_avg_sq at t vs exp_avg_sq at t+1": (decisions[1][1], decisions[2][1])}
+    for what, (x, y) in pairs.items():
+        assert 0.2 < float(x.float().mean()) < 0.8, f"{what}: the test needs both decisions to occur"
+        # independent: |corr| ~ 1/sqrt(16384) = 0.008; shared random bits: ~0.33. 0.05 is 6 sigma of the former
+        assert abs(corr(x, y)) < 0.05, f"{what}: rounding decisions correlated ({corr(x, y):.3f})"

@@ -269,6 +269,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # going through self.param_groups: under torch.compile that attribute makes dynamo wrap every parameter's
         # .grad, which holds a ShardedGrad placeholder after backward
         self._group_of_bucket = [self.param_groups[b.group_index] for b in self.buckets]
+        # all-gather (and update) order: the order the forward uses parameters, approximated by their order in the
+        # param groups here and by the model's registration order once attach() knows the model
+        self._set_gather_order([p for g in self.param_groups for p in g["params"]])
         self.overlap_comm = bool(overlap_comm)
         # reduce-scatters are launched in _launch_order (the same on every rank): bucket order at first, then the
         # order in which buckets completed in the first backward (rank 0's, broadcast), adopted from step 2 on
@@ -324,8 +327,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction helpers
     def _make_bucket(self, gi, params, align) -> _Bucket:
-        # stochastic-rounding streams differ per rank and per bucket (fixed at construction, advanced per step)
-        seed = 0x5EED + 1_000_003 * (self.rank + self.world_size * self.replica_rank) + 7919 * len(self.buckets)
+        # Stochastic rounding: the 64-bit Philox key of state tensor j of this bucket at step t is
+        # seed + n_states * t + j (store_state adds j, step() advances the seed by n_states): distinct for every
+        # (rank, bucket, step, state) until 2^31 steps. Rank in bits 48+, bucket in bits 32-47.
+        rank_id = self.rank + self.world_size * self.replica_rank
+        seed = ((rank_id + 1) << 48) + (len(self.buckets) << 32) + 0x5EED
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
                        align, self.process_group, self._state_names, self.store_param_remainders,
                        self.state_dtype, self.state_rounding, seed)
@@ -640,21 +646,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return []
         return [p for p in self._param_list if not p.requires_grad]
 
-    def _snapshot_pieces(self, params: list) -> list:
-        """Copies of this rank's master / state / bf16 pieces of ``params``, for ``_restore_pieces`` after the
-        flat update (which would decay their weights and move their moments)."""
-        wanted, kept = set(params), []
+    def _snapshot_pieces(self, params: list) -> dict:
+        """Copies of this rank's master / state / bf16 pieces of ``params``, by bucket index, for
+        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments)."""
+        wanted, kept = set(params), {}
         for b in self.buckets:
             targets = [b.master if b.master_remainder is None else b.master_remainder,
                        b.param_buffer.get_local_shard(), *b.state.values()]
             for piece in b.param_buffer.shard_pieces():
                 if b.params[piece.tensor_index] in wanted and piece.numel:
                     sl = slice(piece.shard_start, piece.shard_end)
-                    kept.append([(t[sl], t[sl].clone()) for t in targets])
+                    kept.setdefault(b.index, []).append([(t[sl], t[sl].clone()) for t in targets])
         return kept
 
     @staticmethod
-    def _restore_pieces(kept: list) -> None:
+    def _restore_pieces(kept) -> None:
         for piece in kept:
             for dst, saved in piece:
                 dst.copy_(saved)
@@ -798,9 +804,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
             handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
             self._defer_gathers = True
+        self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
         model_sync.guard_model(model, self)
         self._attached_model = weakref.ref(model)
         return handles
+
+    def _set_gather_order(self, params_in_forward_order: list) -> None:
+        """Buckets sorted by the earliest position of any of their parameters in ``params_in_forward_order``."""
+        position = {}
+        for i, p in enumerate(params_in_forward_order):
+            position.setdefault(p, i)
+        first_use = [min((position.get(p, len(position)) for p in b.params), default=0) for b in self.buckets]
+        self._gather_order = sorted(range(len(self.buckets)), key=lambda i: (first_use[i], i))
 
     def _before_model_forward(self, module: torch.nn.Module) -> None:
         """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
@@ -883,22 +898,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
         # their weights and state must come out of the flat update unchanged
         frozen = self._frozen_since_build()
-        kept = self._snapshot_pieces(frozen) if frozen else []
-        for b in self.buckets:
+        kept = self._snapshot_pieces(frozen) if frozen else {}
+        # Per bucket, its update and at once its all-gather, in the order the next forward needs the buckets (the
+        # first module's first): on NCCL one group's collectives run in issue order, so the gather of the
+        # embedding's bucket must not queue behind every other bucket's update and gather.
+        for i in self._gather_order:
+            b = self.buckets[i]
             b.step.add_(1.0 - found_inf)  # skipped steps do not count
-            if b.sr_seed is not None:
-                b.sr_seed.add_(1)
-            self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
-        self._restore_pieces(kept)
+            if b.sr_seed is not None:  # one Philox stream per state tensor and step (see _make_bucket)
+                b.sr_seed.add_(max(1, len(b.state)))
+            with _trace(f"tritonshard.update[bucket {b.index}]"):
+                self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
+                self._restore_pieces(kept.get(i, ()))
+            with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
+                b.ag_work = b.param_buffer.all_gather(async_op=True)
         self.skipped_steps.add_(found_inf.long())
         self.last_step_skipped.copy_(found_inf > 0)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
             cfg = self.loss_scale_config
             torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
-        for b in self.buckets:
-            with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
-                b.ag_work = b.param_buffer.all_gather(async_op=True)
         if not self._defer_gathers:
             self.wait_for_params()  # nobody would wait before the next forward
         self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
