@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import weakref
 from typing import Optional
 
 import torch
@@ -316,8 +315,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._frozen_at_build = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._model_params: list = []  # (module, attribute name, parameter), filled by attach()
         self._named_by_model: set = set()
-        self._attached_model = None
-        self._placeholders = {p: ShardedGrad(p, self, self._param_names[p]) for p in self._param_list}
+        self._placeholders = {p: ShardedGrad(p, self) for p in self._param_list}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
         self._state_exposed = False
@@ -791,8 +789,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p in known and p not in self._named_by_model:
                 self._named_by_model.add(p)
                 self._param_names[p] = repr(name)
-                if p in self._placeholders:
-                    self._placeholders[p]._name = repr(name)
         self._model_params = [(module, local, p) for module in model.modules()
                               for local, p in module._parameters.items() if p is not None and p in known]
         handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self))]
@@ -806,7 +802,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._defer_gathers = True
         self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
         model_sync.guard_model(model, self)
-        self._attached_model = weakref.ref(model)
         return handles
 
     def _set_gather_order(self, params_in_forward_order: list) -> None:

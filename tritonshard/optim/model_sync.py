@@ -161,12 +161,17 @@ class ShardedGrad(torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, optimizer, name: str):
+    def __new__(cls, param: torch.Tensor, optimizer):
         t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
         t._optimizer = weakref.ref(optimizer)
         t._param = weakref.ref(param)
-        t._name = name
         return t
+
+    @property
+    def _name(self) -> str:
+        """The parameter's name as the optimizer knows it (its name in the model after ``attach``)."""
+        opt, param = self._optimizer(), self._param()
+        return opt._param_names[param] if opt is not None and param is not None else "a parameter"
 
     def __repr__(self, *, tensor_contents=None):
         return f"ShardedGrad(param={self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -174,8 +179,7 @@ class ShardedGrad(torch.Tensor):
     def _owner(self):
         opt, param = self._optimizer(), self._param()
         if opt is None or param is None:
-            raise RuntimeError(f"the gradient of {self._name} belonged to a tritonshard optimizer that no longer "
-                               "exists")
+            raise RuntimeError("this gradient belonged to a tritonshard optimizer that no longer exists")
         return opt, param
 
     @classmethod
@@ -275,8 +279,7 @@ class _GuardedModule:
     (which calls ``model.no_sync()``) skips communication as it does with DDP."""
 
     def _tritonshard_wait(self) -> None:
-        ref = self.__dict__.get("_tritonshard_optimizer")
-        opt = ref() if ref is not None else None
+        opt = self._tritonshard_opt()
         if opt is not None:
             opt.wait_for_params()
 
