@@ -49,7 +49,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 from tritonshard.kernels import (_dispatch, adamw_step_, cast_to_bf16, flatten_into, lion_step_, scale_,
-                                 sgd_step_)
+                                 sgd_step_, sum_sq_nonfinite)
 from tritonshard.kernels import adamw as adamw_mod
 from tritonshard.kernels import flatten as flatten_mod
 from tritonshard.kernels import lion as lion_mod
@@ -175,6 +175,11 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
             out.append((f"scale {x_dtype} factor={'tensor' if tensor_factor else 'float'}".replace("torch.", ""),
                         lambda x_dtype=x_dtype, tf=tensor_factor:
                         scale_(_t(n, x_dtype), torch.tensor([0.25]) if tf else 0.25)))
+            # the read-only pass the optimizer runs on every grad shard (same kernel, WRITE=False)
+            out.append((f"sum_sq_nonfinite {x_dtype} factor={'tensor' if tensor_factor else 'float'}"
+                        .replace("torch.", ""),
+                        lambda x_dtype=x_dtype, tf=tensor_factor:
+                        sum_sq_nonfinite(_t(n, x_dtype), torch.tensor([0.25]) if tf else 0.25)))
     for src_dtype in (torch.float32, torch.bfloat16, torch.float16):
         for stochastic in (False, True):
             out.append((f"cast_to_bf16 {src_dtype} stochastic={stochastic}".replace("torch.", ""),

@@ -1,11 +1,12 @@
-"""scale_: in-place scale bit-exact against scale_ref; sum of squares against float64; non-finite flag."""
+"""scale_: in-place scale bit-exact against scale_ref; sum of squares against float64; non-finite flag. The
+read-only sum_sq_nonfinite: x untouched, statistics of factor * x unrounded."""
 
 import pytest
 import torch
 
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE, ODD_SIZES, randn
-from tritonshard.kernels import Backend, last_backend, scale_, scale_ref
+from tritonshard.kernels import Backend, last_backend, scale_, scale_ref, sum_sq_nonfinite, sum_sq_nonfinite_ref
 
 # fp32 sum of n positive terms, added pairwise/by blocks: relative error <= (tree depth) * 2^-24, depth < 40 for
 # any size tested here -> 2.4e-6. 1e-5 leaves room for the per-block partial + final sum structure.
@@ -70,3 +71,34 @@ def test_empty():
 def test_bad_input(x, factor, exc, match):
     with pytest.raises(exc, match=match):
         scale_(x.to(DEVICE), factor)
+
+
+# ---------------------------------------------------------------------------------------------- read-only pass
+@pytest.mark.parametrize("n", ODD_SIZES + [100_003])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("factor_kind", ["float", "tensor"])
+def test_sum_sq_nonfinite_reads_only_and_matches_float64(n, dtype, factor_kind):
+    x = randn(n, n + 7, dtype, scale=2.0)
+    before = x.clone()
+    factor = 1 / 3 if factor_kind == "float" else torch.tensor(1 / 3, device=DEVICE)
+    sumsq, nonfinite = sum_sq_nonfinite(x, factor)
+    assert last_backend("sum_sq_nonfinite") is not Backend.TORCH
+    assert_bitwise_equal(x, before, f"x after the read-only pass ({n}, {dtype})")
+    # the statistics are those of factor * x in fp32, unrounded (1/3 is not a power of two: a bf16 rounding of
+    # the product would show at 2^-9 relative, far above SUMSQ_REL)
+    exact = float((x.double() * (1 / 3)).square().sum())
+    assert abs(float(sumsq) - exact) <= SUMSQ_REL * exact, f"sumsq {float(sumsq)} vs float64 {exact}"
+    ref_sumsq, ref_nonfinite = sum_sq_nonfinite_ref(x, factor)
+    assert abs(float(ref_sumsq) - exact) <= SUMSQ_REL * exact
+    assert float(nonfinite) == 0.0 and float(ref_nonfinite) == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # inf * inf in the sum of squares
+@pytest.mark.parametrize("special, where", [(float("inf"), 0), (float("nan"), 4098)])
+def test_sum_sq_nonfinite_flags_without_writing(special, where):
+    x = randn(10_000, 5, torch.bfloat16)
+    x[where] = special
+    before = x.clone()
+    _, nonfinite = sum_sq_nonfinite(x, 0.5)
+    assert float(nonfinite) == 1.0
+    assert_bitwise_equal(x, before, "x after the read-only pass")

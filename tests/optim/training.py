@@ -2,7 +2,8 @@
 
 The reference simulates d data-parallel ranks in one process with plain torch: a bf16 copy of the model per
 rank (identical weights), gradients accumulated by autograd in bf16 over the micro-batches, summed over ranks in
-bf16 in rank order and multiplied by 1/d in bf16 (what reduce-scatter(SUM) + scale_ compute), then
+bf16 in rank order (what reduce-scatter(SUM) computes) and multiplied by 1/d in fp32 (the optimizer applies the
+average inside the update, with no further bf16 rounding), then
 torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW(foreach=False) on an fp32 master copy, and the bf16 weights
 re-derived from the master. A parameter whose grad is None gets a zero gradient (tritonshard's documented
 semantics; torch.optim would skip it).
@@ -134,9 +135,9 @@ class Reference:
                         acc[i] = (acc[i].float() + q.grad.float()).to(dt)
                         q.grad = None
             total = acc if total is None else [(a.float() + b.float()).to(dt) for a, b in zip(total, acc)]
-        avg = [(g.float() * (1.0 / self.world_size)).to(dt) for g in total]
+        avg = [g.float() * (1.0 / self.world_size) for g in total]
         for p, g in zip(self.master, avg):
-            p.grad = g.float() / self.loss_scale
+            p.grad = g / self.loss_scale
         norm = torch.nn.utils.clip_grad_norm_(self.master, MAX_NORM)
         self.opt.step()
         self.sched.step()

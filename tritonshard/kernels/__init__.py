@@ -9,12 +9,12 @@ from .adamw import adamw_step_, adamw_step_ref
 from .flatten import flatten_into, flatten_into_ref
 from .lion import lion_step_, lion_step_ref
 from .rounding import cast_to_bf16, cast_to_bf16_ref, stochastic_cast_to_bf16_ref
-from .scale import scale_, scale_ref
+from .scale import scale_, scale_ref, sum_sq_nonfinite, sum_sq_nonfinite_ref
 from .sgd import sgd_step_, sgd_step_ref
 
 __all__ = [
     "flatten_into", "flatten_into_ref",
-    "scale_", "scale_ref",
+    "scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref",
     "adamw_step_", "adamw_step_ref",
     "sgd_step_", "sgd_step_ref",
     "lion_step_", "lion_step_ref",

@@ -1,6 +1,6 @@
 """The kernels as ``torch.library.custom_op`` s, so a ``torch.compile`` d function calls them without graph breaks.
 
-``torch.ops.tritonshard.{flatten_into, scale_, adamw_step_}`` have a schema (no unions), so a scalar that may be
+``torch.ops.tritonshard.{flatten_into, scale_, sum_sq_nonfinite, adamw_step_, ...}`` have a schema (no unions), so a scalar that may be
 a number or a tensor travels as two arguments: ``x`` (float, used when ``x_tensor`` is None) and ``x_tensor``.
 The wrappers below keep the launchers' signatures and route through the ops. Fake implementations say what
 is mutated and allocate the outputs' metadata only.
@@ -17,9 +17,10 @@ from .adamw import adamw_step_ as _adamw_step
 from .flatten import flatten_into as _flatten_into
 from .lion import lion_step_ as _lion_step
 from .scale import scale_ as _scale
+from .scale import sum_sq_nonfinite as _sum_sq_nonfinite
 from .sgd import sgd_step_ as _sgd_step
 
-__all__ = ["flatten_into", "scale_", "adamw_step_", "sgd_step_", "lion_step_"]
+__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "adamw_step_", "sgd_step_", "lion_step_"]
 
 
 @torch.library.custom_op("tritonshard::flatten_into", mutates_args=("out",))
@@ -39,6 +40,16 @@ def _scale_op(x: Tensor, factor: float, factor_tensor: Optional[Tensor]) -> tupl
 
 
 @_scale_op.register_fake
+def _(x, factor, factor_tensor):
+    return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonshard::sum_sq_nonfinite", mutates_args=())
+def _sum_sq_nonfinite_op(x: Tensor, factor: float, factor_tensor: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return _sum_sq_nonfinite(x, factor_tensor if factor_tensor is not None else factor)
+
+
+@_sum_sq_nonfinite_op.register_fake
 def _(x, factor, factor_tensor):
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
 
@@ -110,6 +121,11 @@ def flatten_into(out: Tensor, tensors: Sequence[Tensor], offsets: Sequence[int],
 def scale_(x: Tensor, factor) -> tuple[Tensor, Tensor]:
     """:func:`tritonshard.kernels.scale_` through ``torch.ops.tritonshard.scale_``."""
     return torch.ops.tritonshard.scale_(x, *_split(factor))
+
+
+def sum_sq_nonfinite(x: Tensor, factor=1.0) -> tuple[Tensor, Tensor]:
+    """:func:`tritonshard.kernels.sum_sq_nonfinite` through ``torch.ops.tritonshard.sum_sq_nonfinite``."""
+    return torch.ops.tritonshard.sum_sq_nonfinite(x, *_split(factor))
 
 
 def _seed(seed, device) -> Optional[Tensor]:

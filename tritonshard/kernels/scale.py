@@ -5,6 +5,11 @@ values as stored (after rounding to ``x``'s dtype), so they describe exactly wha
 ``nonfinite`` is 1.0 when any stored value is inf or NaN, else 0.0 (fp32, the convention of ``found_inf`` in
 ``torch.amp``). Nothing waits on the host.
 
+``sum_sq_nonfinite(x, factor) -> (sum_sq, nonfinite)`` is the read-only pass the optimizer runs on a
+reduce-scattered SUM shard: the same two numbers for ``factor * x`` computed in fp32, with nothing written. The
+``1/d`` average is then applied inside the update's ``grad_scale``, so a gradient is rounded to bf16 once (by the
+flatten) and the shard costs one read instead of a read and a write.
+
 Deterministic: each program writes its partial sum and flag to its own slot; one single-program kernel then adds
 the partials in a fixed order. No atomics, so the result is the same bits on every run.
 """
@@ -20,7 +25,7 @@ import triton.language as tl
 from ._dispatch import Backend, select_backend
 from .rounding import round_to_bf16, to_fp32
 
-__all__ = ["scale_", "scale_ref"]
+__all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref"]
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
@@ -35,7 +40,8 @@ def _is_nonfinite(y):
 
 @triton.jit
 def _scale_kernel(x_ptr, n, factor_ptr, factor_val, partial_sumsq, partial_nonfinite,
-                  FACTOR_IS_TENSOR: tl.constexpr, X_IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                  FACTOR_IS_TENSOR: tl.constexpr, X_IS_BF16: tl.constexpr, WRITE: tl.constexpr,
+                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -44,12 +50,13 @@ def _scale_kernel(x_ptr, n, factor_ptr, factor_val, partial_sumsq, partial_nonfi
     else:
         factor = factor_val
     y = to_fp32(tl.load(x_ptr + offs, mask=mask)) * factor
-    if X_IS_BF16:
-        stored = round_to_bf16(y)
-        tl.store(x_ptr + offs, stored, mask=mask)
-        y = to_fp32(stored)
-    else:
-        tl.store(x_ptr + offs, y, mask=mask)
+    if WRITE:  # scale_: the statistics describe the values as stored (rounded to x's dtype)
+        if X_IS_BF16:
+            stored = round_to_bf16(y)
+            tl.store(x_ptr + offs, stored, mask=mask)
+            y = to_fp32(stored)
+        else:
+            tl.store(x_ptr + offs, y, mask=mask)
     y = tl.where(mask, y, 0.0)
     tl.store(partial_sumsq + pid, tl.sum(y * y, axis=0))
     tl.store(partial_nonfinite + pid, tl.max(_is_nonfinite(y).to(tl.int32), axis=0))
@@ -78,6 +85,13 @@ def scale_ref(x: torch.Tensor, factor) -> tuple[torch.Tensor, torch.Tensor]:
     return sumsq, nonfinite
 
 
+def sum_sq_nonfinite_ref(x: torch.Tensor, factor=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch reference of the read-only pass: statistics of ``factor * x`` in fp32, ``x`` untouched."""
+    f = factor.float() if isinstance(factor, torch.Tensor) else float(factor)
+    y = x.float() * f
+    return y.square().sum(), (~y.isfinite()).any().float()
+
+
 def _validate(x, factor):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -99,7 +113,7 @@ def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torc
     """``x *= factor`` in place; returns ``(sum of squares of the new x, non-finite flag)`` as 0-d fp32 tensors.
 
     Args:
-        x: contiguous bf16 or fp32 tensor (typically a reduce-scattered gradient shard).
+        x: contiguous bf16 or fp32 tensor.
         factor: a Python number or a 1-element floating tensor on ``x``'s device (read on the device, no sync).
         backend: None (by device), "triton" or "torch".
     """
@@ -107,6 +121,21 @@ def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torc
     chosen = select_backend("scale_", x.device, backend)
     if chosen is Backend.TORCH:
         return scale_ref(x, factor)
+    return _launch(x, factor, write=True)
+
+
+def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, backend: str | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read-only: ``(sum of squares of factor * x, non-finite flag)`` as 0-d fp32 tensors, ``factor * x`` in fp32
+    and never stored. Same arguments as :func:`scale_`."""
+    _validate(x, factor)
+    chosen = select_backend("sum_sq_nonfinite", x.device, backend)
+    if chosen is Backend.TORCH:
+        return sum_sq_nonfinite_ref(x, factor)
+    return _launch(x, factor, write=False)
+
+
+def _launch(x: torch.Tensor, factor, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
     num_blocks = triton.cdiv(n, BLOCK)
     partial_sumsq = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
@@ -117,7 +146,8 @@ def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torc
     if num_blocks:
         _scale_kernel[(num_blocks,)](
             x, n, factor if is_tensor else x, 0.0 if is_tensor else float(factor), partial_sumsq, partial_nonfinite,
-            FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK, enable_fp_fusion=False)
+            FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, WRITE=write, BLOCK=BLOCK,
+            enable_fp_fusion=False)
     _finalize_kernel[(1,)](partial_sumsq, partial_nonfinite, num_blocks, sumsq, nonfinite, BLOCK=_FINALIZE_BLOCK,
                            enable_fp_fusion=False)
     return sumsq, nonfinite

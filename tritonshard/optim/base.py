@@ -14,9 +14,13 @@ Ownership and aliasing (world size d, this rank r):
 
 One step (no host-device synchronization anywhere in it)::
 
-    flatten (end of backward) -> reduce-scatter(SUM) -> scale_(1/d) + sum of squares + non-finite flag
-    -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> fused update (skips itself when
-    the flag is set) -> all-gather params
+    flatten (end of backward) -> reduce-scatter(SUM) -> read-only pass: sum of squares of the average (1/d in
+    fp32) + non-finite flag -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> per bucket,
+    fused update with grad_scale = 1/d x clip x 1/loss scale (skips itself when the flag is set), then its
+    param all-gather
+
+The grad shard keeps the SUM over ranks after the reduce-scatter: the average is applied in fp32 inside the update,
+so a gradient is rounded to bf16 once (by the flatten, plus the reduction's own adds) and never again.
 
 Communication overlap (``overlap_comm=True``): each parameter's post-accumulate-grad hook marks it ready; when the
 last gradient of a bucket arrives in the last backward of an accumulation (outside ``no_sync()``), the bucket is
@@ -244,6 +248,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.replica_group = replica_group
         self.replica_size = comm.group_size(replica_group) if replica_group is not None else 1
         self.replica_rank = comm.group_rank(replica_group) if replica_group is not None else 0
+        #: gradients are averaged over every data-parallel rank (shard group x replicas); the shards hold the SUM
+        self._grad_average = 1.0 / (self.world_size * self.replica_size)
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
         self.bucket_cap_mb = bucket_cap_mb
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -512,7 +518,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shard = b.grad_buffer.get_local_shard()
             if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
-            partials.append(torch.stack(kernels().scale_(shard, 1.0 / (self.world_size * self.replica_size))))
+            # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
+            partials.append(torch.stack(kernels().sum_sq_nonfinite(shard, self._grad_average)))
         totals = (torch.stack(partials).sum(0) if partials
                   else torch.zeros(2, dtype=torch.float32, device=self.device))
         if comm.is_initialized() and self.world_size > 1:
@@ -729,6 +736,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
         norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
+        norms = norms * self._grad_average  # the shards hold the SUM over ranks
         return norms / self._scale if self._scale is not None else norms
 
     def _expose_state(self) -> None:
@@ -834,22 +842,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sum_sq, _ = self._reduce_grads()
         if norm_type == 2.0:
             total = sum_sq.sqrt()
-        elif norm_type == math.inf:
-            maxes = [b.grad_buffer.get_local_shard().float().abs().amax() for b in self.buckets
-                     if b.grad_buffer.shard_numel]
-            total = torch.stack(maxes).amax() if maxes else torch.zeros((), device=self.device)
-            if comm.is_initialized() and self.world_size > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
-        elif norm_type > 0:
-            powered = sum(b.grad_buffer.get_local_shard().float().abs().pow(norm_type).sum() for b in self.buckets)
-            total = torch.as_tensor(powered, dtype=torch.float32, device=self.device).clone()
-            if comm.is_initialized() and self.world_size > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.process_group)
-            total = total.pow(1.0 / norm_type)
-        else:
-            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        if self._scale is not None:
-            total = total / self._scale  # the norm of the true (unscaled) gradients
+            if self._scale is not None:
+                total = total / self._scale  # the norm of the true (unscaled) gradients
+        else:  # from the per-parameter norms (averaged, unscaled; validates norm_type)
+            per_param = self._param_grad_norms(norm_type)
+            if not per_param.numel():
+                total = torch.zeros((), dtype=torch.float32, device=self.device)
+            elif norm_type == math.inf:
+                total = per_param.amax()
+            else:
+                total = per_param.pow(norm_type).sum().pow(1.0 / norm_type)
         multiplier = self._common_multiplier()
         if multiplier is not None:  # torch code already scaled the gradients (e.g. torch's clip_grad_norm_)
             total = total * multiplier
@@ -884,7 +886,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         _, found_inf = self._reduce_grads()
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
-        grad_scale = self._clip_coef if self._clip_coef is not None else 1.0
+        # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no rounding)
+        grad_scale = self._grad_average if self._clip_coef is None else self._clip_coef * self._grad_average
         if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
             grad_scale = grad_scale / self._scale
         multiplier = self._common_multiplier()
