@@ -15,8 +15,15 @@ cubin) and the widths of its global loads and stores (from the PTX), and fails w
 
 * a launch does not compile;
 * a kernel spills registers to local memory;
-* a streaming kernel has no 16-byte global access, or the flatten kernel's aligned path has no 16-byte store
-  (exempt: the one-program finalize of ``scale_``, and flatten's ALIGNED=False path, element-wise by design).
+* a streaming kernel has no 16-byte global load, or no 16-byte global store, each direction on its own (exempt:
+  the one-program finalize of ``scale_``, flatten's ALIGNED=False path, element-wise by design, and the stores of
+  the read-only ``sum_sq_nonfinite`` pass, which writes one partial per program). A kernel with 16-byte stores and
+  scalar loads (flatten's aligned path until 2026-11-30: the alignment hint was lost at the int-to-pointer cast)
+  fails.
+
+It also counts the PTX instructions of each kernel (static, both sides of every branch) per element a thread
+handles (BLOCK / (32 x warps)): an upper bound of the work per element, to compare specializations (e.g. the
+stochastic-rounding variants against round-to-nearest).
 
 Reading the report: "layout converts" counts TTGIR ``convert_layout`` ops (data reshuffled between threads through
 shared memory). In the update kernels with a bf16 gradient, the loads and the arithmetic use the bf16 accesses'
@@ -262,6 +269,8 @@ class Compiled:
     load_bytes: list[int]
     store_bytes: list[int]
     layout_converts: int  # ttg.convert_layout ops: data reshuffled between register layouts via shared memory
+    ptx_instructions: int  # static count in the kernel's PTX
+    instructions_per_element: float | None  # ptx_instructions / elements per thread, where BLOCK is known
     problems: list[str]
 
 
@@ -290,12 +299,22 @@ def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes:
     found = []
     if local_bytes:
         found.append(f"spills {local_bytes} bytes to local memory")
-    element_wise = kernel in NOT_STREAMING or constexprs.get("ALIGNED") == "False"
-    if not element_wise and 16 not in load_bytes + store_bytes:
-        found.append("no 16-byte global access: the compiler could not prove alignment")
-    if kernel == "flatten" and not element_wise and 16 not in store_bytes:
-        found.append("aligned flatten without 16-byte stores")
+    if kernel in NOT_STREAMING or constexprs.get("ALIGNED") == "False":
+        return found
+    if 16 not in load_bytes:
+        found.append("no 16-byte global load: the compiler could not prove the source's alignment")
+    writes_data = not (kernel == "scale" and constexprs.get("WRITE") == "False")
+    if writes_data and 16 not in store_bytes:
+        found.append("no 16-byte global store: the compiler could not prove the destination's alignment")
     return found
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:@!?%p\d+\s+)?[a-z][\w.:]*\b[^;]*;", re.MULTILINE)
+
+
+def ptx_instruction_count(ptx: str) -> int:
+    """Instructions in ``ptx`` (lines ``[@pred] opcode ...;``; directives, labels and comments excluded)."""
+    return len(_INSTRUCTION.findall(ptx))
 
 
 def inspect_kernels() -> list[Compiled]:
@@ -307,9 +326,13 @@ def inspect_kernels() -> list[Compiled]:
                 access = global_access_bytes(ptx)
                 usage = resource_usage(compiled.asm["cubin"], compiled.metadata.name) or {}
                 constexprs = _constexprs(compiled)
-                results.append(Compiled(kname, constexprs, compiled.metadata.num_warps, usage.get("REG"),
+                warps = compiled.metadata.num_warps
+                count = ptx_instruction_count(ptx)
+                block = int(constexprs["BLOCK"]) if constexprs.get("BLOCK", "").isdigit() else None
+                per_element = round(count / (block / (32 * warps)), 1) if block else None
+                results.append(Compiled(kname, constexprs, warps, usage.get("REG"),
                                         usage.get("LOCAL"), compiled.metadata.shared, access["ld"], access["st"],
-                                        compiled.asm["ttgir"].count("ttg.convert_layout"),
+                                        compiled.asm["ttgir"].count("ttg.convert_layout"), count, per_element,
                                         problems(kname, constexprs, usage.get("LOCAL"), access["ld"], access["st"])))
     return results
 
@@ -350,14 +373,16 @@ def markdown(arch: int, failures, compiled: list[Compiled]) -> str:
              f"{len(compiled)} specializations compiled, {len(failures)} launches failed. Columns: registers per "
              "thread and local-memory (spill) bytes from `cuobjdump -res-usage`; layout converts = "
              "`ttg.convert_layout` ops in the TTGIR (shuffles through shared memory); bytes per global load/store "
-             "instruction from the PTX (16 = 128-bit vector access).", "",
+             "instruction from the PTX (16 = 128-bit vector access); PTX instructions (static) and per element "
+             "of a thread's share of a block.", "",
              "| kernel | specialization | warps | regs | local B | shared B | layout converts | ld B/instr "
-             "| st B/instr | problems |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| st B/instr | PTX instr | instr/element | problems |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(compiled, key=lambda c: (c.kernel, sorted(c.constexprs.items()))):
         spec = " ".join(f"{k}={v}" for k, v in sorted(c.constexprs.items()) if k != "BLOCK")
         lines.append(f"| {c.kernel} | {spec} | {c.num_warps} | {c.registers} | {c.local_bytes} | {c.shared_bytes} "
-                     f"| {c.layout_converts} | {c.load_bytes} | {c.store_bytes} | {'; '.join(c.problems)} |")
+                     f"| {c.layout_converts} | {c.load_bytes} | {c.store_bytes} | {c.ptx_instructions} "
+                     f"| {c.instructions_per_element} | {'; '.join(c.problems)} |")
     for name, err in failures:
         lines.append(f"\nFAILED to compile: {name}: {err}")
     return "\n".join(lines) + "\n"

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16, stochastic_round_to_bf16, to_fp32
+from .rounding import block_random_bits, round_to_bf16, stochastic_round_to_bf16, to_fp32
 
 
 @triton.jit
@@ -74,21 +74,24 @@ def load_state(ptr, offs, mask):
 
 
 @triton.jit
-def stochastic_seed(seed_ptr, STOCHASTIC: tl.constexpr):
-    """The Philox seed of this launch (an int64 device scalar the optimizer advances each step), or 0 unused."""
+def stochastic_bits(seed_ptr, BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """32 random bits per element of this program's block, from the launch's Philox key (an int64 device scalar
+    the optimizer advances each step), or 0 unused. State tensor j rounds with bits 16j..16j+15 of its element's
+    word, so the (at most two) states of one update never share random bits."""
     if STOCHASTIC:
-        return tl.load(seed_ptr)
+        return block_random_bits(tl.load(seed_ptr), tl.program_id(0).to(tl.int64) * BLOCK, BLOCK)
     else:
         return 0
 
 
 @triton.jit
-def store_state(ptr, offs, mask, x, seed, STREAM: tl.constexpr, STOCHASTIC: tl.constexpr):
+def store_state(ptr, offs, mask, x, bits, STREAM: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Store an fp32 state block in the state's dtype: bf16 states round to nearest even or, with STOCHASTIC,
-    stochastically from Philox(seed + STREAM, element index) (a separate stream per state tensor)."""
+    stochastically with the 16-bit half STREAM (0 or 1) of ``bits`` (see stochastic_bits)."""
+    tl.static_assert(STREAM < 2, "two 16-bit streams per random word")
     if ptr.dtype.element_ty == tl.bfloat16:
         if STOCHASTIC:
-            tl.store(ptr + offs, stochastic_round_to_bf16(x, seed + STREAM, offs), mask=mask)
+            tl.store(ptr + offs, stochastic_round_to_bf16(x, (bits >> (16 * STREAM)) & 0xFFFF), mask=mask)
         else:
             tl.store(ptr + offs, round_to_bf16(x), mask=mask)
     else:

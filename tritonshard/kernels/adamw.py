@@ -35,7 +35,7 @@ import triton.language as tl
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_seed, store_param, store_state,
+from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 
 __all__ = ["adamw_step_", "adamw_step_ref"]
@@ -61,7 +61,7 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
     p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     m = load_state(exp_avg_ptr, offs, mask)
     v = load_state(exp_avg_sq_ptr, offs, mask)
-    seed = stochastic_seed(seed_ptr, STOCHASTIC)
+    bits = stochastic_bits(seed_ptr, BLOCK, STOCHASTIC)
 
     p = p * decay
     if LERP_FROM_END:  # torch.lerp's formula for weight >= 0.5
@@ -72,8 +72,8 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(-step_size * m, denom)
 
-    store_state(exp_avg_ptr, offs, mask, m, seed, 0, STOCHASTIC)
-    store_state(exp_avg_sq_ptr, offs, mask, v, seed, 1, STOCHASTIC)
+    store_state(exp_avg_ptr, offs, mask, m, bits, 0, STOCHASTIC)
+    store_state(exp_avg_sq_ptr, offs, mask, v, bits, 1, STOCHASTIC)
     store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT, REMAINDER)
 
 

@@ -72,6 +72,10 @@ def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, ou
     # 64-bit arithmetic once per program for the block's base addresses, 32-bit offsets inside the block
     src = src_addr.to(tl.pointer_type(SRC_DTYPE)) + start
     dst = out_ptr + (dst_off + start)
+    if ALIGNED:
+        # the hint on the integer address does not survive the int-to-pointer cast: state it on the pointer too,
+        # or every source load compiles to 2- or 4-byte accesses (only the stores were 16 bytes wide)
+        src = tl.multiple_of(src, 16)
     offs = tl.arange(0, BLOCK)
     if ALIGNED and start + BLOCK <= n:
         # a full block: no mask, so nothing limits the vector width (a mask built from a loaded n has

@@ -19,7 +19,7 @@ import triton.language as tl
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_seed, store_param, store_state,
+from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 
 __all__ = ["lion_step_", "lion_step_ref"]
@@ -41,11 +41,11 @@ def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, d
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
     p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     m = load_state(exp_avg_ptr, offs, mask)
-    seed = stochastic_seed(seed_ptr, STOCHASTIC)
+    bits = stochastic_bits(seed_ptr, BLOCK, STOCHASTIC)
     c = m * beta1 + one_minus_beta1 * g
     update = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     p = p * decay + neg_lr * update
-    store_state(exp_avg_ptr, offs, mask, m * beta2 + one_minus_beta2 * g, seed, 0, STOCHASTIC)
+    store_state(exp_avg_ptr, offs, mask, m * beta2 + one_minus_beta2 * g, bits, 0, STOCHASTIC)
     store_param(param_ptr, param_out_ptr, offs, mask, p, HAS_PARAM_OUT, REMAINDER)
 
 

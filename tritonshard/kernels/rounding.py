@@ -24,6 +24,7 @@ import triton.language as tl
 from ._dispatch import Backend, select_backend
 
 __all__ = ["split_bf16_remainder", "combine_bf16_remainder", "to_fp32", "round_to_bf16", "stochastic_round_to_bf16",
+           "block_random_bits",
            "cast_to_bf16", "cast_to_bf16_ref",
            "stochastic_cast_to_bf16_ref"]
 
@@ -51,11 +52,27 @@ def round_to_bf16(x):
 
 
 @triton.jit
-def stochastic_round_to_bf16(x, seed, offsets):
-    """fp32 block -> bf16 block, stochastic rounding driven by Philox(seed, offsets): reproducible per element."""
+def block_random_bits(seed, first, BLOCK: tl.constexpr):
+    """32 random bits for each element ``first .. first + BLOCK - 1`` (``first`` a multiple of 4), reproducible per
+    (seed, element): one Philox4x32-7 call per 4 elements, counter ``element // 4``, word ``element % 4``.
+    tl.randint would run a full Philox per element and keep one of its four words. 7 rounds, not Triton's
+    default 10: Philox4x32-7 already passes TestU01's BigCrush (Salmon et al., "Parallel random numbers: as
+    easy as 1, 2, 3", SC 2011); the 3 extra rounds are a safety margin that rounding bits do not need.
+    Instructions per element, sm_90 (benchmarks.compile_check): AdamW with stochastically rounded bf16 states
+    compile to 916 PTX instructions per thread against 717 with round-to-nearest, 1.28x (it was 3.75x with a
+    per-element tl.randint per state); Lion 1.41x and SGD 1.46x, smaller kernels paying the same Philox."""
+    counters = first // 4 + tl.arange(0, BLOCK // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, counters, n_rounds=7)
+    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])  # element 4c + w <- word w of call c
+    return words.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def stochastic_round_to_bf16(x, bits16):
+    """fp32 block -> bf16 block, stochastic rounding: add 16 uniform random bits (``bits16``, uint32 < 2^16) below
+    the bf16 mantissa and truncate, so the probability of rounding up is the distance to the lower neighbour."""
     u = x.to(tl.uint32, bitcast=True)
-    r = tl.randint(seed, offsets).to(tl.uint32, bitcast=True) & 0xFFFF
-    hi = (u + r) >> 16
+    hi = (u + bits16) >> 16
     hi = tl.where(x != x, 0x7FC0, hi)
     return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
@@ -66,7 +83,8 @@ def _cast_kernel(x_ptr, out_ptr, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.co
     mask = offs < n
     x = to_fp32(tl.load(x_ptr + offs, mask=mask))
     if STOCHASTIC:
-        y = stochastic_round_to_bf16(x, seed, offs)
+        y = stochastic_round_to_bf16(x, block_random_bits(seed, tl.program_id(0).to(tl.int64) * BLOCK, BLOCK)
+                                     & 0xFFFF)
     else:
         y = round_to_bf16(x)
     tl.store(out_ptr + offs, y, mask=mask)

@@ -22,7 +22,7 @@ import triton.language as tl
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend
-from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_seed, store_param, store_state,
+from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 
 __all__ = ["sgd_step_", "sgd_step_ref"]
@@ -47,10 +47,10 @@ def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr
         d = d + weight_decay * p
     if HAS_MOMENTUM:
         first = scalar_arg(step_ptr, step_val, STEP_IS_TENSOR) == 1.0
-        seed = stochastic_seed(seed_ptr, STOCHASTIC)
+        bits = stochastic_bits(seed_ptr, BLOCK, STOCHASTIC)
         b = load_state(buf_ptr, offs, mask)
         b = tl.where(first, d, b * momentum + one_minus_dampening * d)
-        store_state(buf_ptr, offs, mask, b, seed, 0, STOCHASTIC)
+        store_state(buf_ptr, offs, mask, b, bits, 0, STOCHASTIC)
         if NESTEROV:
             d = d + momentum * b
         else:

@@ -331,9 +331,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction helpers
     def _make_bucket(self, gi, params, align) -> _Bucket:
-        # Stochastic rounding: the 64-bit Philox key of state tensor j of this bucket at step t is
-        # seed + n_states * t + j (store_state adds j, step() advances the seed by n_states): distinct for every
-        # (rank, bucket, step, state) until 2^31 steps. Rank in bits 48+, bucket in bits 32-47.
+        # Stochastic rounding: the 64-bit Philox key of this bucket at step t is seed + t (step() advances it on
+        # the device), distinct for every (rank, bucket, step) until 2^32 steps: rank in bits 48+, bucket in bits
+        # 32-47. The state tensors of one update use disjoint 16-bit halves of each element's random word.
         rank_id = self.rank + self.world_size * self.replica_rank
         seed = ((rank_id + 1) << 48) + (len(self.buckets) << 32) + 0x5EED
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
@@ -903,8 +903,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i in self._gather_order:
             b = self.buckets[i]
             b.step.add_(1.0 - found_inf)  # skipped steps do not count
-            if b.sr_seed is not None:  # one Philox stream per state tensor and step (see _make_bucket)
-                b.sr_seed.add_(max(1, len(b.state)))
+            if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
+                b.sr_seed.add_(1)
             with _trace(f"tritonshard.update[bucket {b.index}]"):
                 self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                 self._restore_pieces(kept.get(i, ()))
