@@ -38,7 +38,8 @@ from typing import Callable
 import torch
 
 from tritonshard.kernels import (adamw_step_, adamw_step_ref, flatten_into, flatten_into_ref, interpreter_enabled,
-                                 last_backend, lion_step_, lion_step_ref, scale_, scale_ref, sgd_step_, sgd_step_ref)
+                                 last_backend, lion_step_, lion_step_ref, scale_, scale_ref, sgd_step_, sgd_step_ref,
+                                 sum_sq_nonfinite, sum_sq_nonfinite_ref)
 
 # Minimum bytes per element (each element read once and written once at the narrowest dtype the job allows)
 BYTES = {
@@ -46,6 +47,7 @@ BYTES = {
     "flatten bf16->bf16": 2 + 2,
     "flatten fp32->bf16 accumulate": 4 + 2 + 2,
     "scale bf16": 2 + 2,
+    "sum_sq bf16": 2,  # read-only
     # grad bf16 read (2), param/exp_avg/exp_avg_sq fp32 read+write (24), param_out bf16 write (2)
     "adamw": 2 + 24 + 2,
     # grad bf16 read (2), param and one state fp32 read+write (16), param_out bf16 write (2)
@@ -137,6 +139,21 @@ def scale_job(n, device):
     return ours, [("mul_+vector_norm+isfinite", theirs)]
 
 
+def sum_sq_job(n, device):
+    x = torch.randn(n, device=device).to(torch.bfloat16)
+    s1, f1 = sum_sq_nonfinite(x, 0.5)
+    s2, f2 = sum_sq_nonfinite_ref(x, 0.5)
+    assert abs(float(s1) - float(s2)) <= 1e-5 * float(s2) and float(f1) == float(f2) == 0.0
+
+    def ours():
+        sum_sq_nonfinite(x, 0.5)
+
+    def theirs():
+        torch.linalg.vector_norm(x, dtype=torch.float32)
+        torch.isfinite(x).all()
+    return ours, [("vector_norm+isfinite", theirs)]
+
+
 def _fused_torch_step(optimizer_cls, p, grad, out, **hp):
     """The PyTorch way of the same update: upcast the bf16 grad, the fused fp32 optimizer, then a separate bf16
     copy of the weights."""
@@ -176,6 +193,32 @@ def adamw_job(n, device):
     return ours, [("fused AdamW+casts", _fused_torch_step(torch.optim.AdamW, p, grad, out2, lr=1e-3,
                                                           weight_decay=0.01)),
                   ("torch._fused_adamw_ fp32", fused_kernel)]
+
+
+def adamw_as_launched_job(n, device):
+    """The specialization ShardedAdamW's step() launches: step, grad_scale (1/d x clip x unscale) and found_inf as
+    device tensors, lr a number, the bf16 param shard as param_out; the launcher's on-device coefficient math
+    included."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    p = torch.randn(n, generator=g).to(device)
+    grad = (torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=torch.bfloat16)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    step = torch.ones((), device=device)
+    grad_scale = torch.full((), 0.5, device=device)
+    found_inf = torch.zeros((), device=device)
+    p2, m2, v2, out2 = p.clone(), m.clone(), v.clone(), out.clone()
+    adamw_step_(p, grad, m, v, step=step, grad_scale=grad_scale, found_inf=found_inf, param_out=out, **hp)
+    adamw_step_ref(p2, grad, m2, v2, step=step, grad_scale=grad_scale, found_inf=found_inf, param_out=out2, **hp)
+    err = float((p - p2).abs().max() / p2.abs().max())
+    assert err <= 1e-6, f"adamw output differs from the reference by {err:.1e}"
+
+    def ours():
+        adamw_step_(p, grad, m, v, step=step, grad_scale=grad_scale, found_inf=found_inf, param_out=out, **hp)
+
+    return ours, [("fused AdamW+casts", _fused_torch_step(torch.optim.AdamW, p, grad, out2, lr=1e-3,
+                                                          weight_decay=0.01))]
 
 
 def sgd_job(n, device):
@@ -229,7 +272,10 @@ JOBS = {
     "flatten fp32->bf16 accumulate":
         ("flatten fp32->bf16 accumulate", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, True, False)),
     "scale_ bf16 (+norm, inf check)": ("scale bf16", "scale_", scale_job),
+    "sum_sq_nonfinite bf16 (read-only, what step() runs)": ("sum_sq bf16", "sum_sq_nonfinite", sum_sq_job),
     "adamw_step_ (bf16 grad, bf16 out)": ("adamw", "adamw_step_", adamw_job),
+    "adamw_step_ as ShardedAdamW launches it (tensor step/grad_scale, found_inf)":
+        ("adamw", "adamw_step_", adamw_as_launched_job),
     "sgd_step_ momentum (bf16 grad, bf16 out)": ("sgd momentum", "sgd_step_", sgd_job),
     "lion_step_ (bf16 grad, bf16 out)": ("lion", "lion_step_", lion_job),
 }

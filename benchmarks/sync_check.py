@@ -6,8 +6,11 @@ Backward, clip_grad_norm_, step and zero_grad of a small model run with synchron
 errors, after one warm-up step (which fills the flatten kernel's device-side tables and compiles the kernels), for
 each configuration below: the default ShardedAdamW, bf16 optimizer states with stochastic rounding plus the
 remainder-stored master, fp16 parameters with dynamic loss scaling (where an overflow must skip a step without a
-host read), ShardedSGD and ShardedLion. On CPU (CI) the steps run without the detector, which keeps this script
-from rotting between GPU runs; only a CUDA run proves anything.
+host read), ShardedSGD and ShardedLion, and the communicating paths: overlap_comm with attach() (reduce-scatters
+launched from backward hooks, all-gathers waited for in forward pre-hooks) with bf16 states, and clipping through
+torch.nn.utils.clip_grad_norm_ on param.grad placeholders. main() starts a 1-rank process group (NCCL on CUDA,
+gloo on CPU) when none exists, so the collectives really run. On CPU (CI) the steps run without the detector,
+which keeps this script from rotting between GPU runs; only a CUDA run proves anything.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 import tritonshard
 
@@ -26,13 +30,21 @@ CONFIGS: dict[str, Callable] = {
     "ShardedAdamW fp16 + loss scaling": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3, param_dtype=torch.float16),
     "ShardedSGD momentum": lambda ps: tritonshard.ShardedSGD(ps, lr=1e-2, momentum=0.9),
     "ShardedLion": lambda ps: tritonshard.ShardedLion(ps, lr=1e-4),
+    "ShardedAdamW overlap_comm + attach, bf16 states": lambda ps: tritonshard.ShardedAdamW(
+        ps, lr=1e-3, overlap_comm=True, state_dtype=torch.bfloat16, bucket_cap_mb=0.05),
+    "ShardedAdamW, torch.nn.utils.clip_grad_norm_": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3),
 }
+# how each configuration's loop differs from the plain one
+ATTACH = {"ShardedAdamW overlap_comm + attach, bf16 states"}
+TORCH_CLIP = {"ShardedAdamW, torch.nn.utils.clip_grad_norm_"}
 
 
 def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> str:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
     opt = make(model.parameters())
+    if name in ATTACH:
+        opt.attach(model)
     dtype = next(model.parameters()).dtype
     x = torch.randn(32, 257, device=device, dtype=dtype)
 
@@ -41,7 +53,10 @@ def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> st
         if poison:  # an overflowing backward: with loss scaling the step must be skipped on the device
             loss = loss * float("inf")
         opt.scale_loss(loss).backward()
-        norm = opt.clip_grad_norm_(1.0)
+        if name in TORCH_CLIP:  # the placeholders' per-parameter global norms, the multiply folded into step()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            norm = opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         return norm
@@ -70,6 +85,18 @@ def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> st
 
 def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    owned_group = not dist.is_initialized()
+    if owned_group:  # a real process group: the collectives run (NCCL) instead of being skipped
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
+    try:
+        return _check_all(device)
+    finally:
+        if owned_group:
+            dist.destroy_process_group()
+
+
+def _check_all(device: torch.device) -> int:
     if device.type != "cuda":
         print("sync_check: no CUDA device; running the steps without the sync detector (proves nothing about syncs)")
     failed = 0

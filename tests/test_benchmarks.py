@@ -24,6 +24,7 @@ def test_microbenchmarks_smoke(tmp_path):
     assert all(pairs.count(p) == 2 for p in pairs), "every (kernel, PyTorch way) at both sizes"
     ways = {w for _, w in pairs}
     assert {"_foreach_copy_", "torch.cat + cast", "torch.cat(out=)", "_foreach_add_", "mul_+vector_norm+isfinite",
+            "vector_norm+isfinite",
             "fused AdamW+casts", "torch._fused_adamw_ fp32"} <= ways
     for r in csv_rows:
         n, per = int(r["numel"]), int(r["bytes_per_elem"])
@@ -150,3 +151,14 @@ def test_a_failing_pytorch_way_loses_only_its_row(tmp_path, monkeypatch):
     rows = bench_run.main(["--out", str(tmp_path), "--sizes", "4099", "--reps", "1"], errors=errors)
     assert [r["torch_impl"] for r in rows] == ["mul_+vector_norm+isfinite"]
     assert len(errors) == 1 and "PyTorch way torch._fused_thing_: AttributeError" in errors[0]
+
+
+def test_gpu_check_runs_only_the_stages_asked_for(tmp_path):
+    # on a GPU it runs as two device calls (STAGES="1 2", then "3 4"): a stage that ran twice or never would waste
+    # or lose part of a rare GPU run
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "STAGES": "2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "sync_check.log").exists()
+    assert not any((tmp_path / name).exists() for name in ("kernel_tests.log", "bench.log", "train.log"))

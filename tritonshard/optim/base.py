@@ -324,6 +324,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._placeholders = {p: ShardedGrad(p, self) for p in self._param_list}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
+        self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
         self._state_exposed = False
         self._hooks = [p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self))
                        for p in self._param_list]
@@ -728,7 +729,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 index.append(first + piece.tensor_index)
         acc = torch.zeros(len(self._param_list), dtype=torch.float32, device=self.device)
         if values:
-            idx = torch.tensor(index, dtype=torch.int64, device=self.device)
+            if self._norm_index is None:  # the pieces never change: one host-to-device copy, ever
+                self._norm_index = torch.tensor(index, dtype=torch.int64, device=self.device)
+            idx = self._norm_index
             if is_inf:
                 acc.scatter_reduce_(0, idx, torch.stack(values), reduce="amax")
             else:
