@@ -5,7 +5,7 @@ import torch
 
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE, random_fp32_bits, randn
-from tritonshard.kernels import adamw_step_, lion_step_, sgd_step_
+from tritonshard.kernels import Backend, adamw_step_, last_backend, lion_step_, sgd_step_
 from tritonshard.kernels.rounding import combine_bf16_remainder, split_bf16_remainder
 
 
@@ -31,23 +31,23 @@ def test_split_combine_round_trip_on_random_bit_patterns():
     assert_bitwise_equal(back[ties].to(torch.bfloat16), hi[ties], "tie case rounds to the same bf16")
 
 
-def _step(kind, param, grad, state, param_out, step, remainders):
+def _step(kind, param, grad, state, param_out, step, remainders, backend):
     if kind == "adamw":
         adamw_step_(param, grad, state[0], state[1], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                    weight_decay=0.01, step=step, param_out=param_out, remainders=remainders)
+                    weight_decay=0.01, step=step, param_out=param_out, remainders=remainders, backend=backend)
     elif kind == "sgd":
         sgd_step_(param, grad, state[0], lr=1e-2, momentum=0.9, step=step, param_out=param_out,
-                  remainders=remainders)
+                  remainders=remainders, backend=backend)
     else:
-        lion_step_(param, grad, state[0], lr=1e-3, weight_decay=0.1, param_out=param_out, remainders=remainders)
+        lion_step_(param, grad, state[0], lr=1e-3, weight_decay=0.1, param_out=param_out, remainders=remainders,
+                   backend=backend)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "lion"])
-@pytest.mark.parametrize("backend_torch", [False, True])
-def test_same_trajectory_as_the_fp32_master(kind, backend_torch, monkeypatch):
-    if backend_torch:  # the reference path (CPU users without the interpreter) keeps the same contract
-        import tritonshard.kernels._dispatch as dispatch
-        monkeypatch.setattr(dispatch, "_INTERPRETED", False)
+# backend "torch": the reference path (a CPU user without the interpreter) keeps the same contract; asked for by
+# the launchers' own argument, so on a GPU the reference is tested too (not only the compiled kernels)
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_same_trajectory_as_the_fp32_master(kind, backend):
     n = 4099
     master0 = randn(n, 7)
     hi, rem = split_bf16_remainder(master0)
@@ -58,8 +58,8 @@ def test_same_trajectory_as_the_fp32_master(kind, backend_torch, monkeypatch):
     s_rem = [torch.zeros(n, device=DEVICE) for _ in range(nstate)]
     for step in range(1, 6):
         g = randn(n, 100 + step, torch.bfloat16)
-        _step(kind, fp32, g, s_fp32, out_fp32, step, False)
-        _step(kind, rem, g, s_rem, hi, step, True)
+        _step(kind, fp32, g, s_fp32, out_fp32, step, False, backend)
+        _step(kind, rem, g, s_rem, hi, step, True, backend)
         assert_bitwise_equal(hi, out_fp32, f"{kind} step {step}: bf16 weights")
         for a, b in zip(s_rem, s_fp32):
             assert_bitwise_equal(a, b, f"{kind} step {step}: optimizer state")
@@ -68,6 +68,8 @@ def test_same_trajectory_as_the_fp32_master(kind, backend_torch, monkeypatch):
         assert_bitwise_equal(rebuilt[~ties], fp32[~ties], f"{kind} step {step}: master")
         assert torch.equal(rebuilt[ties].view(torch.int32), fp32[ties].view(torch.int32) - 1)
         fp32.copy_(rebuilt)  # keep the two paths step-local: a tie moves the master by one ulp, by design
+    ran = last_backend(f"{kind}_step_")
+    assert (ran is Backend.TORCH) == (backend == "torch"), f"{kind}: ran on {ran}"
 
 
 def test_remainder_arguments_are_checked():

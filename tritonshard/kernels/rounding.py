@@ -8,7 +8,9 @@ while GPUs round to nearest even. Rounding the bit pattern ourselves gives the s
 
 Overflow past the largest finite bf16 carries into the exponent and gives inf, as IEEE does; +-inf are unchanged
 (their low 16 bits are zero); NaN would carry into the sign bit for some payloads, so NaN is written as the
-canonical quiet NaN 0x7FC0 (what ``Tensor.to(torch.bfloat16)`` gives on the CPU).
+canonical quiet NaN 0x7FC0 (what ``Tensor.to(torch.bfloat16)`` gives on the CPU; torch's CUDA cast may write
+0x7FFF). The choice is the same on every backend and checked on its own (tests/kernels/test_rounding.py); the
+bitwise comparisons with torch treat any NaN as equal to any NaN.
 
 Stochastic rounding adds a uniform 16-bit random number to the low half instead of 0x7FFF + tie bit, then
 truncates: the result rounds up with probability (dropped bits) / 2^16, so ``E[round(x)] == x`` exactly for every
