@@ -162,3 +162,12 @@ def test_gpu_check_runs_only_the_stages_asked_for(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "sync_check.log").exists()
     assert not any((tmp_path / name).exists() for name in ("kernel_tests.log", "bench.log", "train.log"))
+
+
+def test_reduce_error_measures_bf16_against_fp32():
+    from benchmarks import reduce_error
+
+    (row,) = reduce_error.main(["--world-sizes", "2", "--numel", "4096"])
+    # fp32 sums of 2 fp32 values are exact up to one fp32 rounding (2^-24); the bf16 path rounds the inputs and the
+    # sum (2^-9 each): the measurement must tell them apart by orders of magnitude, with bf16 above one rounding
+    assert row["fp32_rms_rel"] < 1e-6 < 1e-4 < row["bf16_once_rms_rel"] <= row["bf16_rms_rel"] < 1e-2
