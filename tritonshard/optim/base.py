@@ -31,13 +31,24 @@ in the same order. ``step()`` waits for each reduce-scatter only when it scales 
 param all-gathers are launched asynchronously too; with :meth:`ShardedOptimizer.attach` a forward pre-hook on each
 module waits only for the buckets holding that module's parameters.
 
-Streams (CUDA): the flatten, scale and update kernels run on the current stream. A collective launched with
-``async_op=True`` is enqueued by ProcessGroupNCCL on its own communication stream behind an event recorded on the
-current stream, so it sees the finished flatten (or update); ``work.wait()`` makes the current stream wait for it
-without blocking the host. A bucket's grad buffer belongs to the communication stream from its reduce-scatter
-launch until the wait in ``step()``; its param buffer from the all-gather launch until the wait in the forward
-pre-hook (or in ``step()``, ``state_dict()``, checkpoint saves). Buffers are allocated once and never freed, so no
-``record_stream`` is needed.
+Streams (CUDA), the rules:
+
+1. The flatten, norm and update kernels run on the current stream. A collective launched with ``async_op=True``
+   is enqueued by ProcessGroupNCCL on its own communication stream behind an event recorded on the current stream,
+   so it sees the finished flatten (or update); ``work.wait()`` makes the current stream wait for it without
+   blocking the host.
+2. A bucket's grad buffer belongs to the communication stream from its reduce-scatter launch until the wait in
+   ``step()``; its param buffer from the all-gather launch until the wait in the forward pre-hook (or in
+   ``step()``, ``state_dict()``, checkpoint saves). The buffers are allocated once and never freed.
+3. ``step()`` records an event on its stream after the last kernel that reads the grad shards; the first flatten
+   of the next backward makes its own stream wait for it, so a backward on another stream (autograd runs a node on
+   the stream its forward op used) cannot overwrite a shard an update is still reading.
+4. A flattened gradient belongs to autograd's allocation stream; the flatten may read it on another one, so it is
+   marked with ``record_stream`` on the flatten's stream before ``param.grad`` lets it go: the caching allocator
+   reuses its memory only after the flatten has read it.
+
+On a CPU none of this applies (every op completes in order); the rules are exercised by ``benchmarks.sync_check``
+and ``gpu_check.sh`` on a GPU.
 
 Buckets: filled in reverse registration order (the order backward produces gradients), at most
 ``bucket_cap_mb`` of ``param_dtype`` each, never mixing param groups. Frozen parameters (requires_grad=False)
@@ -303,6 +314,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._no_sync_depth = 0
         self._flush_queued = False
         self._grads_this_backward = False
+        self._grads_consumed_event = None  # CUDA: recorded by step() after the updates (streams, rule 3)
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -417,10 +429,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._reduced is not None:
             raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
                                "call step() (or zero_grad()) first")
+        self._after_last_step_readers()
         if not b.has_grads:
             for p, view in zip(b.params, b.grad_buffer.get_views()):
                 if p.grad is None:
                     view.zero_()  # no gradient this time: contributes zeros
+        if self.device.type == "cuda" and not torch.compiler.is_compiling():
+            stream = torch.cuda.current_stream(self.device)
+            for g, _ in grads:  # streams, rule 4
+                g.record_stream(stream)
         kernels().flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads],
                                accumulate=b.has_grads)
         if torch.compiler.is_compiling():
@@ -435,6 +452,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
                         p.grad = None
         b.has_grads = True
+
+    def _after_last_step_readers(self) -> None:
+        """Streams, rule 3: before the first write into a grad buffer after ``step()``, the current stream waits for
+        the last step's kernels that read the grad shards (a no-op on CPU and on the step's own stream)."""
+        if self._grads_consumed_event is not None and not torch.compiler.is_compiling():
+            torch.cuda.current_stream(self.device).wait_event(self._grads_consumed_event)
+            self._grads_consumed_event = None
 
     def _take_placeholder(self, param: torch.Tensor) -> None:
         """A new gradient for ``param`` is about to be accumulated: remove the placeholder, so autograd stores it
@@ -459,6 +483,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "(by clip_grad_norm_, or by overlap_comm=True at the end of backward); change gradients before "
                 "clipping, and with overlap_comm=True before the last backward of the step")
         if b.has_grads:
+            self._after_last_step_readers()
             b.grad_buffer.get_views()[i].zero_()
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
@@ -475,6 +500,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                and self.buckets[self._launch_order[self._next_launch]].launch_wanted):
             b = self.buckets[self._launch_order[self._next_launch]]
             if not b.has_grads:  # no gradient since zero_grad(): the buffer still holds the previous step's
+                self._after_last_step_readers()
                 b.grad_buffer.zero_()
                 b.has_grads = True
             with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
@@ -913,6 +939,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._restore_pieces(kept.get(i, ()))
             with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
                 b.ag_work = b.param_buffer.all_gather(async_op=True)
+        if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
+            self._grads_consumed_event = torch.cuda.Event()
+            self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
         self.skipped_steps.add_(found_inf.long())
         self.last_step_skipped.copy_(found_inf > 0)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
@@ -942,6 +971,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.zero_()
         if not set_to_none:
+            self._after_last_step_readers()
             for b in self.buckets:
                 b.grad_buffer.zero_()
 
