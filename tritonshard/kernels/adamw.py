@@ -140,7 +140,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         found_inf: optional 1-element device tensor; when non-zero, nothing is written.
         param_out: optional bf16/fp16 tensor receiving the rounded new param in the same pass.
         state_rounding, seed: bf16 ``exp_avg``/``exp_avg_sq`` are stored rounded to nearest even, or with
-            ``"stochastic"`` from Philox(seed, element index); ``seed`` an int or a 1-element int64 device tensor
+            ``"stochastic"`` from Philox(seed, element // 4) (exp_avg and exp_avg_sq from the two 16-bit halves of
+            each element's word); ``seed`` an int or a 1-element int64 device tensor
             (advance it every step).
         remainders: ``param`` is the int16 remainder of the master and ``param_out`` (bf16, required) its high
             half: the fp32 master is rebuilt, updated and split again in the same pass (see

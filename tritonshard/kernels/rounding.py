@@ -56,7 +56,8 @@ def round_to_bf16(x):
 @triton.jit
 def block_random_bits(seed, first, BLOCK: tl.constexpr):
     """32 random bits for each element ``first .. first + BLOCK - 1`` (``first`` a multiple of 4), reproducible per
-    (seed, element): one Philox4x32-7 call per 4 elements, counter ``element // 4``, word ``element % 4``.
+    (seed, element): one Philox4x32-7 call per 4 elements (counter ``element // 4``), each element of the four
+    taking its own 32-bit word of that call.
     tl.randint would run a full Philox per element and keep one of its four words. 7 rounds, not Triton's
     default 10: Philox4x32-7 already passes TestU01's BigCrush (Salmon et al., "Parallel random numbers: as
     easy as 1, 2, 3", SC 2011); the 3 extra rounds are a safety margin that rounding bits do not need.
@@ -65,7 +66,8 @@ def block_random_bits(seed, first, BLOCK: tl.constexpr):
     per-element tl.randint per state); Lion 1.41x and SGD 1.46x, smaller kernels paying the same Philox."""
     counters = first // 4 + tl.arange(0, BLOCK // 4)
     r0, r1, r2, r3 = tl.randint4x(seed, counters, n_rounds=7)
-    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])  # element 4c + w <- word w of call c
+    # [B/4, 2, 2] -> [B]: elements 4c .. 4c+3 get words r0, r2, r1, r3 of call c (join adds the last axis)
+    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
     return words.to(tl.uint32, bitcast=True)
 
 
