@@ -277,6 +277,11 @@ def main(argv=None):
         plot_losses({args.optimizer: metrics_path}, os.path.join(out_dir, "loss.png"))
         print(f"metrics: {metrics_path}; loss curve: {os.path.join(out_dir, 'loss.png')}")
     if dist.is_initialized():
+        # Teardown: while rank 0 saves and plots, the others must not destroy the group under it, and nothing that
+        # holds the group (DDP's reducer, the optimizer) may outlive it into interpreter shutdown: 2 of 6 runs of
+        # the HF example's DDP baseline hung there (2026-11-30) before this barrier and del.
+        dist.barrier()
+        del train_model, opt
         dist.destroy_process_group()
 
 

@@ -137,6 +137,11 @@ def main(argv=None):
         plot_losses({k: v for k, v in runs.items() if os.path.isfile(v)}, os.path.join(out_dir, "loss.png"))
         print(f"metrics: {os.path.join(out_dir, 'metrics.jsonl')}; loss curve: {os.path.join(out_dir, 'loss.png')}")
     if dist.is_initialized():
+        # Teardown: while rank 0 saves and plots, the others must not destroy the group under it, and nothing that
+        # holds the group (DDP's reducer, the optimizer) may outlive it into interpreter shutdown: 2 of 6 runs of
+        # the HF example's DDP baseline hung there (2026-11-30) before this barrier and del.
+        dist.barrier()
+        del train_model, opt, sched
         dist.destroy_process_group()
 
 
