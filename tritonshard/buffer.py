@@ -77,6 +77,8 @@ class Buffer:
         group: default process group of the collectives (None: the default group). Its size and this process's
             rank in it must match ``world_size`` and ``rank`` (checked here when given, and at every collective).
         check_layout: run :meth:`check_layout` at construction (a collective: every rank must pass True).
+        owners: optional owner rank of each tensor: each tensor then lies whole inside its owner's shard (see
+            :class:`~tritonshard.layout.Layout`), so a reduce-scatter delivers whole tensors to their owners.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Buffer:
         align: int = DEFAULT_ALIGN,
         group: Optional[dist.ProcessGroup] = None,
         check_layout: bool = False,
+        owners: Optional[Sequence[int]] = None,
     ):
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
             raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
@@ -112,7 +115,7 @@ class Buffer:
             self._check_group(group)  # so a Buffer can be built for another rank's layout (planning, references)
 
         self._shapes = [tuple(t.shape) for t in tensors]
-        self.layout = Layout([t.numel() for t in tensors], world_size, align)
+        self.layout = Layout([t.numel() for t in tensors], world_size, align, owners=owners)
         self.padded_numel = self.layout.padded_numel
         self.shard_numel = self.layout.shard_numel
         self._padding = self.padded_numel - self.layout.total_numel
@@ -241,7 +244,8 @@ class Buffer:
     # ------------------------------------------------------------------ internals
     def _description(self) -> dict:
         return {"world_size": self.world_size, "dtype": str(self.dtype), "align": self.align,
-                "num_tensors": len(self._shapes), "shapes": self._shapes, "padded_numel": self.padded_numel}
+                "num_tensors": len(self._shapes), "shapes": self._shapes, "padded_numel": self.padded_numel,
+                "offsets": list(self.layout.offsets)}
 
     def _fingerprint(self) -> torch.Tensor:
         digest = hashlib.blake2b(repr(self._description()).encode(), digest_size=8).digest()
@@ -296,4 +300,8 @@ def _describe_mismatch(descriptions: list) -> str:
             if a != b:
                 return (f"Buffer layout differs across ranks: tensor {i} has shape {a} on rank 0 "
                         f"but {b} on rank {r}")
+        for i, (a, b) in enumerate(zip(ref["offsets"], d["offsets"])):
+            if a != b:
+                return (f"Buffer layout differs across ranks: tensor {i} starts at element {a} on rank 0 "
+                        f"but {b} on rank {r} (different owners)")
     return "Buffer layout differs across ranks (fingerprints differ)"

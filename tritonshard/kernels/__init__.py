@@ -8,6 +8,8 @@ from ._dispatch import Backend, interpreter_enabled, last_backend
 from .adamw import adamw_step_, adamw_step_ref
 from .flatten import flatten_into, flatten_into_ref
 from .lion import lion_step_, lion_step_ref
+from .muon import (muon_momentum_, muon_momentum_ref, muon_update_, muon_update_ref, newton_schulz,
+                   adjusted_lr_ratio)
 from .rounding import cast_to_bf16, cast_to_bf16_ref, stochastic_cast_to_bf16_ref
 from .scale import scale_, scale_ref, sum_sq_nonfinite, sum_sq_nonfinite_ref
 from .sgd import sgd_step_, sgd_step_ref
@@ -18,6 +20,7 @@ __all__ = [
     "adamw_step_", "adamw_step_ref",
     "sgd_step_", "sgd_step_ref",
     "lion_step_", "lion_step_ref",
+    "muon_momentum_", "muon_momentum_ref", "muon_update_", "muon_update_ref", "newton_schulz", "adjusted_lr_ratio",
     "cast_to_bf16", "cast_to_bf16_ref", "stochastic_cast_to_bf16_ref",
     "Backend", "last_backend", "interpreter_enabled",
 ]

@@ -16,11 +16,15 @@ from torch import Tensor
 from .adamw import adamw_step_ as _adamw_step
 from .flatten import flatten_into as _flatten_into
 from .lion import lion_step_ as _lion_step
+from .muon import muon_momentum_ as _muon_momentum
+from .muon import muon_update_ as _muon_update
+from .muon import adjusted_lr_ratio, newton_schulz  # noqa: F401  (torch ops: dynamo traces them)
 from .scale import scale_ as _scale
 from .scale import sum_sq_nonfinite as _sum_sq_nonfinite
 from .sgd import sgd_step_ as _sgd_step
 
-__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "adamw_step_", "sgd_step_", "lion_step_"]
+__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "adamw_step_", "sgd_step_", "lion_step_", "muon_momentum_",
+           "muon_update_", "newton_schulz", "adjusted_lr_ratio"]
 
 
 @torch.library.custom_op("tritonshard::flatten_into", mutates_args=("out",))
@@ -108,6 +112,33 @@ def _(*args):
     return None
 
 
+@torch.library.custom_op("tritonshard::muon_momentum_", mutates_args=("momentum_buffer", "update_out"))
+def _muon_momentum_op(grad: Tensor, momentum_buffer: Tensor, update_out: Tensor, momentum: float, nesterov: bool,
+                      grad_scale: float, grad_scale_tensor: Optional[Tensor], found_inf: Optional[Tensor],
+                      state_rounding: str, seed: Optional[Tensor]) -> None:
+    _muon_momentum(grad, momentum_buffer, update_out, momentum=momentum, nesterov=nesterov,
+                   grad_scale=_value(grad_scale, grad_scale_tensor), found_inf=found_inf,
+                   state_rounding=state_rounding, seed=seed)
+
+
+@_muon_momentum_op.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("tritonshard::muon_update_", mutates_args=("param", "param_out"))
+def _muon_update_op(param: Tensor, update: Tensor, param_out: Optional[Tensor], lr: float,
+                    lr_tensor: Optional[Tensor], weight_decay: float, lr_ratio: float, found_inf: Optional[Tensor],
+                    remainders: bool) -> None:
+    _muon_update(param, update, lr=_value(lr, lr_tensor), weight_decay=weight_decay, lr_ratio=lr_ratio,
+                 found_inf=found_inf, param_out=param_out, remainders=remainders)
+
+
+@_muon_update_op.register_fake
+def _(*args):
+    return None
+
+
 def _split(value) -> tuple[float, Optional[Tensor]]:
     return (0.0, value) if isinstance(value, Tensor) else (float(value), None)
 
@@ -161,3 +192,17 @@ def lion_step_(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_decay=
     torch.ops.tritonshard.lion_step_(param, grad, exp_avg, param_out, *_split(lr), *_split(grad_scale), found_inf,
                                      float(beta1), float(beta2), float(weight_decay), bool(maximize),
                                      bool(remainders), state_rounding, _seed(seed, param.device))
+
+
+def muon_momentum_(grad, momentum_buffer, update_out, *, momentum, nesterov=True, grad_scale=1.0, found_inf=None,
+                   state_rounding="nearest", seed=None) -> None:
+    """:func:`tritonshard.kernels.muon_momentum_` through ``torch.ops.tritonshard.muon_momentum_``."""
+    torch.ops.tritonshard.muon_momentum_(grad, momentum_buffer, update_out, float(momentum), bool(nesterov),
+                                         *_split(grad_scale), found_inf, state_rounding, _seed(seed, grad.device))
+
+
+def muon_update_(param, update, *, lr, weight_decay=0.0, lr_ratio=1.0, found_inf=None, param_out=None,
+                 remainders=False) -> None:
+    """:func:`tritonshard.kernels.muon_update_` through ``torch.ops.tritonshard.muon_update_``."""
+    torch.ops.tritonshard.muon_update_(param, update, param_out, *_split(lr), float(weight_decay), float(lr_ratio),
+                                       found_inf, bool(remainders))

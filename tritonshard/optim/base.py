@@ -73,7 +73,7 @@ from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
 from . import model_sync
 from .model_sync import ShardedGrad
 
-__all__ = ["ShardedOptimizer", "LossScaleConfig"]
+__all__ = ["ShardedOptimizer", "LossScaleConfig", "split_into_buckets"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -104,6 +104,22 @@ def _reject_duplicates(params: list) -> None:
             seen.add(id(p))
 
 
+def split_into_buckets(params: list, cap_elems: int) -> list[list]:
+    """``params`` cut into buckets in reverse order (the order backward produces gradients), each at most
+    ``cap_elems`` elements unless one parameter alone is larger; each bucket lists its parameters in forward
+    order. Pure: only ``numel()`` is read (shapes on the meta device do for planning)."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if current and size + p.numel() > cap_elems:
+            buckets.append(current[::-1])
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current[::-1])
+    return buckets
+
+
 def kernels():
     """The kernel entry points for this call: the launchers in eager mode; under ``torch.compile`` the same kernels
     as ``torch.library`` custom ops, which dynamo records as single nodes instead of tracing the launchers."""
@@ -121,13 +137,14 @@ class _Bucket:
     def __init__(self, group_index: int, params: list[torch.nn.Parameter], rank: int, world_size: int,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, align: int,
                  group: Optional[dist.ProcessGroup], state_names: tuple[str, ...], remainders: bool = False,
-                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic", seed: int = 0):
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic", seed: int = 0,
+                 owners: Optional[list[int]] = None):
         self.group_index = group_index
         self.params = params
         self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
-                                   group=group, check_layout=comm.is_initialized())
+                                   group=group, check_layout=comm.is_initialized(), owners=owners)
         self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
-                                  group=group)
+                                  group=group, owners=owners)
         n = self.param_buffer.shard_numel
         # the master shard comes from the ORIGINAL values (fp32 or whatever the model had), not the rounded copy
         self.master = torch.zeros(n, dtype=torch.float32, device=device)
@@ -150,6 +167,7 @@ class _Bucket:
             self.master_remainder = split_bf16_remainder(self.master)[1]
             self.master = None
         self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
+        self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
         # per-step communication state, reset by step() / zero_grad()
         self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
         self.ready: set = set()     # parameters whose gradient arrived in the current backward
@@ -195,7 +213,9 @@ class _Bucket:
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
 
-    Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``.
+    Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``; an optimizer whose
+    groups differ in kind (ShardedMuon) also overrides the per-group hooks ``_group_state_names``,
+    ``_group_bucket_cap``, ``_group_owners`` and ``_group_keeps_step``.
 
     Args:
         params: parameters or param groups, as for any ``torch.optim.Optimizer``.
@@ -269,15 +289,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         cap_elems = max(1, int(bucket_cap_mb * 2 ** 20) // torch.empty((), dtype=param_dtype).element_size())
         self.buckets: list[_Bucket] = []
         for gi, group in enumerate(self.param_groups):
-            current, size = [], 0
-            for p in reversed([p for p in group["params"] if p.requires_grad]):
-                if current and size + p.numel() > cap_elems:
-                    self.buckets.append(self._make_bucket(gi, current[::-1], align))
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel()
-            if current:
-                self.buckets.append(self._make_bucket(gi, current[::-1], align))
+            trainable = [p for p in group["params"] if p.requires_grad]
+            for params in split_into_buckets(trainable, self._group_bucket_cap(group, cap_elems)):
+                self.buckets.append(self._make_bucket(gi, params, align))
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for i, b in enumerate(self.buckets):
             b.index = i
@@ -349,9 +363,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # 32-47. The state tensors of one update use disjoint 16-bit halves of each element's random word.
         rank_id = self.rank + self.world_size * self.replica_rank
         seed = ((rank_id + 1) << 48) + (len(self.buckets) << 32) + 0x5EED
+        group = self.param_groups[gi]
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
-                       align, self.process_group, self._state_names, self.store_param_remainders,
-                       self.state_dtype, self.state_rounding, seed)
+                       align, self.process_group, self._group_state_names(group), self.store_param_remainders,
+                       self.state_dtype, self.state_rounding, seed, owners=self._group_owners(group, params))
+
+    # per-group hooks (one kind of group per optimizer unless a subclass says otherwise)
+    def _group_state_names(self, group: dict) -> tuple[str, ...]:
+        """The state tensors of the buckets of ``group``."""
+        return self._state_names
+
+    def _group_bucket_cap(self, group: dict, cap_elems: int) -> int:
+        """At most this many elements per bucket of ``group`` (a larger parameter gets a bucket of its own)."""
+        return cap_elems
+
+    def _group_owners(self, group: dict, params: list) -> Optional[list[int]]:
+        """None (equal contiguous shards), or the rank that owns each of ``params`` whole (see Layout)."""
+        return None
+
+    def _group_keeps_step(self, group: dict) -> bool:
+        """Whether torch.optim's state for ``group`` has a ``step`` entry (state_dict() writes it then)."""
+        return True
 
     def _check_params(self) -> None:
         devices = set()
@@ -988,6 +1020,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                           for b in self.buckets),
             "state": sum(nbytes(t) for b in self.buckets for t in b.state.values()),
         }
+        workspace = sum(nbytes(b.workspace) for b in self.buckets if b.workspace is not None)
+        if workspace:  # e.g. ShardedMuon's bf16 Newton-Schulz input/output shard
+            out["workspace"] = workspace
         out["total"] = sum(out.values())
         return out
 
@@ -1025,8 +1060,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         full: dict[torch.Tensor, dict] = {}
         for b in self.buckets:
             gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master_fp32()), *b.state.items())}
+            keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
-                entry = {"step": b.step.detach().clone()}
+                entry = {"step": b.step.detach().clone()} if keeps_step else {}
                 for name in (*b.state, "master"):
                     entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
                 full[p] = entry
@@ -1080,7 +1116,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p not in self._bucket_of:
                 raise ValueError(f"the state dict has state for parameter {key} (shape {tuple(p.shape)}), which is "
                                  "frozen (requires_grad=False) here")
-            for name in (*self._state_names, "master"):
+            for name in (*self._bucket_of[p][0].state, "master"):
                 if name == "master" and name not in entry:
                     continue
                 if name not in entry:
