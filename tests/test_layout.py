@@ -105,3 +105,42 @@ def test_bad_rank():
 
 def test_align_up():
     assert [align_up(n, 4) for n in range(9)] == [0, 4, 4, 4, 4, 8, 8, 8, 8]
+
+
+@settings(max_examples=300, deadline=None)
+@given(numels=numels_st, world_size=world_st, align=align_st, data=st.data())
+def test_owners_put_each_tensor_whole_in_its_owners_shard(numels, world_size, align, data):
+    owners = data.draw(st.lists(st.integers(0, world_size - 1), min_size=len(numels), max_size=len(numels)))
+    layout = Layout(numels, world_size, align, owners=owners)
+    assert layout.padded_numel == layout.shard_numel * world_size and layout.shard_numel % align == 0
+    ends = {}
+    for i, (off, n) in enumerate(zip(layout.offsets, numels)):
+        assert off % align == 0
+        if n:
+            assert list(layout.owner_ranks(i)) == [owners[i]], "the whole tensor in its owner's shard"
+            ends.setdefault(owners[i], []).append((off, off + n))
+    for spans in ends.values():  # disjoint inside a shard
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    # the shard is as long as the largest share needs, no longer
+    needed = max((Layout([n for n, r in zip(numels, owners) if r == rank], 1, align).used_numel
+                  for rank in range(world_size)), default=0)
+    assert layout.shard_numel == align_up(needed, align)
+
+
+@settings(max_examples=200, deadline=None)
+@given(numels=st.lists(st.integers(1, 10_000), min_size=1, max_size=40), world_size=world_st)
+def test_balance_owners_is_the_greedy_bound(numels, world_size):
+    from tritonshard.layout import balance_owners
+    owners = balance_owners(numels, [float(n) for n in numels], world_size)
+    share = [sum(n for n, r in zip(numels, owners) if r == rank) for rank in range(world_size)]
+    # largest-first greedy: no rank exceeds the mean by more than the largest tensor (Graham's bound)
+    assert max(share) <= sum(numels) / world_size + max(numels)
+    assert owners == balance_owners(numels, [float(n) for n in numels], world_size), "deterministic on every rank"
+
+
+def test_owners_bad_arguments():
+    with pytest.raises(ValueError, match="owners has 1 entries"):
+        Layout([3, 4], 2, owners=[0])
+    with pytest.raises(ValueError, match=r"owners\[1\] must be a rank in \[0, 2\)"):
+        Layout([3, 4], 2, owners=[0, 2])

@@ -96,16 +96,46 @@ class PaperLion(torch.optim.Optimizer):
                 m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
+def muon_groups(model: Net):
+    """ShardedMuon's groups for Net: the two weight matrices in Muon, the rest in AdamW (with its own lr)."""
+    return [dict(params=[model.fc1.weight, model.fc2.weight]),
+            dict(params=[model.fc1.bias, model.fc2.bias, model.norm.weight, model.norm.bias, model.unused],
+                 use_muon=False, lr=LR / 2, weight_decay=0.0)]
+
+
+class TorchMuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon for the groups with use_muon (default True) and torch.optim.AdamW(foreach=False) for the
+    others, stepped as one optimizer (so one LR scheduler drives both): the reference for ShardedMuon."""
+
+    def __init__(self, groups, **muon_kw):
+        groups = [dict(g) for g in groups]
+        muon = [{k: v for k, v in g.items() if k != "use_muon"} for g in groups if g.get("use_muon", True)]
+        adamw = [{k: v for k, v in g.items() if k != "use_muon"} for g in groups if not g.get("use_muon", True)]
+        self.muon = torch.optim.Muon(muon, **muon_kw)
+        self.adamw = torch.optim.AdamW(adamw, foreach=False)
+        super().__init__([p for g in groups for p in g["params"]], {})
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups  # the same dicts: lr changes reach them
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
 class Reference:
     """Single-process simulation of `world_size` ranks training with fp32 master weights and torch AdamW."""
 
     def __init__(self, world_size: int, seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16, make_opt=None,
-                 model_dtype: torch.dtype = torch.bfloat16, loss_scale: float = 1.0):
+                 model_dtype: torch.dtype = torch.bfloat16, loss_scale: float = 1.0, groups_fn=None):
         self.world_size = world_size
         self.grad_dtype = grad_dtype
         self.loss_scale = loss_scale  # constant: the tests that use it choose one that never overflows
         self.fp32 = make_model(seed)
-        self.groups = param_groups(self.fp32)
+        self.groups = (groups_fn or param_groups)(self.fp32)
         self.master = [p for g in self.groups for p in g["params"]]
         self.opt = (make_opt or (lambda groups: torch.optim.AdamW(groups, lr=LR, foreach=False)))(self.groups)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
