@@ -7,14 +7,18 @@ the communication and the kernels, which is where a compiled step would split an
 import pytest
 import torch
 
-from tests.optim.training import LR, batch, loss_fn, make_model, param_groups
-from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
+from tests.optim.training import LR, batch, loss_fn, make_model, muon_groups, param_groups
+from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 
 FACTORIES = {
-    "adamw": lambda groups: ShardedAdamW(groups, lr=LR),
-    "sgd": lambda groups: ShardedSGD(groups, lr=0.05, momentum=0.9),
-    "lion": lambda groups: ShardedLion(groups, lr=1e-3, weight_decay=0.1),
+    "adamw": lambda model: ShardedAdamW(param_groups(model), lr=LR),
+    "sgd": lambda model: ShardedSGD(param_groups(model), lr=0.05, momentum=0.9),
+    "lion": lambda model: ShardedLion(param_groups(model), lr=1e-3, weight_decay=0.1),
+    "muon": lambda model: ShardedMuon(muon_groups(model), lr=0.02, adjust_lr_fn="match_rms_adamw"),
 }
+#: the update ops each optimizer's compiled step must contain
+OPS = {"adamw": ["adamw_step_"], "sgd": ["sgd_step_"], "lion": ["lion_step_"],
+       "muon": ["muon_momentum_", "muon_update_", "adamw_step_"]}
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
@@ -29,7 +33,7 @@ def test_compiled_step_has_no_graph_break_and_matches_eager(name):
     for compiled in (False, True):
         torch._dynamo.reset()
         model = make_model(0)
-        opt = FACTORIES[name](param_groups(model))
+        opt = FACTORIES[name](model)
 
         def clip_and_step(opt=opt):  # the optimizer half of a training step: reduce, norm, clip, update
             norm = opt.clip_grad_norm_(0.5)
@@ -45,5 +49,6 @@ def test_compiled_step_has_no_graph_break_and_matches_eager(name):
     for eager, compiled in zip(*results):
         assert torch.equal(eager.view(torch.int16), compiled.view(torch.int16)), "compiled step != eager step"
     targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert any(f"tritonshard.{name}_step_" in t for t in targets), f"no tritonshard {name} op in {targets}"
+    for op in OPS[name]:
+        assert any(f"tritonshard.{op}" in t for t in targets), f"no tritonshard {op} op in {targets}"
     assert any("tritonshard.sum_sq_nonfinite" in t for t in targets), f"no sum_sq_nonfinite op in {targets}"
