@@ -4,7 +4,7 @@
 # first (tens of seconds per kernel family), so the step timeouts are generous and add up to more than the 600 s of
 # one device command: run it as two calls, the second within the machine's idle window (its Triton cache stays):
 #   OUT=$OUT STAGES="1 2" bash benchmarks/gpu_check.sh      (timeouts 300 + 120 s)
-#   OUT=$OUT STAGES="3 4" bash benchmarks/gpu_check.sh      (timeouts 200 + 2 x 90 + 120 s)
+#   OUT=$OUT STAGES="3 4" bash benchmarks/gpu_check.sh      (timeouts 200 + 2 x 130 + 120 s)
 # Each call writes its own $OUT (fetch both); results.md of the second holds the tables. The stages:
 #   1. the COMPILED kernels against the PyTorch references (tests/kernels on CUDA; RNE bit-exactness included),
 #   2. ShardedAdamW steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host),
@@ -54,7 +54,7 @@ if stage 3; then
   timeout 200 $PY -m benchmarks.run --out "$OUT" --markdown "$OUT/results.md" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" \
     || status=1
   for model in $MODELS; do
-    timeout 90 $PY -m benchmarks.step --model $model --out "$OUT" --markdown "$OUT/results.md" 2>&1 \
+    timeout 130 $PY -m benchmarks.step --model $model --out "$OUT" --markdown "$OUT/results.md" 2>&1 \
       | tee -a "$OUT/step.log" || status=1
   done
 fi

@@ -1,5 +1,6 @@
 """End-to-end optimizer step on transformer-shaped parameter sets: ShardedAdamW vs fused torch.optim.AdamW (fp32)
-vs FSDP2 ``fully_shard`` with bf16 parameters, with peak memory.
+vs FSDP2 ``fully_shard`` with bf16 parameters, and ShardedMuon vs torch.optim.Muon + AdamW (fp32), with peak
+memory and, for Muon, the Newton-Schulz share of the step.
 
     python -m benchmarks.step --model 125M --out benchmarks/out      # GPU
     python -m benchmarks.step --model tiny --out /tmp/bench          # CPU smoke run (CI)
@@ -76,6 +77,63 @@ def bench_ours(shapes, device, reps):
             "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"]}
 
 
+def muon_split(shapes):
+    """The blocks' matrices (Muon) and the rest: embeddings and positions (the first two shapes), norms, biases."""
+    muon = [i for i, s in enumerate(shapes) if len(s) == 2 and i >= 2]
+    return muon, [i for i in range(len(shapes)) if i not in muon]
+
+
+def newton_schulz_ms(shapes, device, reps) -> float:
+    """Newton-Schulz alone on bf16 matrices of ``shapes`` (what one rank orthogonalizes at world size 1)."""
+    from tritonshard.kernels import newton_schulz
+    xs = [torch.randn(s, device=device).to(torch.bfloat16) for s in shapes]
+    return timed(lambda: [newton_schulz(x) for x in xs], device, reps) * 1e3
+
+
+def bench_muon(shapes, device, reps):
+    reset_peak(device)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    mi, ai = muon_split(shapes)
+    opt = tritonshard.ShardedMuon([{"params": [params[i] for i in mi]},
+                                   {"params": [params[i] for i in ai], "use_muon": False, "lr": 3e-4}],
+                                  lr=0.02, adjust_lr_fn="match_rms_adamw")
+    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    t = timed(step, device, reps) * 1e3
+    ns = newton_schulz_ms([shapes[i] for i in mi], device, reps)
+    return {"impl": "tritonshard.ShardedMuon (Muon on blocks' matrices + AdamW, bf16 params+grads, fp32 master)",
+            "step_ms": t, "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"],
+            "newton_schulz_ms": ns, "note": f"Newton-Schulz {ns:.2f} ms = {100 * ns / t:.0f}% of the step"}
+
+
+def bench_torch_muon(shapes, device, reps):
+    reset_peak(device)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    mi, ai = muon_split(shapes)
+    muon = torch.optim.Muon([params[i] for i in mi], lr=0.02, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([params[i] for i in ai], lr=3e-4, fused=True)
+    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    t = timed(step, device, reps) * 1e3
+    n_muon, n = sum(params[i].numel() for i in mi), sum(p.numel() for p in params)
+    return {"impl": "torch.optim.Muon + AdamW(fused) fp32", "step_ms": t, "peak_bytes": peak_bytes(device),
+            "optimizer_bytes": 8 * n + 4 * n_muon + 8 * (n - n_muon)}  # params + grads, momentum, moments
+
+
 def bench_torch(shapes, device, reps):
     reset_peak(device)
     params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
@@ -142,7 +200,7 @@ def main(argv=None):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     rows = []
-    for fn in (bench_ours, bench_torch, bench_fsdp2):
+    for fn in (bench_ours, bench_torch, bench_fsdp2, bench_muon, bench_torch_muon):
         try:
             row = fn(shapes, device, args.reps)
         except Exception as exc:  # report, do not hide: the row says why it did not run

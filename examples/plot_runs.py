@@ -12,7 +12,8 @@ from train_gpt import plot_losses  # noqa: E402
 
 def main(out_dir: str, png: str) -> None:
     labels = {"tritonshard": "tritonshard.ShardedAdamW (bf16 weights/grads, sharded fp32 master)",
-              "torch": "torch.optim.AdamW (fp32, DDP)"}
+              "torch": "torch.optim.AdamW (fp32, DDP)",
+              "muon": "tritonshard.ShardedMuon (Muon on the blocks' matrices, AdamW on the rest)"}
     runs = {labels.get(name, name): os.path.join(out_dir, name, "metrics.jsonl") for name in sorted(os.listdir(out_dir))
             if os.path.isfile(os.path.join(out_dir, name, "metrics.jsonl"))}
     if not runs:

@@ -4,6 +4,7 @@ Run it (2 processes on CPU with gloo; on GPUs the same script uses NCCL, one pro
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer torch   # fp32 DDP + AdamW baseline
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer muon    # ShardedMuon (+ AdamW)
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --resume            # continue from a checkpoint
 
 The data is generated, not downloaded: a character-level stream of addition problems ("123+45=168;"), so the
@@ -117,6 +118,18 @@ def param_groups(model: nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def muon_param_groups(model: nn.Module, args):
+    """Muon for the blocks' matrices; AdamW for the embeddings (and the head tied to them), positions, norms and
+    biases, as Muon's authors prescribe. Each group keeps its own peak lr (``base_lr``) for the schedule."""
+    matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    embeddings = [p for n, p in model.named_parameters() if not n.startswith("blocks.") and p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    adamw = dict(use_muon=False, lr=args.lr, base_lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    return [{"params": matrices, "lr": args.muon_lr, "base_lr": args.muon_lr},
+            {"params": embeddings, "weight_decay": args.weight_decay, **adamw},
+            {"params": rest, "weight_decay": 0.0, **adamw}]
+
+
 def lr_at(step: int, args) -> float:
     """Linear warmup, then cosine decay to min_lr at the last step."""
     if step < args.warmup:
@@ -128,8 +141,10 @@ def lr_at(step: int, args) -> float:
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--optimizer", choices=["tritonshard", "torch"], default="tritonshard",
-                   help="tritonshard: ShardedAdamW, bf16 model; torch: fp32 model, DDP, torch.optim.AdamW")
+    p.add_argument("--optimizer", choices=["tritonshard", "muon", "torch"], default="tritonshard",
+                   help="tritonshard: ShardedAdamW, bf16 model; muon: ShardedMuon for the blocks' matrices and AdamW "
+                        "for the rest, bf16 model; torch: fp32 model, DDP, torch.optim.AdamW")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="peak lr of the Muon group (--optimizer muon)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -188,6 +203,12 @@ def main(argv=None):
                                        bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
                                        state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
                                        state_rounding=args.state_rounding)
+    elif args.optimizer == "muon":
+        opt = tritonshard.ShardedMuon(muon_param_groups(model, args), lr=args.muon_lr, weight_decay=args.weight_decay,
+                                      bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
+                                      state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
+                                      state_rounding=args.state_rounding)
+    if args.optimizer != "torch":
         if args.overlap:
             opt.attach(model)
         train_model = model
@@ -230,8 +251,8 @@ def main(argv=None):
     while step < args.steps:
         t0 = time.perf_counter()
         lr = lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        for g in opt.param_groups:  # every group follows the schedule relative to its own peak
+            g["lr"] = lr * g.get("base_lr", args.lr) / args.lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             x, y = get_batch(corpus, args.seed, step, rank, micro, args.batch_size, args.block_size)
@@ -240,7 +261,7 @@ def main(argv=None):
                 loss = train_model(x.to(device), y.to(device)) / args.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
-        if args.optimizer == "tritonshard":
+        if args.optimizer != "torch":
             gnorm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else opt.grad_norm()
         else:
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else math.inf)
@@ -254,7 +275,7 @@ def main(argv=None):
             loss_value, stop_now = flag[0].item() / world, flag[1].item() > 0
         else:
             loss_value, stop_now = loss_sum.item(), stop["requested"]
-        skipped = int(opt.skipped_steps) if args.optimizer == "tritonshard" else 0
+        skipped = int(opt.skipped_steps) if args.optimizer != "torch" else 0
         dt = time.perf_counter() - t0
         if rank == 0:
             row = {"step": step, "loss": loss_value, "grad_norm": float(gnorm), "lr": lr,
@@ -287,7 +308,7 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------- checkpoints
 def save(args, opt, model, ckpt_dir, step, world):
-    if args.optimizer == "tritonshard":
+    if args.optimizer != "torch":
         save_checkpoint(opt, ckpt_dir, step, extra={"step": step})
     else:  # the baseline: replicated state, rank 0 writes one file
         if dist.get_rank() == 0 if dist.is_initialized() else True:
@@ -299,7 +320,7 @@ def save(args, opt, model, ckpt_dir, step, world):
 
 
 def load_checkpoint(args, opt, model, ckpt_dir) -> int:
-    if args.optimizer == "tritonshard":
+    if args.optimizer != "torch":
         path = latest_checkpoint(ckpt_dir)
         if path is None:
             raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")

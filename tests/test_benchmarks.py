@@ -39,7 +39,11 @@ def test_microbenchmarks_smoke(tmp_path):
 
 def test_step_benchmark_smoke(tmp_path):
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path)])
-    ours, theirs, fsdp = rows
+    ours, theirs, fsdp, muon, torch_muon = rows
+    assert "error" not in muon and muon["step_ms"] > 0 and 0 < muon["newton_schulz_ms"]
+    assert "error" not in torch_muon and torch_muon["step_ms"] > 0
+    # Muon keeps one state (momentum) where AdamW keeps two: fewer optimizer bytes than ShardedAdamW at world size 1
+    assert muon["optimizer_bytes"] < ours["optimizer_bytes"]
     assert "error" not in ours and ours["step_ms"] > 0
     assert "error" not in theirs and theirs["step_ms"] > 0
     assert "error" not in fsdp and fsdp["step_ms"] > 0  # main() starts a 1-rank gloo group for FSDP2

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ._hparams import check_betas, check_lr, check_min
-from .base import ShardedOptimizer, _Bucket, kernels
+from .base import ShardedOptimizer, kernels
+from .bucket import _Bucket
 
 __all__ = ["ShardedAdamW"]
 

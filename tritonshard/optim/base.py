@@ -1,5 +1,17 @@
 """``ShardedOptimizer``: the bucketed, sharded mixed-precision pipeline that every tritonshard optimizer shares.
 
+Where its parts live (one job per file):
+
+* ``base.py`` (here): the communication pipeline: buckets built, gradients flattened at the end of backward,
+  reduce-scatters launched (overlapped or not), norms, clipping and loss scaling, ``step()`` ordering the updates
+  and the parameter all-gathers, ``attach()``;
+* ``bucket.py``: one bucket's storage (param and grad Buffers, fp32 master and state shards);
+* ``model_view.py``: keeping the user's model and the master consistent (outside writes, ``param.grad`` as seen by
+  torch code, frozen parameters, ``opt.state``); ``model_sync.py``: the hooks and placeholder it relies on;
+* ``state_io.py``: ``state_dict()`` / ``load_state_dict()`` in torch.optim's format;
+* the update rules: ``adamw.py``, ``sgd.py`` (SGD, Lion), ``muon.py``: hyper-parameters, per-group layout hooks and
+  ``_update(bucket, group, grad_scale, found_inf)``, which launches the fused kernels on one bucket's shards.
+
 Ownership and aliasing (world size d, this rank r):
 
 * every trainable parameter is a ``param_dtype`` view into one bucket's param :class:`~tritonshard.Buffer`; the
@@ -66,12 +78,14 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..buffer import DEFAULT_ALIGN, Buffer
+from ..buffer import DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import ops as _op_kernels
-from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
 from . import model_sync
+from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
+from .model_view import ModelViewMixin
+from .state_io import StateDictMixin
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig", "split_into_buckets"]
 
@@ -104,22 +118,6 @@ def _reject_duplicates(params: list) -> None:
             seen.add(id(p))
 
 
-def split_into_buckets(params: list, cap_elems: int) -> list[list]:
-    """``params`` cut into buckets in reverse order (the order backward produces gradients), each at most
-    ``cap_elems`` elements unless one parameter alone is larger; each bucket lists its parameters in forward
-    order. Pure: only ``numel()`` is read (shapes on the meta device do for planning)."""
-    buckets, current, size = [], [], 0
-    for p in reversed(params):
-        if current and size + p.numel() > cap_elems:
-            buckets.append(current[::-1])
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        buckets.append(current[::-1])
-    return buckets
-
-
 def kernels():
     """The kernel entry points for this call: the launchers in eager mode; under ``torch.compile`` the same kernels
     as ``torch.library`` custom ops, which dynamo records as single nodes instead of tracing the launchers."""
@@ -131,86 +129,7 @@ def _trace(label: str):
     return contextlib.nullcontext() if torch.compiler.is_compiling() else torch.profiler.record_function(label)
 
 
-class _Bucket:
-    """One param Buffer, its grad Buffer, and this rank's fp32 shards (master + optimizer state)."""
-
-    def __init__(self, group_index: int, params: list[torch.nn.Parameter], rank: int, world_size: int,
-                 param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, align: int,
-                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...], remainders: bool = False,
-                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic", seed: int = 0,
-                 owners: Optional[list[int]] = None):
-        self.group_index = group_index
-        self.params = params
-        self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
-                                   group=group, check_layout=comm.is_initialized(), owners=owners)
-        self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
-                                  group=group, owners=owners)
-        n = self.param_buffer.shard_numel
-        # the master shard comes from the ORIGINAL values (fp32 or whatever the model had), not the rounded copy
-        self.master = torch.zeros(n, dtype=torch.float32, device=device)
-        for piece in self.param_buffer.shard_pieces():
-            src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
-            self.master[piece.shard_start:piece.shard_end].copy_(src)
-        self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
-        # bf16 states: rounding mode, and a per-bucket, per-rank seed advanced on the device every step
-        self.state_rounding = state_rounding
-        self.sr_seed = (torch.full((1,), seed, dtype=torch.int64, device=device)
-                        if state_dtype == torch.bfloat16 and state_rounding == "stochastic" else None)
-        self.step = torch.zeros((), dtype=torch.float32, device=device)  # steps taken (skipped ones excluded)
-        for p, view in zip(params, self.param_buffer.get_views()):
-            view.copy_(p.detach())  # round to nearest even, as Tensor.to does
-            p.data = view  # the Parameter object stays (module and optimizer references keep working)
-            p.grad = None
-        #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
-        self.master_remainder = None
-        if remainders:
-            self.master_remainder = split_bf16_remainder(self.master)[1]
-            self.master = None
-        self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
-        self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
-        # per-step communication state, reset by step() / zero_grad()
-        self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
-        self.ready: set = set()     # parameters whose gradient arrived in the current backward
-        self.placed: dict = {}     # parameters whose param.grad is our ShardedGrad placeholder (a dict: dynamo
-        #                             traces no sets of tensors)
-        self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
-        self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
-        self.rs_launched = False
-        self.ag_work = None         # handle of its in-flight param all-gather
-
-    def master_fp32(self) -> torch.Tensor:
-        """The fp32 master shard (rebuilt from the bf16 shard and the remainders when those are stored)."""
-        if self.master_remainder is None:
-            return self.master
-        return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
-
-    def set_master(self, master: torch.Tensor) -> None:
-        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""
-        if self.master_remainder is None:
-            if master is not self.master:
-                self.master.copy_(master)
-            self.param_buffer.get_local_shard().copy_(self.master)
-        else:
-            hi, rem = split_bf16_remainder(master)
-            self.param_buffer.get_local_shard().copy_(hi)
-            self.master_remainder.copy_(rem)
-
-    def state_kwargs(self) -> dict:
-        """Rounding arguments of the update kernels for this bucket's states ({} for fp32 states)."""
-        if not self.state or next(iter(self.state.values())).dtype == torch.float32:
-            return {}
-        if self.sr_seed is None:
-            return {"state_rounding": "nearest"}
-        return {"state_rounding": "stochastic", "seed": self.sr_seed}
-
-    def update_target(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(param argument, param_out, remainders) for the fused update kernels."""
-        if self.master_remainder is None:
-            return self.master, self.param_buffer.get_local_shard(), False
-        return self.master_remainder, self.param_buffer.get_local_shard(), True
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
 
     Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``; an optimizer whose
@@ -622,201 +541,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grad_multipliers.clear()
         self._norm_cache.clear()
 
-    # ------------------------------------------------------------------ the model's view (see model_sync.py)
-    def sync_from_model(self) -> None:
-        """Bring the master shards up to date with what the user's code did to the parameters since the last step.
-
-        Runs at the start of every step (and of ``state_dict()``, checkpoint saves and loads); call it yourself
-        only when the step runs under ``torch.compile``, where it is skipped. On the host, no device sync:
-
-        * a parameter written in place (``model.load_state_dict``, ``torch.nn.init``, ``p.copy_``; its version
-          counter moved): every element of this rank's shard whose bf16 value is no longer the rounding of the
-          fp32 master takes the new value as its master (elementwise, on the device); the optimizer state stays,
-          as with torch.optim;
-        * a parameter that no longer aliases its buffer (a copying ``.to()`` on the same device and dtype, e.g.
-          accelerate's ``model.to("cpu:0")``, or ``p.data = t``): its values are copied back into the buffer and it
-          is made a view of it again, then as above;
-        * an error, naming the parameter, the cause and the fix, for what cannot be followed: a parameter moved to
-          another device or converted to another dtype, a parameter replaced in the model by another object
-          (``load_state_dict(..., assign=True)``; needs ``attach``), a parameter frozen when the optimizer was
-          built and trainable now.
-        """
-        if torch.compiler.is_compiling():
-            return
-        for module, name, p in self._model_params:
-            if module._parameters.get(name) is not p:
-                raise RuntimeError(
-                    f"parameter {self._param_names[p]} was replaced in the model by another tensor after the "
-                    "optimizer was built (e.g. model.load_state_dict(..., assign=True) or setattr), so the optimizer "
-                    "would keep updating the old one. Load with assign=False (the default: it copies into the "
-                    "existing parameters, which tritonshard follows), or build the optimizer after loading.")
-        for p in self._frozen_at_build:
-            if p.requires_grad:
-                raise RuntimeError(
-                    f"parameter {self._param_names[p]} was frozen (requires_grad=False) when the optimizer was built, "
-                    "so tritonshard laid out no buffer, master weights or state for it, and it is trainable now. "
-                    "Build the optimizer with every parameter that will ever train set to requires_grad=True (freeze "
-                    "later instead: a parameter frozen after construction is left unchanged by step()), or give the "
-                    "unfrozen parameters an optimizer of their own.")
-        dirty = set()
-        for p in self._param_list:
-            if p.data_ptr() != self._param_ptrs[p] or p.dtype != self.param_dtype or p.device != self.device:
-                self._readopt(p)
-                dirty.add(self._bucket_of[p][0].index)
-            elif p._version != self._param_versions[p]:
-                self._param_versions[p] = p._version
-                dirty.add(self._bucket_of[p][0].index)
-        if dirty:
-            self.wait_for_params()
-            for i in sorted(dirty):
-                self._reconcile_master(self.buckets[i])
-
-    def _readopt(self, p: torch.Tensor) -> None:
-        name = self._param_names[p]
-        if p.device != self.device:
-            raise RuntimeError(
-                f"parameter {name} was moved to {p.device} after the optimizer was built on {self.device} (e.g. "
-                "model.to(device) or accelerate's prepare()): tritonshard's buffers, master weights and state stay "
-                "where they were built. Move the model first, then build the optimizer.")
-        if p.dtype != self.param_dtype:
-            raise RuntimeError(
-                f"parameter {name} was converted to {p.dtype} after the optimizer was built (e.g. model.float() or "
-                f"model.half()): tritonshard trains it as {self.param_dtype} views of its buffers (fp32 master "
-                "weights kept sharded). Don't convert the model after building the optimizer; choose the weights' "
-                "dtype with param_dtype=.")
-        view = self._param_views[p]
-        if tuple(p.shape) != tuple(view.shape):
-            raise RuntimeError(f"parameter {name} changed shape from {tuple(view.shape)} to {tuple(p.shape)} "
-                               "after the optimizer was built")
-        self.wait_for_params()
-        with torch.no_grad():
-            view.copy_(p.detach())
-        p.data = view  # the same Parameter object, aliasing the buffer again
-        self._param_versions[p] = p._version
-        self._param_ptrs[p] = view.data_ptr()
-
-    @torch.no_grad()
-    def _reconcile_master(self, b: _Bucket) -> None:
-        """Master := the parameter's value wherever the bf16 shard is not the rounding of the master (an outside
-        write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
-        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays)."""
-        if b.master_remainder is not None:
-            return
-        shard = b.param_buffer.get_local_shard()
-        b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
-
-    def _frozen_since_build(self) -> list:
-        if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
-            return []
-        return [p for p in self._param_list if not p.requires_grad]
-
-    def _snapshot_pieces(self, params: list) -> dict:
-        """Copies of this rank's master / state / bf16 pieces of ``params``, by bucket index, for
-        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments)."""
-        wanted, kept = set(params), {}
-        for b in self.buckets:
-            targets = [b.master if b.master_remainder is None else b.master_remainder,
-                       b.param_buffer.get_local_shard(), *b.state.values()]
-            for piece in b.param_buffer.shard_pieces():
-                if b.params[piece.tensor_index] in wanted and piece.numel:
-                    sl = slice(piece.shard_start, piece.shard_end)
-                    kept.setdefault(b.index, []).append([(t[sl], t[sl].clone()) for t in targets])
-        return kept
-
-    @staticmethod
-    def _restore_pieces(kept) -> None:
-        for piece in kept:
-            for dst, saved in piece:
-                dst.copy_(saved)
-
-    def _common_multiplier(self):
-        """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every
-        parameter must have been scaled by the same ones: the update scales the whole gradient at once."""
-        if not self._grad_multipliers:
-            return None
-        # parameters without a gradient on this rank (param.grad None; zeros in the buffer) are skipped by torch's
-        # clipping, and scaling their zeros changes nothing
-        with_grad = [p for b in self.buckets for p in b.placed] + list(self._grad_multipliers)
-        keys = {tuple(id(c) if torch.is_tensor(c) else float(c) for c in self._grad_multipliers.get(p, ()))
-                for p in with_grad}
-        if len(keys) != 1:
-            scaled = sum(1 for p in self._param_list if p in self._grad_multipliers)
-            raise RuntimeError(
-                f"param.grad was multiplied (e.g. by torch.nn.utils.clip_grad_norm_) for {scaled} of the "
-                f"{len(set(with_grad))} parameters of this optimizer that have a gradient, or by different "
-                "coefficients: tritonshard folds one coefficient into the whole update. Clip all of the optimizer's "
-                "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm).")
-        total = None
-        for c in self._grad_multipliers[with_grad[-1]]:
-            total = c if total is None else total * c
-        return total
-
-    def _fold_grad_multiplier(self, p: torch.Tensor, coef) -> None:
-        """``p.grad.mul_(coef)`` on a ShardedGrad: applied in the update (``grad_scale``), not as a pass."""
-        self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
-        self._grad_multipliers.setdefault(p, []).append(coef)
-        self._norm_cache.clear()
-
-    def _param_grad_norm(self, p: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier):
-        what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All parameters' norms are computed at once
-        (one pass over the pieces, one all-reduce) and cached for the step."""
-        if norm_type not in self._norm_cache:
-            self._reduce_grads()
-            self._norm_cache[norm_type] = self._param_grad_norms(norm_type)
-        norm = self._norm_cache[norm_type][self._param_index[p]]
-        for c in self._grad_multipliers.get(p, ()):
-            norm = norm * (c.abs() if torch.is_tensor(c) else abs(c))
-        return norm
-
-    @torch.no_grad()
-    def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
-        if not norm_type > 0:
-            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        is_inf = norm_type == math.inf
-        values, index = [], []
-        for b in self.buckets:
-            shard = b.grad_buffer.get_local_shard()
-            first = self._param_index[b.params[0]]
-            for piece in b.param_buffer.shard_pieces():
-                if not piece.numel:
-                    continue
-                seg = shard[piece.shard_start:piece.shard_end].float().abs()
-                values.append(seg.amax() if is_inf else (seg.square().sum() if norm_type == 2.0
-                                                         else seg.pow(norm_type).sum()))
-                index.append(first + piece.tensor_index)
-        acc = torch.zeros(len(self._param_list), dtype=torch.float32, device=self.device)
-        if values:
-            if self._norm_index is None:  # the pieces never change: one host-to-device copy, ever
-                self._norm_index = torch.tensor(index, dtype=torch.int64, device=self.device)
-            idx = self._norm_index
-            if is_inf:
-                acc.scatter_reduce_(0, idx, torch.stack(values), reduce="amax")
-            else:
-                acc.index_add_(0, idx, torch.stack(values))
-        if comm.is_initialized() and self.world_size > 1:
-            dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
-        norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
-        norms = norms * self._grad_average  # the shards hold the SUM over ranks
-        return norms / self._scale if self._scale is not None else norms
-
-    def _expose_state(self) -> None:
-        """``opt.state[p]``: live views of the pieces of ``p``'s state this rank owns (1-D, in the order of
-        ``p.reshape(-1)[shard_range[0]:shard_range[1]]``), with ``step`` and, unless remainders are stored, the fp32
-        ``master``. A parameter this rank owns nothing of has empty pieces and ``shard_range == (0, 0)``."""
-        for b in self.buckets:
-            owned = {piece.tensor_index: piece for piece in b.param_buffer.shard_pieces()}
-            tensors = dict(b.state)
-            if b.master_remainder is None:
-                tensors["master"] = b.master
-            for i, p in enumerate(b.params):
-                piece = owned.get(i)
-                sl = slice(piece.shard_start, piece.shard_end) if piece else slice(0, 0)
-                entry = {"step": b.step, **{name: t[sl] for name, t in tensors.items()},
-                         "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)}
-                self.state[p] = entry
-        self._state_exposed = True
-
     # ------------------------------------------------------------------ parameter all-gathers
     def wait_for_params(self, buckets=None) -> None:
         """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters."""
@@ -1025,150 +749,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out["workspace"] = workspace
         out["total"] = sum(out.values())
         return out
-
-    # ------------------------------------------------------------------ state dicts (world-size independent)
-
-    def _indexed_params(self) -> list[tuple[int, int, torch.Tensor]]:
-        """(global index, group index, param) in torch.optim's numbering: param_groups order, frozen included."""
-        out, i = [], 0
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                out.append((i, gi, p))
-                i += 1
-        return out
-
-    def _gather_full(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
-        full = torch.empty(bucket.param_buffer.padded_numel, dtype=shard.dtype, device=shard.device)
-        if comm.is_initialized() and self.world_size > 1:
-            comm.all_gather_single(full, shard, group=self.process_group)
-        else:
-            full.copy_(shard)
-        return full
-
-    def state_dict(self) -> dict:
-        """The full optimizer state in torch.optim's format, identical on every rank and for any world size or
-        bucket size.
-
-        Per trainable parameter (torch.optim numbering): ``step`` (0-d fp32), the state tensors (for AdamW
-        ``exp_avg``, ``exp_avg_sq``) and ``master``, the fp32 master weights, all of the parameter's shape.
-        Cost: every bucket's fp32 shards are all-gathered, so every rank holds 4 B x (1 + number of state
-        tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
-        use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
-        """
-        self.sync_from_model()
-        self.wait_for_params()
-        full: dict[torch.Tensor, dict] = {}
-        for b in self.buckets:
-            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master_fp32()), *b.state.items())}
-            keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
-            for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
-                entry = {"step": b.step.detach().clone()} if keeps_step else {}
-                for name in (*b.state, "master"):
-                    entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
-                full[p] = entry
-        state, groups = {}, []
-        indexed = self._indexed_params()
-        for gi, g in enumerate(self.param_groups):
-            ids = [i for i, gj, _ in indexed if gj == gi]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-        for i, _, p in indexed:
-            if p in full:
-                state[i] = full[p]
-        return {"state": state, "param_groups": groups,
-                "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone(),
-                                **self._scaler_state()}}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
-        ``torch.optim.AdamW`` (then the master weights stay what this optimizer took from the model's weights at
-        construction, and parameters that have no state there start from zero moments).
-
-        The bf16 parameters are re-derived from the loaded master weights (round to nearest even), exactly as
-        every step writes them, so a resumed run continues bit for bit.
-
-        Raises:
-            ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
-                or unknown parameter, differing steps inside one bucket).
-        """
-        self.sync_from_model()
-        self.wait_for_params()
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
-        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
-                             f"{len(self.param_groups)}")
-        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(f"param_groups[{gi}] has {len(sg['params'])} parameters in the state dict but "
-                                 f"{len(g['params'])} in the optimizer")
-            if sg.get("amsgrad", False):
-                raise ValueError(f"param_groups[{gi}] was saved with amsgrad=True, which ShardedAdamW does not have")
-        indexed = self._indexed_params()
-        saved_ids = [i for sg in saved_groups for i in sg["params"]]
-        id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
-        by_index = {i: p for i, _, p in indexed}
-        entries: dict[torch.Tensor, dict] = {}
-        for key, entry in saved_state.items():
-            if key not in id_map:
-                raise ValueError(f"the state dict has state for parameter {key}, which is in no param group")
-            p = by_index[id_map[key]]
-            if p not in self._bucket_of:
-                raise ValueError(f"the state dict has state for parameter {key} (shape {tuple(p.shape)}), which is "
-                                 "frozen (requires_grad=False) here")
-            for name in (*self._bucket_of[p][0].state, "master"):
-                if name == "master" and name not in entry:
-                    continue
-                if name not in entry:
-                    raise ValueError(f"state of parameter {key} has no '{name}'")
-                if tuple(entry[name].shape) != tuple(p.shape):
-                    raise ValueError(f"state '{name}' of parameter {key} has shape {tuple(entry[name].shape)} but "
-                                     f"the parameter has shape {tuple(p.shape)}")
-            entries[p] = entry
-        with torch.no_grad():
-            for b in self.buckets:
-                # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken
-                steps = {float(entries[p].get("step", 1.0)) for p in b.params if p in entries}
-                if len(steps) > 1:
-                    raise ValueError(f"parameters sharing a bucket have different steps {sorted(steps)}; "
-                                     "tritonshard keeps one step per bucket")
-                master = b.master_fp32().clone()
-                for piece in b.param_buffer.shard_pieces():
-                    entry = entries.get(b.params[piece.tensor_index])
-                    dst = slice(piece.shard_start, piece.shard_end)
-                    for name, shard in (("master", master), *b.state.items()):
-                        if entry is not None and name in entry:
-                            src = entry[name].reshape(-1)[piece.tensor_start:piece.tensor_end]
-                            shard[dst].copy_(src)
-                        elif name != "master":
-                            shard[dst].zero_()
-                b.set_master(master)
-                b.step.fill_(steps.pop() if steps else 0.0)
-            self._apply_hparams(saved_groups)
-            extra = state_dict.get("tritonshard", {})
-            self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
-            self._load_scaler_state(extra)
-            self._refresh_params_from_master()
-        self._expose_state()
-
-    def _scaler_state(self) -> dict:
-        if self._scale is None:
-            return {}
-        return {"loss_scale": self._scale.detach().clone(), "growth_tracker": self._growth_tracker.detach().clone()}
-
-    def _load_scaler_state(self, extra: dict) -> None:
-        if self._scale is not None and "loss_scale" in extra:
-            self._scale.fill_(float(extra["loss_scale"]))
-            self._growth_tracker.fill_(int(extra["growth_tracker"]))
-
-    def _apply_hparams(self, saved_groups) -> None:
-        """Restore the hyper-parameters this optimizer has (its defaults' keys; LR schedulers add initial_lr)."""
-        for sg, g in zip(saved_groups, self.param_groups):
-            for k in (*self.defaults, "initial_lr"):
-                if k in sg:
-                    g[k] = tuple(sg[k]) if k == "betas" else sg[k]
-
-    def _refresh_params_from_master(self) -> None:
-        """All-gather the param shards, which set_master() rounded from the master (what every step ends with)."""
-        for b in self.buckets:
-            b.param_buffer.all_gather()

@@ -33,7 +33,8 @@ from ..buffer import DEFAULT_ALIGN
 from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
 from ._hparams import check_betas, check_lr, check_min, require
-from .base import ShardedOptimizer, _Bucket, kernels, split_into_buckets
+from .base import ShardedOptimizer, kernels
+from .bucket import _Bucket, split_into_buckets
 
 __all__ = ["ShardedMuon"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._hparams import check_betas, check_lr, check_min, check_number, require
-from .base import ShardedOptimizer, _Bucket, kernels
+from .base import ShardedOptimizer, kernels
+from .bucket import _Bucket
 
 __all__ = ["ShardedSGD", "ShardedLion"]
 

@@ -1,0 +1,115 @@
+"""The storage of one bucket: a param Buffer, a grad Buffer with the same layout, and this rank's fp32 shards
+(master weights and optimizer state); and how parameters are cut into buckets.
+
+What lives where (world size d, this rank r) is described in :mod:`tritonshard.optim.base`; this module only
+allocates and names it. A bucket built with ``owners`` (ShardedMuon) has every parameter whole in one rank's
+shard (see :class:`~tritonshard.layout.Layout`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..buffer import Buffer
+from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
+
+__all__ = ["split_into_buckets"]
+
+
+def split_into_buckets(params: list, cap_elems: int) -> list[list]:
+    """``params`` cut into buckets in reverse order (the order backward produces gradients), each at most
+    ``cap_elems`` elements unless one parameter alone is larger; each bucket lists its parameters in forward
+    order. Pure: only ``numel()`` is read (shapes on the meta device do for planning)."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if current and size + p.numel() > cap_elems:
+            buckets.append(current[::-1])
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current[::-1])
+    return buckets
+
+
+class _Bucket:
+    """One param Buffer, its grad Buffer, and this rank's fp32 shards (master + optimizer state)."""
+
+    def __init__(self, group_index: int, params: list[torch.nn.Parameter], rank: int, world_size: int,
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device, align: int,
+                 group: Optional[dist.ProcessGroup], state_names: tuple[str, ...], remainders: bool = False,
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic", seed: int = 0,
+                 owners: Optional[list[int]] = None):
+        self.group_index = group_index
+        self.params = params
+        self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
+                                   group=group, check_layout=comm.is_initialized(), owners=owners)
+        self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
+                                  group=group, owners=owners)
+        n = self.param_buffer.shard_numel
+        # the master shard comes from the ORIGINAL values (fp32 or whatever the model had), not the rounded copy
+        self.master = torch.zeros(n, dtype=torch.float32, device=device)
+        for piece in self.param_buffer.shard_pieces():
+            src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
+            self.master[piece.shard_start:piece.shard_end].copy_(src)
+        self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
+        # bf16 states: rounding mode, and a per-bucket, per-rank seed advanced on the device every step
+        self.state_rounding = state_rounding
+        self.sr_seed = (torch.full((1,), seed, dtype=torch.int64, device=device)
+                        if state_dtype == torch.bfloat16 and state_rounding == "stochastic" else None)
+        self.step = torch.zeros((), dtype=torch.float32, device=device)  # steps taken (skipped ones excluded)
+        for p, view in zip(params, self.param_buffer.get_views()):
+            view.copy_(p.detach())  # round to nearest even, as Tensor.to does
+            p.data = view  # the Parameter object stays (module and optimizer references keep working)
+            p.grad = None
+        #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
+        self.master_remainder = None
+        if remainders:
+            self.master_remainder = split_bf16_remainder(self.master)[1]
+            self.master = None
+        self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
+        self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
+        # per-step communication state, reset by step() / zero_grad()
+        self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
+        self.ready: set = set()     # parameters whose gradient arrived in the current backward
+        self.placed: dict = {}     # parameters whose param.grad is our ShardedGrad placeholder (a dict: dynamo
+        #                             traces no sets of tensors)
+        self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
+        self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
+        self.rs_launched = False
+        self.ag_work = None         # handle of its in-flight param all-gather
+
+    def master_fp32(self) -> torch.Tensor:
+        """The fp32 master shard (rebuilt from the bf16 shard and the remainders when those are stored)."""
+        if self.master_remainder is None:
+            return self.master
+        return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
+
+    def set_master(self, master: torch.Tensor) -> None:
+        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""
+        if self.master_remainder is None:
+            if master is not self.master:
+                self.master.copy_(master)
+            self.param_buffer.get_local_shard().copy_(self.master)
+        else:
+            hi, rem = split_bf16_remainder(master)
+            self.param_buffer.get_local_shard().copy_(hi)
+            self.master_remainder.copy_(rem)
+
+    def state_kwargs(self) -> dict:
+        """Rounding arguments of the update kernels for this bucket's states ({} for fp32 states)."""
+        if not self.state or next(iter(self.state.values())).dtype == torch.float32:
+            return {}
+        if self.sr_seed is None:
+            return {"state_rounding": "nearest"}
+        return {"state_rounding": "stochastic", "seed": self.sr_seed}
+
+    def update_target(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(param argument, param_out, remainders) for the fused update kernels."""
+        if self.master_remainder is None:
+            return self.master, self.param_buffer.get_local_shard(), False
+        return self.master_remainder, self.param_buffer.get_local_shard(), True

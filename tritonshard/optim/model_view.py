@@ -1,0 +1,221 @@
+"""``ModelViewMixin``: the half of ShardedOptimizer that keeps the user's model and the master shards consistent.
+
+* ``sync_from_model()``: outside writes to the parameters (``load_state_dict``, ``torch.nn.init``...) reach the
+  fp32 master; parameters that stopped aliasing their buffer are re-adopted; what cannot be followed raises.
+* gradients seen through ``param.grad`` (a :class:`~tritonshard.optim.model_sync.ShardedGrad` placeholder): the
+  per-parameter global norms and the coefficients torch code multiplied them by (``clip_grad_norm_``);
+* parameters frozen after construction, kept out of the flat update; ``opt.state[p]`` as live views.
+
+The hooks and the placeholder themselves are in :mod:`tritonshard.optim.model_sync`; the communication pipeline
+that these methods call into (``wait_for_params``, ``_reduce_grads``) is :class:`~tritonshard.optim.base.
+ShardedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .bucket import _Bucket
+
+__all__ = ["ModelViewMixin"]
+
+
+class ModelViewMixin:
+    """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` about the model's view of the weights."""
+
+    def sync_from_model(self) -> None:
+        """Bring the master shards up to date with what the user's code did to the parameters since the last step.
+
+        Runs at the start of every step (and of ``state_dict()``, checkpoint saves and loads); call it yourself
+        only when the step runs under ``torch.compile``, where it is skipped. On the host, no device sync:
+
+        * a parameter written in place (``model.load_state_dict``, ``torch.nn.init``, ``p.copy_``; its version
+          counter moved): every element of this rank's shard whose bf16 value is no longer the rounding of the
+          fp32 master takes the new value as its master (elementwise, on the device); the optimizer state stays,
+          as with torch.optim;
+        * a parameter that no longer aliases its buffer (a copying ``.to()`` on the same device and dtype, e.g.
+          accelerate's ``model.to("cpu:0")``, or ``p.data = t``): its values are copied back into the buffer and it
+          is made a view of it again, then as above;
+        * an error, naming the parameter, the cause and the fix, for what cannot be followed: a parameter moved to
+          another device or converted to another dtype, a parameter replaced in the model by another object
+          (``load_state_dict(..., assign=True)``; needs ``attach``), a parameter frozen when the optimizer was
+          built and trainable now.
+        """
+        if torch.compiler.is_compiling():
+            return
+        for module, name, p in self._model_params:
+            if module._parameters.get(name) is not p:
+                raise RuntimeError(
+                    f"parameter {self._param_names[p]} was replaced in the model by another tensor after the "
+                    "optimizer was built (e.g. model.load_state_dict(..., assign=True) or setattr), so the optimizer "
+                    "would keep updating the old one. Load with assign=False (the default: it copies into the "
+                    "existing parameters, which tritonshard follows), or build the optimizer after loading.")
+        for p in self._frozen_at_build:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {self._param_names[p]} was frozen (requires_grad=False) when the optimizer was built, "
+                    "so tritonshard laid out no buffer, master weights or state for it, and it is trainable now. "
+                    "Build the optimizer with every parameter that will ever train set to requires_grad=True (freeze "
+                    "later instead: a parameter frozen after construction is left unchanged by step()), or give the "
+                    "unfrozen parameters an optimizer of their own.")
+        dirty = set()
+        for p in self._param_list:
+            if p.data_ptr() != self._param_ptrs[p] or p.dtype != self.param_dtype or p.device != self.device:
+                self._readopt(p)
+                dirty.add(self._bucket_of[p][0].index)
+            elif p._version != self._param_versions[p]:
+                self._param_versions[p] = p._version
+                dirty.add(self._bucket_of[p][0].index)
+        if dirty:
+            self.wait_for_params()
+            for i in sorted(dirty):
+                self._reconcile_master(self.buckets[i])
+
+    def _readopt(self, p: torch.Tensor) -> None:
+        name = self._param_names[p]
+        if p.device != self.device:
+            raise RuntimeError(
+                f"parameter {name} was moved to {p.device} after the optimizer was built on {self.device} (e.g. "
+                "model.to(device) or accelerate's prepare()): tritonshard's buffers, master weights and state stay "
+                "where they were built. Move the model first, then build the optimizer.")
+        if p.dtype != self.param_dtype:
+            raise RuntimeError(
+                f"parameter {name} was converted to {p.dtype} after the optimizer was built (e.g. model.float() or "
+                f"model.half()): tritonshard trains it as {self.param_dtype} views of its buffers (fp32 master "
+                "weights kept sharded). Don't convert the model after building the optimizer; choose the weights' "
+                "dtype with param_dtype=.")
+        view = self._param_views[p]
+        if tuple(p.shape) != tuple(view.shape):
+            raise RuntimeError(f"parameter {name} changed shape from {tuple(view.shape)} to {tuple(p.shape)} "
+                               "after the optimizer was built")
+        self.wait_for_params()
+        with torch.no_grad():
+            view.copy_(p.detach())
+        p.data = view  # the same Parameter object, aliasing the buffer again
+        self._param_versions[p] = p._version
+        self._param_ptrs[p] = view.data_ptr()
+
+    @torch.no_grad()
+    def _reconcile_master(self, b: _Bucket) -> None:
+        """Master := the parameter's value wherever the bf16 shard is not the rounding of the master (an outside
+        write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
+        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays)."""
+        if b.master_remainder is not None:
+            return
+        shard = b.param_buffer.get_local_shard()
+        b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
+
+    def _frozen_since_build(self) -> list:
+        if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
+            return []
+        return [p for p in self._param_list if not p.requires_grad]
+
+    def _snapshot_pieces(self, params: list) -> dict:
+        """Copies of this rank's master / state / bf16 pieces of ``params``, by bucket index, for
+        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments)."""
+        wanted, kept = set(params), {}
+        for b in self.buckets:
+            targets = [b.master if b.master_remainder is None else b.master_remainder,
+                       b.param_buffer.get_local_shard(), *b.state.values()]
+            for piece in b.param_buffer.shard_pieces():
+                if b.params[piece.tensor_index] in wanted and piece.numel:
+                    sl = slice(piece.shard_start, piece.shard_end)
+                    kept.setdefault(b.index, []).append([(t[sl], t[sl].clone()) for t in targets])
+        return kept
+
+    @staticmethod
+    def _restore_pieces(kept) -> None:
+        for piece in kept:
+            for dst, saved in piece:
+                dst.copy_(saved)
+
+    def _common_multiplier(self):
+        """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every
+        parameter must have been scaled by the same ones: the update scales the whole gradient at once."""
+        if not self._grad_multipliers:
+            return None
+        # parameters without a gradient on this rank (param.grad None; zeros in the buffer) are skipped by torch's
+        # clipping, and scaling their zeros changes nothing
+        with_grad = [p for b in self.buckets for p in b.placed] + list(self._grad_multipliers)
+        keys = {tuple(id(c) if torch.is_tensor(c) else float(c) for c in self._grad_multipliers.get(p, ()))
+                for p in with_grad}
+        if len(keys) != 1:
+            scaled = sum(1 for p in self._param_list if p in self._grad_multipliers)
+            raise RuntimeError(
+                f"param.grad was multiplied (e.g. by torch.nn.utils.clip_grad_norm_) for {scaled} of the "
+                f"{len(set(with_grad))} parameters of this optimizer that have a gradient, or by different "
+                "coefficients: tritonshard folds one coefficient into the whole update. Clip all of the optimizer's "
+                "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm).")
+        total = None
+        for c in self._grad_multipliers[with_grad[-1]]:
+            total = c if total is None else total * c
+        return total
+
+    def _fold_grad_multiplier(self, p: torch.Tensor, coef) -> None:
+        """``p.grad.mul_(coef)`` on a ShardedGrad: applied in the update (``grad_scale``), not as a pass."""
+        self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
+        self._grad_multipliers.setdefault(p, []).append(coef)
+        self._norm_cache.clear()
+
+    def _param_grad_norm(self, p: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier):
+        what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All parameters' norms are computed at once
+        (one pass over the pieces, one all-reduce) and cached for the step."""
+        if norm_type not in self._norm_cache:
+            self._reduce_grads()
+            self._norm_cache[norm_type] = self._param_grad_norms(norm_type)
+        norm = self._norm_cache[norm_type][self._param_index[p]]
+        for c in self._grad_multipliers.get(p, ()):
+            norm = norm * (c.abs() if torch.is_tensor(c) else abs(c))
+        return norm
+
+    @torch.no_grad()
+    def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+        is_inf = norm_type == math.inf
+        values, index = [], []
+        for b in self.buckets:
+            shard = b.grad_buffer.get_local_shard()
+            first = self._param_index[b.params[0]]
+            for piece in b.param_buffer.shard_pieces():
+                if not piece.numel:
+                    continue
+                seg = shard[piece.shard_start:piece.shard_end].float().abs()
+                values.append(seg.amax() if is_inf else (seg.square().sum() if norm_type == 2.0
+                                                         else seg.pow(norm_type).sum()))
+                index.append(first + piece.tensor_index)
+        acc = torch.zeros(len(self._param_list), dtype=torch.float32, device=self.device)
+        if values:
+            if self._norm_index is None:  # the pieces never change: one host-to-device copy, ever
+                self._norm_index = torch.tensor(index, dtype=torch.int64, device=self.device)
+            idx = self._norm_index
+            if is_inf:
+                acc.scatter_reduce_(0, idx, torch.stack(values), reduce="amax")
+            else:
+                acc.index_add_(0, idx, torch.stack(values))
+        if comm.is_initialized() and self.world_size > 1:
+            dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
+        norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
+        norms = norms * self._grad_average  # the shards hold the SUM over ranks
+        return norms / self._scale if self._scale is not None else norms
+
+    def _expose_state(self) -> None:
+        """``opt.state[p]``: live views of the pieces of ``p``'s state this rank owns (1-D, in the order of
+        ``p.reshape(-1)[shard_range[0]:shard_range[1]]``), with ``step`` and, unless remainders are stored, the fp32
+        ``master``. A parameter this rank owns nothing of has empty pieces and ``shard_range == (0, 0)``."""
+        for b in self.buckets:
+            owned = {piece.tensor_index: piece for piece in b.param_buffer.shard_pieces()}
+            tensors = dict(b.state)
+            if b.master_remainder is None:
+                tensors["master"] = b.master
+            for i, p in enumerate(b.params):
+                piece = owned.get(i)
+                sl = slice(piece.shard_start, piece.shard_end) if piece else slice(0, 0)
+                entry = {"step": b.step, **{name: t[sl] for name, t in tensors.items()},
+                         "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)}
+                self.state[p] = entry
+        self._state_exposed = True

@@ -1,0 +1,165 @@
+"""``StateDictMixin``: ShardedOptimizer's ``state_dict()`` / ``load_state_dict()`` in torch.optim's format.
+
+World-size and bucket-size independent: every bucket's shards are all-gathered into full per-parameter tensors
+(``master`` and the state names of the parameter's group), and a load cuts them back into this rank's pieces.
+Sharded checkpoints, which write each rank's pieces only, are :mod:`tritonshard.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .bucket import _Bucket
+
+__all__ = ["StateDictMixin"]
+
+
+class StateDictMixin:
+    """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` that (de)serialize its state."""
+
+
+    def _indexed_params(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(global index, group index, param) in torch.optim's numbering: param_groups order, frozen included."""
+        out, i = [], 0
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                out.append((i, gi, p))
+                i += 1
+        return out
+
+    def _gather_full(self, bucket: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(bucket.param_buffer.padded_numel, dtype=shard.dtype, device=shard.device)
+        if comm.is_initialized() and self.world_size > 1:
+            comm.all_gather_single(full, shard, group=self.process_group)
+        else:
+            full.copy_(shard)
+        return full
+
+    def state_dict(self) -> dict:
+        """The full optimizer state in torch.optim's format, identical on every rank and for any world size or
+        bucket size.
+
+        Per trainable parameter (torch.optim numbering): ``step`` (0-d fp32), the state tensors (for AdamW
+        ``exp_avg``, ``exp_avg_sq``) and ``master``, the fp32 master weights, all of the parameter's shape.
+        Cost: every bucket's fp32 shards are all-gathered, so every rank holds 4 B x (1 + number of state
+        tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
+        use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
+        """
+        self.sync_from_model()
+        self.wait_for_params()
+        full: dict[torch.Tensor, dict] = {}
+        for b in self.buckets:
+            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master_fp32()), *b.state.items())}
+            keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
+            for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
+                entry = {"step": b.step.detach().clone()} if keeps_step else {}
+                for name in (*b.state, "master"):
+                    entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
+                full[p] = entry
+        state, groups = {}, []
+        indexed = self._indexed_params()
+        for gi, g in enumerate(self.param_groups):
+            ids = [i for i, gj, _ in indexed if gj == gi]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        for i, _, p in indexed:
+            if p in full:
+                state[i] = full[p]
+        return {"state": state, "param_groups": groups,
+                "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone(),
+                                **self._scaler_state()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
+        ``torch.optim.AdamW`` (then the master weights stay what this optimizer took from the model's weights at
+        construction, and parameters that have no state there start from zero moments).
+
+        The bf16 parameters are re-derived from the loaded master weights (round to nearest even), exactly as
+        every step writes them, so a resumed run continues bit for bit.
+
+        Raises:
+            ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
+                or unknown parameter, differing steps inside one bucket).
+        """
+        self.sync_from_model()
+        self.wait_for_params()
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"param_groups[{gi}] has {len(sg['params'])} parameters in the state dict but "
+                                 f"{len(g['params'])} in the optimizer")
+            if sg.get("amsgrad", False):
+                raise ValueError(f"param_groups[{gi}] was saved with amsgrad=True, which ShardedAdamW does not have")
+        indexed = self._indexed_params()
+        saved_ids = [i for sg in saved_groups for i in sg["params"]]
+        id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
+        by_index = {i: p for i, _, p in indexed}
+        entries: dict[torch.Tensor, dict] = {}
+        for key, entry in saved_state.items():
+            if key not in id_map:
+                raise ValueError(f"the state dict has state for parameter {key}, which is in no param group")
+            p = by_index[id_map[key]]
+            if p not in self._bucket_of:
+                raise ValueError(f"the state dict has state for parameter {key} (shape {tuple(p.shape)}), which is "
+                                 "frozen (requires_grad=False) here")
+            for name in (*self._bucket_of[p][0].state, "master"):
+                if name == "master" and name not in entry:
+                    continue
+                if name not in entry:
+                    raise ValueError(f"state of parameter {key} has no '{name}'")
+                if tuple(entry[name].shape) != tuple(p.shape):
+                    raise ValueError(f"state '{name}' of parameter {key} has shape {tuple(entry[name].shape)} but "
+                                     f"the parameter has shape {tuple(p.shape)}")
+            entries[p] = entry
+        with torch.no_grad():
+            for b in self.buckets:
+                # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken
+                steps = {float(entries[p].get("step", 1.0)) for p in b.params if p in entries}
+                if len(steps) > 1:
+                    raise ValueError(f"parameters sharing a bucket have different steps {sorted(steps)}; "
+                                     "tritonshard keeps one step per bucket")
+                master = b.master_fp32().clone()
+                for piece in b.param_buffer.shard_pieces():
+                    entry = entries.get(b.params[piece.tensor_index])
+                    dst = slice(piece.shard_start, piece.shard_end)
+                    for name, shard in (("master", master), *b.state.items()):
+                        if entry is not None and name in entry:
+                            src = entry[name].reshape(-1)[piece.tensor_start:piece.tensor_end]
+                            shard[dst].copy_(src)
+                        elif name != "master":
+                            shard[dst].zero_()
+                b.set_master(master)
+                b.step.fill_(steps.pop() if steps else 0.0)
+            self._apply_hparams(saved_groups)
+            extra = state_dict.get("tritonshard", {})
+            self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
+            self._load_scaler_state(extra)
+            self._refresh_params_from_master()
+        self._expose_state()
+
+    def _scaler_state(self) -> dict:
+        if self._scale is None:
+            return {}
+        return {"loss_scale": self._scale.detach().clone(), "growth_tracker": self._growth_tracker.detach().clone()}
+
+    def _load_scaler_state(self, extra: dict) -> None:
+        if self._scale is not None and "loss_scale" in extra:
+            self._scale.fill_(float(extra["loss_scale"]))
+            self._growth_tracker.fill_(int(extra["growth_tracker"]))
+
+    def _apply_hparams(self, saved_groups) -> None:
+        """Restore the hyper-parameters this optimizer has (its defaults' keys; LR schedulers add initial_lr)."""
+        for sg, g in zip(saved_groups, self.param_groups):
+            for k in (*self.defaults, "initial_lr"):
+                if k in sg:
+                    g[k] = tuple(sg[k]) if k == "betas" else sg[k]
+
+    def _refresh_params_from_master(self) -> None:
+        """All-gather the param shards, which set_master() rounded from the master (what every step ends with)."""
+        for b in self.buckets:
+            b.param_buffer.all_gather()
