@@ -33,6 +33,10 @@ CONFIGS: dict[str, Callable] = {
     "ShardedAdamW overlap_comm + attach, bf16 states": lambda ps: tritonshard.ShardedAdamW(
         ps, lr=1e-3, overlap_comm=True, state_dtype=torch.bfloat16, bucket_cap_mb=0.05),
     "ShardedAdamW, torch.nn.utils.clip_grad_norm_": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3),
+    # the weight matrices in Muon (Newton-Schulz in the step), the biases in AdamW
+    "ShardedMuon + AdamW groups": lambda ps: tritonshard.ShardedMuon(
+        [{"params": [p for p in ps if p.ndim == 2]}, {"params": [p for p in ps if p.ndim != 2], "use_muon": False}],
+        lr=0.02),
 }
 # how each configuration's loop differs from the plain one
 ATTACH = {"ShardedAdamW overlap_comm + attach, bf16 states"}
@@ -42,7 +46,7 @@ TORCH_CLIP = {"ShardedAdamW, torch.nn.utils.clip_grad_norm_"}
 def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> str:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
-    opt = make(model.parameters())
+    opt = make(list(model.parameters()))
     if name in ATTACH:
         opt.attach(model)
     dtype = next(model.parameters()).dtype

@@ -387,7 +387,7 @@ def plot_losses(runs: dict[str, str], png: str) -> None:
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
