@@ -267,12 +267,15 @@ def load_sharded(opt, path: str) -> dict:
         with _single_process_ok():
             dcp.load({}, checkpoint_id=path, planner=_PiecesLoadPlanner(targets), process_group=_dcp_group(opt),
                      no_dist=not comm.is_initialized())
+        group_steps: dict = {}  # one step per param group, shared by its buckets
+        for b in opt.buckets:
+            group_steps.setdefault(b.group_index, set()).update(meta["steps"][index_of[p]] for p in b.params)
+        for gi, steps in group_steps.items():
+            if len(steps) > 1:
+                raise CheckpointMismatchError(f"parameters of param_groups[{gi}] have different steps {sorted(steps)}")
         for b, master in zip(opt.buckets, masters):
             b.set_master(master)
-            steps = {meta["steps"][index_of[p]] for p in b.params}
-            if len(steps) > 1:
-                raise CheckpointMismatchError(f"parameters sharing a bucket have different steps {sorted(steps)}")
-            b.step.fill_(steps.pop())
+            b.step.fill_(next(iter(group_steps[b.group_index])))
         opt._apply_hparams(meta["param_groups"])
         opt.skipped_steps.fill_(meta["skipped_steps"])
         opt._load_scaler_state(meta.get("scaler", {}))

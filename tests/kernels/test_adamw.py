@@ -175,3 +175,25 @@ def test_fp16_param_out_is_the_rounded_param(n):
     out = torch.empty(n, dtype=torch.float16, device=DEVICE)
     p, _, _ = _run_ours(param * 300, grads[:2], 1.0, HPARAMS[0], False, "number", param_out=out)
     assert_bitwise_equal(out, p.to(torch.float16), "fp16 param_out")
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_precomputed_coefficients_give_identical_bits(backend):
+    # what ShardedAdamW does: adamw_coefficients once per param group and step, passed to every bucket's launch
+    from tritonshard.kernels import adamw_coefficients
+    n = 4099
+    runs = []
+    for shared in (False, True):
+        p, m, v = randn(n, 1), torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+        for k in range(1, 4):
+            step = torch.tensor(float(k), device=DEVICE)
+            lr = torch.tensor(1e-2 / k, dtype=torch.float64, device=DEVICE)
+            coef = adamw_coefficients(lr, step, 0.9, 0.95, 0.1) if shared else None
+            adamw_step_(p, randn(n, 10 + k, torch.bfloat16), m, v, lr=lr, beta1=0.9, beta2=0.95, eps=1e-8,
+                        weight_decay=0.1, step=step, coefficients=coef, backend=backend)
+        runs.append((p, m, v))
+    for x, y in zip(*runs):
+        assert_bitwise_equal(x, y, "shared coefficients vs computed per launch")
+    with pytest.raises(ValueError, match="coefficients must be adamw_coefficients"):
+        adamw_step_(p, p.bfloat16(), m, v, lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1,
+                    coefficients=torch.zeros(2, device=DEVICE))

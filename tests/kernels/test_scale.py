@@ -102,3 +102,26 @@ def test_sum_sq_nonfinite_flags_without_writing(special, where):
     _, nonfinite = sum_sq_nonfinite(x, 0.5)
     assert float(nonfinite) == 1.0
     assert_bitwise_equal(x, before, "x after the read-only pass")
+
+
+@pytest.mark.parametrize("n", ODD_SIZES)
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_sum_sq_nonfinite_into_preallocated_out_and_partials(n, backend):
+    from tritonshard.kernels.scale import sum_sq_workspace
+    x = randn(n, 7, torch.bfloat16)
+    x[n // 2:n // 2 + 1] = float("inf")
+    table = torch.full((3, 2), -1.0, device=DEVICE)  # the optimizer's per-bucket rows
+    got = sum_sq_nonfinite(x, 0.5, out=table[1], partials=sum_sq_workspace(n, DEVICE), backend=backend)
+    expected = sum_sq_nonfinite(x, 0.5, backend=backend)  # the allocating call: the same bits
+    assert_bitwise_equal(table[1], torch.stack(expected), "out row")
+    assert got[0].data_ptr() == table[1].data_ptr(), "the returned values are the row's elements"
+    assert bool((table[0] == -1).all() and (table[2] == -1).all()), "the other rows untouched"
+
+
+def test_sum_sq_nonfinite_rejects_wrong_out_and_partials():
+    from tritonshard.kernels.scale import sum_sq_workspace
+    x = randn(5000, 1)
+    with pytest.raises(ValueError, match=r"out must be a float32 tensor of shape \(2,\)"):
+        sum_sq_nonfinite(x, out=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match=r"partials must be sum_sq_workspace\(5000\)"):
+        sum_sq_nonfinite(x, partials=sum_sq_workspace(10, DEVICE))

@@ -5,7 +5,7 @@ that the tests import (and that runs on CPU without the interpreter). Backends: 
 """
 
 from ._dispatch import Backend, interpreter_enabled, last_backend
-from .adamw import adamw_step_, adamw_step_ref
+from .adamw import adamw_coefficients, adamw_step_, adamw_step_ref
 from .flatten import flatten_into, flatten_into_ref
 from .lion import lion_step_, lion_step_ref
 from .muon import (muon_momentum_, muon_momentum_ref, muon_update_, muon_update_ref, newton_schulz,
@@ -17,7 +17,7 @@ from .sgd import sgd_step_, sgd_step_ref
 __all__ = [
     "flatten_into", "flatten_into_ref",
     "scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref",
-    "adamw_step_", "adamw_step_ref",
+    "adamw_step_", "adamw_step_ref", "adamw_coefficients",
     "sgd_step_", "sgd_step_ref",
     "lion_step_", "lion_step_ref",
     "muon_momentum_", "muon_momentum_ref", "muon_update_", "muon_update_ref", "newton_schulz", "adjusted_lr_ratio",

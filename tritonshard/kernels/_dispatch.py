@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 from typing import Iterator, Optional
 
@@ -90,3 +91,18 @@ def compile_for_target() -> Iterator[None]:
 def last_backend(op: str) -> Optional[Backend]:
     """The backend the last call of ``op`` ("flatten_into", "scale_", "adamw_step_", "cast_to_bf16") used."""
     return _LAST.get(op)
+
+
+def traced(fn):
+    """A launcher that runs inside the profiler range ``tritonshard.kernel.<name>`` while a profiler records (one
+    flag read otherwise). Traces then show each launch; the op-count test (tests/optim/test_step_overhead.py) tells
+    the kernels' own work (and, on a CPU, the interpreter's or the reference's ops) from the optimizer's."""
+    label = f"tritonshard.kernel.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def launcher(*args, **kwargs):
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return launcher

@@ -34,11 +34,11 @@ import triton.language as tl
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
-from ._dispatch import Backend, select_backend
+from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 
-__all__ = ["adamw_step_", "adamw_step_ref"]
+__all__ = ["adamw_step_", "adamw_step_ref", "adamw_coefficients"]
 
 BLOCK = 2048
 
@@ -90,14 +90,33 @@ def _coefficients(lr, step, beta1, beta2, weight_decay, device):
     return pack_coefficients([1.0 - lr64 * weight_decay, lr64 / bc1, bc2_sqrt], device)
 
 
+def adamw_coefficients(lr, step: torch.Tensor, beta1: float, beta2: float, weight_decay: float) -> torch.Tensor:
+    """The launch's coefficients (1 - lr*wd, lr / bc1, sqrt(bc2)) as one fp32 device tensor, from a device ``step``
+    (float64 math, device ops only): compute once and pass as ``coefficients=`` to every launch that shares them
+    (ShardedAdamW: once per param group and step, instead of ~10 small ops per bucket)."""
+    if not isinstance(step, torch.Tensor):
+        raise TypeError("adamw_coefficients needs step as a device tensor (with numbers, the launch computes them "
+                        "on the host for free)")
+    return _coefficients(lr, step, beta1, beta2, weight_decay, step.device)[0]
+
+
+def _check_coefficients(coefficients, device) -> None:
+    if coefficients is None:
+        return
+    if (not isinstance(coefficients, torch.Tensor) or coefficients.dtype != torch.float32
+            or tuple(coefficients.shape) != (3,) or coefficients.device != device):
+        raise ValueError(f"coefficients must be adamw_coefficients()'s fp32 tensor of 3 elements on {device}")
+
+
 def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                    grad_scale=1.0, found_inf=None, param_out=None, maximize=False, state_rounding="nearest",
-                   seed=None) -> None:
+                   seed=None, coefficients=None) -> None:
     """Pure-PyTorch reference (and the CPU fallback), torch.optim.AdamW's single-tensor arithmetic.
 
     Sync-free like the kernel: a set ``found_inf`` selects the old values with ``torch.where``.
     """
-    coef, values = _coefficients(lr, step, beta1, beta2, weight_decay, param.device)
+    coef, values = ((coefficients, None) if coefficients is not None
+                    else _coefficients(lr, step, beta1, beta2, weight_decay, param.device))
     decay, step_size, bc2_sqrt = (coef[0], coef[1], coef[2]) if coef is not None else values
     gs = grad_scale.float() if isinstance(grad_scale, torch.Tensor) else grad_scale
     g = grad.float() * gs
@@ -125,11 +144,12 @@ def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_de
     check_scalar("weight_decay", weight_decay, param.device, 0.0)
 
 
+@traced
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr, beta1: float, beta2: float, eps: float, weight_decay: float, step, grad_scale=1.0,
                 found_inf: torch.Tensor | None = None, param_out: torch.Tensor | None = None,
                 maximize: bool = False, remainders: bool = False, state_rounding: str = "nearest", seed=None,
-                backend: str | None = None) -> None:
+                coefficients: torch.Tensor | None = None, backend: str | None = None) -> None:
     """One AdamW step over a flat shard, in place. See the module docstring for the exact arithmetic.
 
     Args:
@@ -146,22 +166,27 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         remainders: ``param`` is the int16 remainder of the master and ``param_out`` (bf16, required) its high
             half: the fp32 master is rebuilt, updated and split again in the same pass (see
             :func:`tritonshard.kernels.rounding.split_bf16_remainder`), 2 bytes per element instead of 4.
+        coefficients: :func:`adamw_coefficients` of the same lr, step, betas and weight_decay, computed once for
+            several launches (then lr and step are only validated here).
         backend: None (by device), "triton" or "torch".
     """
     _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
               found_inf, param_out, remainders)
+    _check_coefficients(coefficients, param.device)
     check_rounding(state_rounding, seed, param.device)
     chosen = select_backend("adamw_step_", param.device, backend)
     if chosen is Backend.TORCH:
         with master_view(param, param_out, remainders) as (master, out):
             adamw_step_ref(master, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, found_inf=found_inf,
-                           param_out=out, maximize=maximize, state_rounding=state_rounding, seed=seed)
+                           param_out=out, maximize=maximize, state_rounding=state_rounding, seed=seed,
+                           coefficients=coefficients)
         return
     n = param.numel()
     if n == 0:
         return
-    coef, values = _coefficients(lr, step, beta1, beta2, weight_decay, param.device)
+    coef, values = ((coefficients, None) if coefficients is not None
+                    else _coefficients(lr, step, beta1, beta2, weight_decay, param.device))
     decay, step_size, bc2_sqrt = values if values is not None else (1.0, 1.0, 1.0)
     gs_is_tensor = isinstance(grad_scale, torch.Tensor)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, select_backend
+from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
 __all__ = ["flatten_into", "flatten_into_ref"]
@@ -174,6 +174,7 @@ class _ScheduleCache:
 _schedules = _ScheduleCache()
 
 
+@traced
 def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *,
                  accumulate: bool = False, scale: float = 1.0, backend: str | None = None) -> None:
     """Write (or accumulate) every tensor, scaled and rounded, into the flat ``out`` at its offset.

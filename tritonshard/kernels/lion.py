@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
-from ._dispatch import Backend, select_backend
+from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 
@@ -72,6 +72,7 @@ def lion_step_ref(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_dec
     keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
 
 
+@traced
 def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr, beta1: float = 0.9,
                beta2: float = 0.99, weight_decay: float = 0.0, grad_scale=1.0, found_inf: torch.Tensor | None = None,
                param_out: torch.Tensor | None = None, maximize: bool = False, remainders: bool = False,

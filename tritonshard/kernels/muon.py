@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor)
-from ._dispatch import Backend, select_backend
+from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 from .rounding import round_to_bf16, to_fp32
@@ -131,6 +131,7 @@ def muon_momentum_ref(grad, momentum_buffer, update_out, *, momentum, nesterov=T
     keep_old_where_found_inf(found_inf, [(update_out, u)])
 
 
+@traced
 def muon_momentum_(grad: torch.Tensor, momentum_buffer: torch.Tensor, update_out: torch.Tensor, *,
                    momentum: float, nesterov: bool = True, grad_scale=1.0, found_inf: torch.Tensor | None = None,
                    state_rounding: str = "nearest", seed=None, backend: str | None = None) -> None:
@@ -179,6 +180,7 @@ def muon_update_ref(param, update, *, lr, weight_decay=0.0, lr_ratio=1.0, found_
     keep_old_where_found_inf(found_inf, pairs)
 
 
+@traced
 def muon_update_(param: torch.Tensor, update: torch.Tensor, *, lr, weight_decay: float = 0.0,
                  lr_ratio: float = 1.0, found_inf: torch.Tensor | None = None,
                  param_out: torch.Tensor | None = None, remainders: bool = False,

@@ -68,11 +68,11 @@ def _adamw_op(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, 
               lr: float, lr_tensor: Optional[Tensor], step: float, step_tensor: Optional[Tensor],
               grad_scale: float, grad_scale_tensor: Optional[Tensor], found_inf: Optional[Tensor],
               beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool, remainders: bool,
-              state_rounding: str, seed: Optional[Tensor]) -> None:
+              state_rounding: str, seed: Optional[Tensor], coefficients: Optional[Tensor]) -> None:
     _adamw_step(param, grad, exp_avg, exp_avg_sq, lr=_value(lr, lr_tensor), step=_value(step, step_tensor),
                 grad_scale=_value(grad_scale, grad_scale_tensor), found_inf=found_inf, param_out=param_out,
                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
-                remainders=remainders, state_rounding=state_rounding, seed=seed)
+                remainders=remainders, state_rounding=state_rounding, seed=seed, coefficients=coefficients)
 
 
 @_adamw_op.register_fake
@@ -167,12 +167,12 @@ def _seed(seed, device) -> Optional[Tensor]:
 
 def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
                 found_inf=None, param_out=None, maximize=False, remainders=False, state_rounding="nearest",
-                seed=None) -> None:
+                seed=None, coefficients=None) -> None:
     """:func:`tritonshard.kernels.adamw_step_` through ``torch.ops.tritonshard.adamw_step_``."""
     torch.ops.tritonshard.adamw_step_(param, grad, exp_avg, exp_avg_sq, param_out, *_split(lr), *_split(step),
                                       *_split(grad_scale), found_inf, float(beta1), float(beta2), float(eps),
                                       float(weight_decay), bool(maximize), bool(remainders), state_rounding,
-                                      _seed(seed, param.device))
+                                      _seed(seed, param.device), coefficients)
 
 
 def sgd_step_(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, select_backend
+from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
-__all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref"]
+__all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "sum_sq_workspace"]
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
@@ -109,6 +109,7 @@ def _validate(x, factor):
         raise TypeError(f"factor must be a float or a 0-d tensor, got {type(factor).__name__}")
 
 
+@traced
 def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x *= factor`` in place; returns ``(sum of squares of the new x, non-finite flag)`` as 0-d fp32 tensors.
 
@@ -124,24 +125,49 @@ def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torc
     return _launch(x, factor, write=True)
 
 
-def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, backend: str | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_sq_workspace(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-program partials a :func:`sum_sq_nonfinite` of ``n`` elements needs, to allocate once and pass as
+    ``partials=`` (then a launch allocates nothing)."""
+    blocks = triton.cdiv(n, BLOCK)
+    return (torch.empty(blocks, dtype=torch.float32, device=device),
+            torch.empty(blocks, dtype=torch.int32, device=device))
+
+
+@traced
+def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, out: torch.Tensor | None = None, partials=None,
+                     backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Read-only: ``(sum of squares of factor * x, non-finite flag)`` as 0-d fp32 tensors, ``factor * x`` in fp32
-    and never stored. Same arguments as :func:`scale_`."""
+    and never stored. Same arguments as :func:`scale_`, and, to run without allocating (the optimizer's steady
+    state): ``out``, a 2-element fp32 tensor that receives [sum_sq, flag] (the returned tensors are its two
+    elements), and ``partials`` from :func:`sum_sq_workspace`."""
     _validate(x, factor)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
+                            or tuple(out.shape) != (2,) or out.device != x.device):
+        raise ValueError(f"out must be a float32 tensor of shape (2,) on {x.device}")
+    if partials is not None:
+        want = triton.cdiv(x.numel(), BLOCK)
+        if (len(partials) != 2 or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
+                or partials[0].numel() != want or partials[1].numel() != want):
+            raise ValueError(f"partials must be sum_sq_workspace({x.numel()}): float32 and int32, {want} each")
     chosen = select_backend("sum_sq_nonfinite", x.device, backend)
     if chosen is Backend.TORCH:
-        return sum_sq_nonfinite_ref(x, factor)
-    return _launch(x, factor, write=False)
+        result = sum_sq_nonfinite_ref(x, factor)
+        if out is None:
+            return result
+        torch.stack(result, out=out)
+        return out[0], out[1]
+    return _launch(x, factor, write=False, out=out, partials=partials)
 
 
-def _launch(x: torch.Tensor, factor, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor, factor, write: bool, out=None, partials=None) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
     num_blocks = triton.cdiv(n, BLOCK)
-    partial_sumsq = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
-    partial_nonfinite = torch.empty(num_blocks, dtype=torch.int32, device=x.device)
-    sumsq = torch.empty((), dtype=torch.float32, device=x.device)
-    nonfinite = torch.empty((), dtype=torch.float32, device=x.device)
+    partial_sumsq, partial_nonfinite = partials if partials is not None else sum_sq_workspace(n, x.device)
+    if out is not None:  # two 0-d views of the caller's table
+        sumsq, nonfinite = out[0], out[1]
+    else:  # two tensors, not views of one: a custom op's outputs may not alias each other
+        sumsq = torch.empty((), dtype=torch.float32, device=x.device)
+        nonfinite = torch.empty((), dtype=torch.float32, device=x.device)
     is_tensor = isinstance(factor, torch.Tensor)
     if num_blocks:
         _scale_kernel[(num_blocks,)](

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
-from ._dispatch import Backend, select_backend
+from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
 
@@ -84,6 +84,7 @@ def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.
     keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
 
 
+@traced
 def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *, lr,
               momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
               step=1, grad_scale=1.0, found_inf: torch.Tensor | None = None, param_out: torch.Tensor | None = None,

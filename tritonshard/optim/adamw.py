@@ -56,4 +56,4 @@ class ShardedAdamW(ShardedOptimizer):
                     bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
                     found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,
-                    **bucket.state_kwargs())
+                    coefficients=self._adamw_coefficients(bucket, group), **bucket.state_kwargs())

@@ -81,6 +81,8 @@ from .. import comm
 from ..buffer import DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import ops as _op_kernels
+from ..kernels.adamw import adamw_coefficients
+from ..kernels.scale import sum_sq_workspace
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
@@ -211,6 +213,18 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             trainable = [p for p in group["params"] if p.requires_grad]
             for params in split_into_buckets(trainable, self._group_bucket_cap(group, cap_elems)):
                 self.buckets.append(self._make_bucket(gi, params, align))
+        # one step counter per param group, shared by its buckets (they always step together): one increment per
+        # group and step, and per-group coefficients computed once (see _once_per_step)
+        self._group_steps: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            b.step = self._group_steps.setdefault(b.group_index, b.step)
+        self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
+        # the read-only norm pass of every bucket writes [sum_sq, non-finite] into its row here, with its partials
+        # in a workspace of its own: the steady-state step allocates nothing for it
+        self._norm_stats = torch.zeros(len(self.buckets), 2, dtype=torch.float32, device=self.device)
+        for i, b in enumerate(self.buckets):  # (b.index is assigned below)
+            b.norm_partials = sum_sq_workspace(b.grad_buffer.shard_numel, self.device)
+            b.norm_out = self._norm_stats[i]
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for i, b in enumerate(self.buckets):
             b.index = i
@@ -488,6 +502,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 self._flush_bucket(b)  # gradients set by hand, without a backward
         self._launch_all()
         self._adopt_observed_order()
+        compiling = torch.compiler.is_compiling()
         partials = []
         for b in self.buckets:
             with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
@@ -497,9 +512,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
             # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
-            partials.append(torch.stack(kernels().sum_sq_nonfinite(shard, self._grad_average)))
-        totals = (torch.stack(partials).sum(0) if partials
-                  else torch.zeros(2, dtype=torch.float32, device=self.device))
+            if compiling:  # (the custom op returns new tensors; the compiled graph owns their memory)
+                partials.append(torch.stack(kernels().sum_sq_nonfinite(shard, self._grad_average)))
+            else:  # eager: into the bucket's row of one preallocated table, allocating nothing
+                kernels().sum_sq_nonfinite(shard, self._grad_average, out=b.norm_out,
+                                           partials=b.norm_partials)
+        if compiling:
+            totals = (torch.stack(partials).sum(0) if partials
+                      else torch.zeros(2, dtype=torch.float32, device=self.device))
+        else:
+            totals = self._norm_stats.sum(0)
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
         sum_sq, found_inf = totals[0], (totals[1] > 0).float()
@@ -538,6 +560,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 b.placed.clear()
         self._next_launch = 0
         self._reduced, self._clip_coef = None, None
+        self._step_cache.clear()
         self._grad_multipliers.clear()
         self._norm_cache.clear()
 
@@ -685,9 +708,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # Per bucket, its update and at once its all-gather, in the order the next forward needs the buckets (the
         # first module's first): on NCCL one group's collectives run in issue order, so the gather of the
         # embedding's bucket must not queue behind every other bucket's update and gather.
+        not_skipped = 1.0 - found_inf
+        for step in self._group_steps.values():  # skipped steps do not count
+            step.add_(not_skipped)
         for i in self._gather_order:
             b = self.buckets[i]
-            b.step.add_(1.0 - found_inf)  # skipped steps do not count
             if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
                 b.sr_seed.add_(1)
             with _trace(f"tritonshard.update[bucket {b.index}]"):
@@ -713,6 +738,20 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _adamw_coefficients(self, bucket: _Bucket, group: dict) -> torch.Tensor:
+        """AdamW's per-launch coefficients, computed once per param group and step (its buckets share lr and
+        step), for ShardedAdamW and ShardedMuon's AdamW groups."""
+        beta1, beta2 = group["betas"]
+        return self._once_per_step(("adamw", bucket.group_index), lambda: adamw_coefficients(
+            group["lr"], bucket.step, beta1, beta2, group["weight_decay"]))
+
+    def _once_per_step(self, key, compute):
+        """``compute()`` the first time ``key`` is asked for in this step, the cached value after that: what the
+        buckets of one param group share (e.g. AdamW's bias-corrected coefficients, small float64 device ops)."""
+        if key not in self._step_cache:
+            self._step_cache[key] = compute()
+        return self._step_cache[key]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients, of every parameter in the param groups (as torch.optim does; frozen

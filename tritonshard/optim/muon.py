@@ -180,7 +180,8 @@ class ShardedMuon(ShardedOptimizer):
             k.adamw_step_(param, grad, bucket.state["exp_avg"], bucket.state["exp_avg_sq"], lr=group["lr"],
                           beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                           step=bucket.step, grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
-                          remainders=remainders, **bucket.state_kwargs())
+                          remainders=remainders, coefficients=self._adamw_coefficients(bucket, group),
+                          **bucket.state_kwargs())
             return
         work = bucket.workspace
         k.muon_momentum_(grad, bucket.state["momentum_buffer"], work, momentum=group["momentum"],

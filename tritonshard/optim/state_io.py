@@ -79,7 +79,7 @@ class StateDictMixin:
 
         Raises:
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
-                or unknown parameter, differing steps inside one bucket).
+                or unknown parameter, differing steps inside one param group, which shares one step counter).
         """
         self.sync_from_model()
         self.wait_for_params()
@@ -117,12 +117,17 @@ class StateDictMixin:
                                      f"the parameter has shape {tuple(p.shape)}")
             entries[p] = entry
         with torch.no_grad():
+            # one step per param group (its buckets share it): torch.optim.SGD keeps no step, so a saved momentum
+            # buffer means at least one step was taken
+            group_steps: dict = {}
             for b in self.buckets:
-                # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken
-                steps = {float(entries[p].get("step", 1.0)) for p in b.params if p in entries}
+                group_steps.setdefault(b.group_index, set()).update(
+                    float(entries[p].get("step", 1.0)) for p in b.params if p in entries)
+            for gi, steps in group_steps.items():
                 if len(steps) > 1:
-                    raise ValueError(f"parameters sharing a bucket have different steps {sorted(steps)}; "
-                                     "tritonshard keeps one step per bucket")
+                    raise ValueError(f"parameters of param_groups[{gi}] have different steps {sorted(steps)}; "
+                                     "tritonshard keeps one step per param group")
+            for b in self.buckets:
                 master = b.master_fp32().clone()
                 for piece in b.param_buffer.shard_pieces():
                     entry = entries.get(b.params[piece.tensor_index])
@@ -134,7 +139,8 @@ class StateDictMixin:
                         elif name != "master":
                             shard[dst].zero_()
                 b.set_master(master)
-                b.step.fill_(steps.pop() if steps else 0.0)
+                steps = group_steps[b.group_index]
+                b.step.fill_(next(iter(steps)) if steps else 0.0)
             self._apply_hparams(saved_groups)
             extra = state_dict.get("tritonshard", {})
             self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
