@@ -85,12 +85,14 @@ def test_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
 
 
 def test_muon_loss_falls(tmp_path):
-    out = _check(_torchrun(["--steps", "30", "--ckpt-interval", "0", "--optimizer", "muon", "--muon-lr", "0.02"],
+    # TINY's AdamW lr is 1e-2 (5x the example's default); Muon's is raised from 0.02 likewise to 0.05
+    out = _check(_torchrun(["--steps", "30", "--ckpt-interval", "0", "--optimizer", "muon", "--muon-lr", "0.05"],
                            tmp_path))
     assert "optimizer memory per rank" in out
     rows = _metrics(tmp_path, "muon")
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
     # the same bar as ShardedAdamW's above (below the unigram entropy 2.553: the model uses context), in 30 steps
+    # (measured: 2.06 over the last 4; with lr 0.02 it was still 2.45, the schedule's cosine ending too early)
     assert first > 2.5 and last < 2.4, f"Muon: loss did not fall below the unigram entropy: {first:.3f} -> {last:.3f}"
     assert all(r["skipped"] == 0 for r in rows)
 

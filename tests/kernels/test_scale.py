@@ -125,3 +125,34 @@ def test_sum_sq_nonfinite_rejects_wrong_out_and_partials():
         sum_sq_nonfinite(x, out=torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match=r"partials must be sum_sq_workspace\(5000\)"):
         sum_sq_nonfinite(x, partials=sum_sq_workspace(10, DEVICE))
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_partials_of_several_tensors_share_one_finalize(backend):
+    # what ShardedOptimizer does per step: each bucket's partials into its slice of one workspace, one finalize
+    from tritonshard.kernels import finalize_sum_sq_, sum_sq_partials_, sum_sq_workspace
+    from tritonshard.kernels.scale import BLOCK
+    sizes = [0, 1, 4099, 199, 3 * 4096 + 5]
+    xs = [randn(n, 20 + i, torch.bfloat16) for i, n in enumerate(sizes)]
+    blocks = [-(-n // BLOCK) for n in sizes]
+    ws = sum_sq_workspace(sum(blocks) * BLOCK, DEVICE)
+    start = 0
+    for x, b in zip(xs, blocks):
+        sum_sq_partials_(x, 0.25, tuple(t[start:start + b] for t in ws), backend=backend)
+        start += b
+    out = torch.full((2,), -1.0, device=DEVICE)
+    finalize_sum_sq_(ws, out, backend=backend)
+    expected = sum(float((x.double() * 0.25).square().sum()) for x in xs)
+    assert float(out[0]) == pytest.approx(expected, rel=1e-6)  # fp32 partial sums of a few thousand terms
+    assert float(out[1]) == 0.0
+    xs[3][100] = float("nan")
+    sum_sq_partials_(xs[3], 0.25, tuple(t[blocks[0] + blocks[1] + blocks[2]:][:blocks[3]] for t in ws),
+                     backend=backend)
+    finalize_sum_sq_(ws, out, backend=backend)
+    assert float(out[1]) == 1.0, "one NaN in one tensor flags the whole step"
+
+
+def test_partials_reject_a_wrong_workspace():
+    from tritonshard.kernels import sum_sq_partials_, sum_sq_workspace
+    with pytest.raises(ValueError, match=r"partials must be sum_sq_workspace\(5000\)"):
+        sum_sq_partials_(randn(5000, 1), 1.0, sum_sq_workspace(100, DEVICE))

@@ -25,7 +25,8 @@ import triton.language as tl
 from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
-__all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "sum_sq_workspace"]
+__all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "sum_sq_workspace",
+           "sum_sq_partials_", "finalize_sum_sq_"]
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
@@ -157,6 +158,61 @@ def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, out: torch.Tensor | None = 
         torch.stack(result, out=out)
         return out[0], out[1]
     return _launch(x, factor, write=False, out=out, partials=partials)
+
+
+def _check_partials(partials, n: int, device) -> None:
+    want = triton.cdiv(n, BLOCK)
+    if (not isinstance(partials, (tuple, list)) or len(partials) != 2
+            or not all(isinstance(t, torch.Tensor) for t in partials)
+            or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
+            or partials[0].numel() != want or partials[1].numel() != want
+            or partials[0].device != device or partials[1].device != device):
+        raise ValueError(f"partials must be sum_sq_workspace({n}) (or slices of that size of a larger one): float32 "
+                         f"and int32, {want} elements each, on {device}")
+
+
+@traced
+def sum_sq_partials_(x: torch.Tensor, factor, partials, *, backend: str | None = None) -> None:
+    """The first half of :func:`sum_sq_nonfinite`, for several tensors that share one finalize: writes one
+    partial sum of squares and one non-finite flag per program of ``BLOCK`` elements into ``partials`` (from
+    :func:`sum_sq_workspace`, or same-sized slices of one larger workspace). ShardedOptimizer runs it per bucket
+    into its slice of one workspace, then :func:`finalize_sum_sq_` once per step."""
+    _validate(x, factor)
+    _check_partials(partials, x.numel(), x.device)
+    chosen = select_backend("sum_sq_partials_", x.device, backend)
+    n = x.numel()
+    if n == 0:
+        return
+    if chosen is Backend.TORCH:  # the kernel's blocks, in fp32
+        f = factor.float() if isinstance(factor, torch.Tensor) else float(factor)
+        y = torch.nn.functional.pad(x.float() * f, (0, partials[0].numel() * BLOCK - n)).view(-1, BLOCK)
+        partials[0].copy_(y.square().sum(1))
+        partials[1].copy_((~y.isfinite()).any(1))
+        return
+    is_tensor = isinstance(factor, torch.Tensor)
+    _scale_kernel[(partials[0].numel(),)](
+        x, n, factor if is_tensor else x, 0.0 if is_tensor else float(factor), partials[0], partials[1],
+        FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, WRITE=False, BLOCK=BLOCK,
+        enable_fp_fusion=False)
+
+
+@traced
+def finalize_sum_sq_(partials, out: torch.Tensor, *, backend: str | None = None) -> None:
+    """``out = [sum of partials[0], 1.0 if any partials[1] else 0.0]``: one single-program launch that adds the
+    partials in a fixed order (deterministic)."""
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (2,)
+            or not out.is_contiguous()):
+        raise ValueError("out must be a contiguous float32 tensor of shape (2,)")
+    if (len(partials) != 2 or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
+            or partials[0].numel() != partials[1].numel()):
+        raise ValueError("partials must be (float32, int32) tensors of one length")
+    chosen = select_backend("finalize_sum_sq_", out.device, backend)
+    if chosen is Backend.TORCH:
+        out[0].copy_(partials[0].sum())
+        out[1].copy_((partials[1] > 0).any())
+        return
+    _finalize_kernel[(1,)](partials[0], partials[1], partials[0].numel(), out, out[1:], BLOCK=_FINALIZE_BLOCK,
+                           enable_fp_fusion=False)
 
 
 def _launch(x: torch.Tensor, factor, write: bool, out=None, partials=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,7 @@ from ..buffer import DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import ops as _op_kernels
 from ..kernels.adamw import adamw_coefficients
+from ..kernels.scale import BLOCK as SUM_SQ_BLOCK
 from ..kernels.scale import sum_sq_workspace
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
@@ -219,12 +220,15 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         for b in self.buckets:
             b.step = self._group_steps.setdefault(b.group_index, b.step)
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
-        # the read-only norm pass of every bucket writes [sum_sq, non-finite] into its row here, with its partials
-        # in a workspace of its own: the steady-state step allocates nothing for it
-        self._norm_stats = torch.zeros(len(self.buckets), 2, dtype=torch.float32, device=self.device)
-        for i, b in enumerate(self.buckets):  # (b.index is assigned below)
-            b.norm_partials = sum_sq_workspace(b.grad_buffer.shard_numel, self.device)
-            b.norm_out = self._norm_stats[i]
+        # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
+        # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
+        blocks = [-(-b.grad_buffer.shard_numel // SUM_SQ_BLOCK) for b in self.buckets]
+        self._norm_workspace = sum_sq_workspace(sum(blocks) * SUM_SQ_BLOCK, self.device)
+        self._norm_totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        start = 0
+        for b, n in zip(self.buckets, blocks):
+            b.norm_partials = tuple(t[start:start + n] for t in self._norm_workspace)
+            start += n
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for i, b in enumerate(self.buckets):
             b.index = i
@@ -514,14 +518,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
             if compiling:  # (the custom op returns new tensors; the compiled graph owns their memory)
                 partials.append(torch.stack(kernels().sum_sq_nonfinite(shard, self._grad_average)))
-            else:  # eager: into the bucket's row of one preallocated table, allocating nothing
-                kernels().sum_sq_nonfinite(shard, self._grad_average, out=b.norm_out,
-                                           partials=b.norm_partials)
+            else:  # eager: the bucket's partials into its slice of the workspace, allocating nothing
+                kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
         if compiling:
             totals = (torch.stack(partials).sum(0) if partials
                       else torch.zeros(2, dtype=torch.float32, device=self.device))
-        else:
-            totals = self._norm_stats.sum(0)
+        else:  # one launch for every bucket
+            totals = self._norm_totals
+            kernels().finalize_sum_sq_(self._norm_workspace, totals)
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
         sum_sq, found_inf = totals[0], (totals[1] > 0).float()
