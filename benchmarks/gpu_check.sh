@@ -20,8 +20,8 @@
 #
 # Knobs (CI runs this script on CPU with small values, so it cannot rot between GPU runs): PY (the interpreter;
 # the GPU image has python3, maybe no python), TESTS (pytest targets), BENCH_ARGS (extra benchmarks.run
-# arguments), MODELS (benchmarks.step models), TRAIN_STEPS (steps of the training example), STAGES (which of
-# 1-4 to run).
+# arguments), MODELS (benchmarks.step models), STEP_ARGS (extra benchmarks.step arguments), TRAIN_STEPS (steps of
+# the training example), TRAIN_ARGS (extra training-example arguments), STAGES (which of 1-4 to run).
 # Everything it writes lands in $OUT (default benchmarks/out/gpu): logs, results.csv/json, plots, results.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,8 @@ TESTS=${TESTS:-tests/kernels}
 BENCH_ARGS=${BENCH_ARGS:-}
 MODELS=${MODELS:-125M 1B}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
+STEP_ARGS=${STEP_ARGS:-}
+TRAIN_ARGS=${TRAIN_ARGS:-}
 STAGES=" ${STAGES:-1 2 3 4} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 status=0
@@ -54,14 +56,15 @@ if stage 3; then
   timeout 200 $PY -m benchmarks.run --out "$OUT" --markdown "$OUT/results.md" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" \
     || status=1
   for model in $MODELS; do
-    timeout 130 $PY -m benchmarks.step --model $model --out "$OUT" --markdown "$OUT/results.md" 2>&1 \
+    timeout 130 $PY -m benchmarks.step --model $model --out "$OUT" --markdown "$OUT/results.md" $STEP_ARGS 2>&1 \
       | tee -a "$OUT/step.log" || status=1
   done
 fi
 if stage 4; then
   echo "== 4. the main job: examples/train_gpt.py, 1 GPU (NCCL), $TRAIN_STEPS steps"
   timeout 120 $PY -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --no-progress \
-    --steps "$TRAIN_STEPS" --grad-accum 4 --ckpt-interval 0 --out-dir "$OUT/train" > "$OUT/train.log" 2>&1 || status=1
+    --steps "$TRAIN_STEPS" --grad-accum 4 --ckpt-interval 0 --out-dir "$OUT/train" $TRAIN_ARGS > "$OUT/train.log" 2>&1 \
+    || status=1
   tail -n 5 "$OUT/train.log"
   $PY -m benchmarks.train_summary "$OUT/train/tritonshard/metrics.jsonl" >> "$OUT/results.md" || status=1
 fi

@@ -116,8 +116,9 @@ def test_sync_check_configurations_run(capsys):
 
 def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     # the one prepared GPU script, shrunk by its knobs: a failure here would have cost a rare GPU run
-    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "TESTS": "tests/kernels/test_scale.py",
-           "BENCH_ARGS": "--sizes 4099 --reps 1 --only scale_", "MODELS": "tiny", "TRAIN_STEPS": "4",
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "TESTS": "tests/kernels/test_scale.py::test_deterministic_sum",
+           "BENCH_ARGS": "--sizes 4099 --reps 1 --only scale_", "MODELS": "tiny", "STEP_ARGS": "--reps 2", "TRAIN_STEPS": "4",
+           "TRAIN_ARGS": "--n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 4",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
