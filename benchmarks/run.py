@@ -168,13 +168,18 @@ def _fused_torch_step(optimizer_cls, p, grad, out, **hp):
     return theirs
 
 
-def adamw_job(n, device):
+def _adamw_inputs(n, device):
+    """fp32 param, bf16 grad, zero moments, a bf16 param_out and the hyper-parameters of both AdamW rows."""
     g = torch.Generator(device="cpu").manual_seed(1)
     p = torch.randn(n, generator=g).to(device)
     grad = (torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=torch.bfloat16)
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    return p, grad, torch.zeros_like(p), torch.zeros_like(p), out, hp
+
+
+def adamw_job(n, device):
+    p, grad, m, v, out, hp = _adamw_inputs(n, device)
     p2, m2, v2, out2 = p.clone(), m.clone(), v.clone(), out.clone()
     adamw_step_(p, grad, m, v, step=1, param_out=out, **hp)
     adamw_step_ref(p2, grad, m2, v2, step=1, param_out=out2, **hp)
@@ -198,13 +203,8 @@ def adamw_job(n, device):
 def adamw_as_launched_job(n, device):
     """The specialization ShardedAdamW's step() launches: step, grad_scale (1/d x clip x unscale) and found_inf as
     device tensors, lr a number, the bf16 param shard as param_out; the launcher's on-device coefficient math
-    included."""
-    g = torch.Generator(device="cpu").manual_seed(1)
-    p = torch.randn(n, generator=g).to(device)
-    grad = (torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=torch.bfloat16)
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    out = torch.empty(n, dtype=torch.bfloat16, device=device)
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    included (ShardedAdamW computes it once per param group and step and shares it between its buckets)."""
+    p, grad, m, v, out, hp = _adamw_inputs(n, device)
     step = torch.ones((), device=device)
     grad_scale = torch.full((), 0.5, device=device)
     found_inf = torch.zeros((), device=device)

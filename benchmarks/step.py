@@ -60,10 +60,8 @@ def reset_peak(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def bench_ours(shapes, device, reps):
-    reset_peak(device)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+def time_sharded_step(opt, params, shapes, device, reps) -> float:
+    """Seconds per step of a tritonshard optimizer: bf16 gradients set as ``param.grad``, clip, step, zero_grad."""
     grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
 
     def step():
@@ -72,7 +70,30 @@ def bench_ours(shapes, device, reps):
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-    t = timed(step, device, reps)
+    return timed(step, device, reps)
+
+
+def time_torch_step(optimizers, params, shapes, device, reps) -> float:
+    """Seconds per step of torch optimizers on fp32 ``params``: fp32 gradients set as ``param.grad``, torch's
+    clip_grad_norm_ over all of them, every optimizer's step and zero_grad."""
+    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
+    return timed(step, device, reps)
+
+
+def bench_ours(shapes, device, reps):
+    reset_peak(device)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+    t = time_sharded_step(opt, params, shapes, device, reps)
     return {"impl": "tritonshard.ShardedAdamW (bf16 params+grads, fp32 master)", "step_ms": t * 1e3,
             "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"]}
 
@@ -97,15 +118,7 @@ def bench_muon(shapes, device, reps):
     opt = tritonshard.ShardedMuon([{"params": [params[i] for i in mi]},
                                    {"params": [params[i] for i in ai], "use_muon": False, "lr": 3e-4}],
                                   lr=0.02, adjust_lr_fn="match_rms_adamw")
-    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
-
-    def step():
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-    t = timed(step, device, reps) * 1e3
+    t = time_sharded_step(opt, params, shapes, device, reps) * 1e3
     ns = newton_schulz_ms([shapes[i] for i in mi], device, reps)
     return {"impl": "tritonshard.ShardedMuon (Muon on blocks' matrices + AdamW, bf16 params+grads, fp32 master)",
             "step_ms": t, "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"],
@@ -118,17 +131,7 @@ def bench_torch_muon(shapes, device, reps):
     mi, ai = muon_split(shapes)
     muon = torch.optim.Muon([params[i] for i in mi], lr=0.02, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([params[i] for i in ai], lr=3e-4, fused=True)
-    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
-
-    def step():
-        for p, g in zip(params, grads):
-            p.grad = g
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        muon.step()
-        adamw.step()
-        muon.zero_grad()
-        adamw.zero_grad()
-    t = timed(step, device, reps) * 1e3
+    t = time_torch_step([muon, adamw], params, shapes, device, reps) * 1e3
     n_muon, n = sum(params[i].numel() for i in mi), sum(p.numel() for p in params)
     return {"impl": "torch.optim.Muon + AdamW(fused) fp32", "step_ms": t, "peak_bytes": peak_bytes(device),
             "optimizer_bytes": 8 * n + 4 * n_muon + 8 * (n - n_muon)}  # params + grads, momentum, moments
@@ -139,15 +142,7 @@ def bench_torch(shapes, device, reps):
     params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
     fused = True  # fused AdamW exists for CUDA and (torch >= 2.4) CPU
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
-    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
-
-    def step():
-        for p, g in zip(params, grads):
-            p.grad = g
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad()
-    t = timed(step, device, reps)
+    t = time_torch_step([opt], params, shapes, device, reps)
     n = sum(p.numel() for p in params)
     return {"impl": f"torch.optim.AdamW(fused={fused}) fp32", "step_ms": t * 1e3, "peak_bytes": peak_bytes(device),
             "optimizer_bytes": 16 * n}

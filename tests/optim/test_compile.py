@@ -51,4 +51,5 @@ def test_compiled_step_has_no_graph_break_and_matches_eager(name):
     targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     for op in OPS[name]:
         assert any(f"tritonshard.{op}" in t for t in targets), f"no tritonshard {op} op in {targets}"
-    assert any("tritonshard.sum_sq_nonfinite" in t for t in targets), f"no sum_sq_nonfinite op in {targets}"
+    assert any("tritonshard.sum_sq_partials_" in t for t in targets), f"no sum_sq_partials_ op in {targets}"
+    assert any("tritonshard.finalize_sum_sq_" in t for t in targets), f"no finalize_sum_sq_ op in {targets}"

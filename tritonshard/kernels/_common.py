@@ -11,8 +11,8 @@ import torch
 
 from .rounding import combine_bf16_remainder, split_bf16_remainder, stochastic_cast_to_bf16_ref
 
-__all__ = ["check_scalar", "check_no_tensor", "validate_update", "pack_coefficients", "keep_old_where_found_inf",
-           "master_view", "check_rounding", "seed_tensor", "host_seed"]
+__all__ = ["check_scalar", "check_no_tensor", "check_found_inf", "validate_update", "pack_coefficients",
+           "keep_old_where_found_inf", "master_view", "check_rounding", "seed_tensor", "host_seed"]
 
 
 def check_scalar(name, value, device, lo, lo_inclusive=True, hi=None) -> None:
@@ -70,12 +70,17 @@ def validate_update(param: torch.Tensor, grad: torch.Tensor, states: Sequence[tu
             raise ValueError(f"{name} must be contiguous")
         if t.device != param.device:
             raise ValueError(f"{name} is on {t.device} but param is on {param.device}")
+    check_found_inf(found_inf, param.device, "param")
+    check_scalar("grad_scale", grad_scale, param.device, -math.inf)
+
+
+def check_found_inf(found_inf, device, beside: str) -> None:
+    """``found_inf``: None, or a 1-element tensor on ``device``, the device of the tensor named ``beside``."""
     if found_inf is not None:
         if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
             raise ValueError("found_inf must be None or a 1-element tensor")
-        if found_inf.device != param.device:
-            raise ValueError(f"found_inf is on {found_inf.device} but param is on {param.device}")
-    check_scalar("grad_scale", grad_scale, param.device, -math.inf)
+        if found_inf.device != device:
+            raise ValueError(f"found_inf is on {found_inf.device} but {beside} is on {device}")
 
 
 def pack_coefficients(parts: list, device: torch.device):

@@ -15,7 +15,8 @@ Two passes over the shard here, around the matrix multiplications:
   optimizers' states), writes the momentum and ``U`` in bf16 (the iteration's input dtype), 2 + 8 + 2 B/element
   with fp32 momentum;
 * :func:`muon_update_`: reads ``O`` and the fp32 master, writes the master and the bf16 weights the all-gather
-  sends (2 + 4 + 4 + 2 B/element). One launch covers a run of matrices that share an lr adjustment.
+  sends (2 + 4 + 4 + 2 B/element). ShardedMuon launches it once per matrix (the lr adjustment depends on the
+  matrix's shape), right after that matrix's Newton-Schulz.
 
 ``lerp`` is evaluated as torch's CPU and CUDA kernels do: ``a + w (b - a)`` for ``|w| < 0.5``, else
 ``b - (b - a) (1 - w)``. ``found_inf`` masks every store of both passes, so a skipped step leaves the momentum,
@@ -30,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
-                      master_view, pack_coefficients, seed_tensor)
+from ._common import (check_found_inf, check_no_tensor, check_rounding, check_scalar, host_seed,
+                      keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor)
 from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
@@ -110,14 +111,6 @@ def _check_flat(named, device_of: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but {named[0][0]} is on {device_of.device}")
 
 
-def _check_found_inf(found_inf, device) -> None:
-    if found_inf is not None:
-        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
-            raise ValueError("found_inf must be None or a 1-element tensor")
-        if found_inf.device != device:
-            raise ValueError(f"found_inf is on {found_inf.device} but the shard is on {device}")
-
-
 # ---------------------------------------------------------------------------------------------- momentum pass
 def muon_momentum_ref(grad, momentum_buffer, update_out, *, momentum, nesterov=True, grad_scale=1.0,
                       found_inf=None, state_rounding="nearest", seed=None) -> None:
@@ -141,7 +134,7 @@ def muon_momentum_(grad: torch.Tensor, momentum_buffer: torch.Tensor, update_out
     _check_flat([("grad", grad, (torch.bfloat16, torch.float16, torch.float32)),
                  ("momentum_buffer", momentum_buffer, (torch.float32, torch.bfloat16)),
                  ("update_out", update_out, (torch.bfloat16,))], grad)
-    _check_found_inf(found_inf, grad.device)
+    check_found_inf(found_inf, grad.device, "grad")
     check_no_tensor(momentum=momentum)
     check_scalar("momentum", momentum, grad.device, 0.0, hi=1.0)
     check_scalar("grad_scale", grad_scale, grad.device, -float("inf"))
@@ -194,7 +187,7 @@ def muon_update_(param: torch.Tensor, update: torch.Tensor, *, lr, weight_decay:
         _check_flat([("param", param, (param.dtype,)),
                      ("param_out", param_out, (torch.bfloat16,) if remainders else (torch.bfloat16, torch.float16))],
                     param)
-    _check_found_inf(found_inf, param.device)
+    check_found_inf(found_inf, param.device, "param")
     check_no_tensor(weight_decay=weight_decay, lr_ratio=lr_ratio)
     check_scalar("lr", lr, param.device, 0.0)
     check_scalar("weight_decay", weight_decay, param.device, 0.0)

@@ -20,11 +20,13 @@ from .muon import muon_momentum_ as _muon_momentum
 from .muon import muon_update_ as _muon_update
 from .muon import adjusted_lr_ratio, newton_schulz  # noqa: F401  (torch ops: dynamo traces them)
 from .scale import scale_ as _scale
+from .scale import finalize_sum_sq_ as _finalize_sum_sq
 from .scale import sum_sq_nonfinite as _sum_sq_nonfinite
+from .scale import sum_sq_partials_ as _sum_sq_partials
 from .sgd import sgd_step_ as _sgd_step
 
-__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "adamw_step_", "sgd_step_", "lion_step_", "muon_momentum_",
-           "muon_update_", "newton_schulz", "adjusted_lr_ratio"]
+__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "sum_sq_partials_", "finalize_sum_sq_", "adamw_step_",
+           "sgd_step_", "lion_step_", "muon_momentum_", "muon_update_", "newton_schulz", "adjusted_lr_ratio"]
 
 
 @torch.library.custom_op("tritonshard::flatten_into", mutates_args=("out",))
@@ -56,6 +58,27 @@ def _sum_sq_nonfinite_op(x: Tensor, factor: float, factor_tensor: Optional[Tenso
 @_sum_sq_nonfinite_op.register_fake
 def _(x, factor, factor_tensor):
     return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonshard::sum_sq_partials_", mutates_args=("partial_sumsq", "partial_nonfinite"))
+def _sum_sq_partials_op(x: Tensor, factor: float, factor_tensor: Optional[Tensor], partial_sumsq: Tensor,
+                        partial_nonfinite: Tensor) -> None:
+    _sum_sq_partials(x, factor_tensor if factor_tensor is not None else factor, (partial_sumsq, partial_nonfinite))
+
+
+@_sum_sq_partials_op.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("tritonshard::finalize_sum_sq_", mutates_args=("out",))
+def _finalize_sum_sq_op(partial_sumsq: Tensor, partial_nonfinite: Tensor, out: Tensor) -> None:
+    _finalize_sum_sq((partial_sumsq, partial_nonfinite), out)
+
+
+@_finalize_sum_sq_op.register_fake
+def _(*args):
+    return None
 
 
 def _value(x: float, x_tensor: Optional[Tensor]):
@@ -157,6 +180,16 @@ def scale_(x: Tensor, factor) -> tuple[Tensor, Tensor]:
 def sum_sq_nonfinite(x: Tensor, factor=1.0) -> tuple[Tensor, Tensor]:
     """:func:`tritonshard.kernels.sum_sq_nonfinite` through ``torch.ops.tritonshard.sum_sq_nonfinite``."""
     return torch.ops.tritonshard.sum_sq_nonfinite(x, *_split(factor))
+
+
+def sum_sq_partials_(x: Tensor, factor, partials) -> None:
+    """:func:`tritonshard.kernels.sum_sq_partials_` through ``torch.ops.tritonshard.sum_sq_partials_``."""
+    torch.ops.tritonshard.sum_sq_partials_(x, *_split(factor), partials[0], partials[1])
+
+
+def finalize_sum_sq_(partials, out: Tensor) -> None:
+    """:func:`tritonshard.kernels.finalize_sum_sq_` through ``torch.ops.tritonshard.finalize_sum_sq_``."""
+    torch.ops.tritonshard.finalize_sum_sq_(partials[0], partials[1], out)
 
 
 def _seed(seed, device) -> Optional[Tensor]:

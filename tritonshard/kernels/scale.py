@@ -26,7 +26,7 @@ from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
 __all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "sum_sq_workspace",
-           "sum_sq_partials_", "finalize_sum_sq_"]
+           "shared_sum_sq_workspace", "sum_sq_partials_", "finalize_sum_sq_"]
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
@@ -134,6 +134,25 @@ def sum_sq_workspace(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(blocks, dtype=torch.int32, device=device))
 
 
+def shared_sum_sq_workspace(numels, device) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
+    """One workspace for several tensors of ``numels`` elements that share one :func:`finalize_sum_sq_`: returns it
+    and, per tensor, the slices of it to pass to :func:`sum_sq_partials_`."""
+    blocks = [triton.cdiv(n, BLOCK) for n in numels]
+    workspace = sum_sq_workspace(sum(blocks) * BLOCK, device)
+    slices, start = [], 0
+    for b in blocks:
+        slices.append(tuple(t[start:start + b] for t in workspace))
+        start += b
+    return workspace, slices
+
+
+def _check_stats_out(out, device) -> None:
+    """``out`` receives [sum of squares, non-finite flag]."""
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (2,)
+            or out.device != device or not out.is_contiguous()):
+        raise ValueError(f"out must be a float32 tensor of shape (2,) on {device}, contiguous")
+
+
 @traced
 def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, out: torch.Tensor | None = None, partials=None,
                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,14 +161,10 @@ def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, out: torch.Tensor | None = 
     state): ``out``, a 2-element fp32 tensor that receives [sum_sq, flag] (the returned tensors are its two
     elements), and ``partials`` from :func:`sum_sq_workspace`."""
     _validate(x, factor)
-    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
-                            or tuple(out.shape) != (2,) or out.device != x.device):
-        raise ValueError(f"out must be a float32 tensor of shape (2,) on {x.device}")
+    if out is not None:
+        _check_stats_out(out, x.device)
     if partials is not None:
-        want = triton.cdiv(x.numel(), BLOCK)
-        if (len(partials) != 2 or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
-                or partials[0].numel() != want or partials[1].numel() != want):
-            raise ValueError(f"partials must be sum_sq_workspace({x.numel()}): float32 and int32, {want} each")
+        _check_partials(partials, x.numel(), x.device)
     chosen = select_backend("sum_sq_nonfinite", x.device, backend)
     if chosen is Backend.TORCH:
         result = sum_sq_nonfinite_ref(x, factor)
@@ -200,12 +215,10 @@ def sum_sq_partials_(x: torch.Tensor, factor, partials, *, backend: str | None =
 def finalize_sum_sq_(partials, out: torch.Tensor, *, backend: str | None = None) -> None:
     """``out = [sum of partials[0], 1.0 if any partials[1] else 0.0]``: one single-program launch that adds the
     partials in a fixed order (deterministic)."""
-    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (2,)
-            or not out.is_contiguous()):
-        raise ValueError("out must be a contiguous float32 tensor of shape (2,)")
     if (len(partials) != 2 or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
             or partials[0].numel() != partials[1].numel()):
         raise ValueError("partials must be (float32, int32) tensors of one length")
+    _check_stats_out(out, partials[0].device)
     chosen = select_backend("finalize_sum_sq_", out.device, backend)
     if chosen is Backend.TORCH:
         out[0].copy_(partials[0].sum())

@@ -7,11 +7,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels.adamw import adamw_coefficients
 from ._hparams import check_betas, check_lr, check_min
 from .base import ShardedOptimizer, kernels
 from .bucket import _Bucket
 
-__all__ = ["ShardedAdamW"]
+__all__ = ["ShardedAdamW", "adamw_update", "check_adamw_group"]
 
 
 class ShardedAdamW(ShardedOptimizer):
@@ -44,16 +45,30 @@ class ShardedAdamW(ShardedOptimizer):
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, **pipeline)
 
     def _check_group(self, g: dict, where: str) -> None:
-        check_lr(g["lr"], where)
-        check_betas(g["betas"], where)
-        check_min("eps", g["eps"], where, strict=True)
-        check_min("weight_decay", g["weight_decay"], where)
+        check_adamw_group(g, where)
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
-        beta1, beta2 = group["betas"]
-        param, param_out, remainders = bucket.update_target()
-        kernels().adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
-                    bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
-                    found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,
-                    coefficients=self._adamw_coefficients(bucket, group), **bucket.state_kwargs())
+        adamw_update(self, bucket, group, grad_scale, found_inf, maximize=group["maximize"])
+
+
+def check_adamw_group(g: dict, where: str) -> None:
+    """An AdamW group's hyper-parameters (ShardedAdamW's groups, and ShardedMuon's ``use_muon=False`` ones)."""
+    check_lr(g["lr"], where)
+    check_betas(g["betas"], where)
+    check_min("eps", g["eps"], where, strict=True)
+    check_min("weight_decay", g["weight_decay"], where)
+
+
+def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor,
+                 maximize: bool = False) -> None:
+    """One bucket's fused AdamW update. The coefficients (float64 device math from lr and the group's step) are
+    computed once per param group and step and shared by the group's buckets."""
+    beta1, beta2 = group["betas"]
+    coefficients = opt._once_per_step(("adamw", bucket.group_index), lambda: adamw_coefficients(
+        group["lr"], bucket.step, beta1, beta2, group["weight_decay"]))
+    param, param_out, remainders = bucket.update_target()
+    kernels().adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
+                          bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
+                          found_inf=found_inf, param_out=param_out, maximize=maximize, remainders=remainders,
+                          coefficients=coefficients, **bucket.state_kwargs())

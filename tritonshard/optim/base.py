@@ -81,9 +81,7 @@ from .. import comm
 from ..buffer import DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import ops as _op_kernels
-from ..kernels.adamw import adamw_coefficients
-from ..kernels.scale import BLOCK as SUM_SQ_BLOCK
-from ..kernels.scale import sum_sq_workspace
+from ..kernels.scale import shared_sum_sq_workspace
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
@@ -108,6 +106,14 @@ class LossScaleConfig:
 
 def _shape(p) -> str:
     return f"(shape {tuple(p.shape)})"
+
+
+def param_name(group: dict, gi: int, j: int, p) -> str:
+    """How errors name parameter ``j`` of param group ``gi``: its ``param_names`` entry when the group has one
+    (``attach()`` later names parameters by their names in the model)."""
+    names = group.get("param_names")
+    given = names[j] if names is not None else None
+    return repr(given) if given else f"param_groups[{gi}]['params'][{j}] {_shape(p)}"
 
 
 def _reject_duplicates(params: list) -> None:
@@ -222,13 +228,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
         # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
         # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
-        blocks = [-(-b.grad_buffer.shard_numel // SUM_SQ_BLOCK) for b in self.buckets]
-        self._norm_workspace = sum_sq_workspace(sum(blocks) * SUM_SQ_BLOCK, self.device)
+        self._norm_workspace, slices = shared_sum_sq_workspace(
+            [b.grad_buffer.shard_numel for b in self.buckets], self.device)
         self._norm_totals = torch.zeros(2, dtype=torch.float32, device=self.device)
-        start = 0
-        for b, n in zip(self.buckets, blocks):
-            b.norm_partials = tuple(t[start:start + n] for t in self._norm_workspace)
-            start += n
+        for b, partials in zip(self.buckets, slices):
+            b.norm_partials = partials
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for i, b in enumerate(self.buckets):
             b.index = i
@@ -270,12 +274,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
         self._param_index = {p: i for i, p in enumerate(self._param_list)}
-        named = [g.get("param_names") for g in self.param_groups]
-        self._param_names: dict = {}
-        for gi, g in enumerate(self.param_groups):
-            for j, p in enumerate(g["params"]):
-                given = named[gi][j] if named[gi] is not None else None
-                self._param_names[p] = repr(given) if given else f"param_groups[{gi}]['params'][{j}] {_shape(p)}"
+        self._param_names = {p: param_name(g, gi, j, p) for gi, g in enumerate(self.param_groups)
+                             for j, p in enumerate(g["params"])}
         # what step() checks against: the view each parameter must alias, and its version counter (bumped by
         # every in-place write through the parameter, e.g. model.load_state_dict; not by our buffer writes)
         self._param_views = {p: view for b in self.buckets for p, view in zip(b.params, b.param_buffer.get_views())}
@@ -506,8 +506,6 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 self._flush_bucket(b)  # gradients set by hand, without a backward
         self._launch_all()
         self._adopt_observed_order()
-        compiling = torch.compiler.is_compiling()
-        partials = []
         for b in self.buckets:
             with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
                 b.rs_work.wait()
@@ -516,16 +514,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
             # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
-            if compiling:  # (the custom op returns new tensors; the compiled graph owns their memory)
-                partials.append(torch.stack(kernels().sum_sq_nonfinite(shard, self._grad_average)))
-            else:  # eager: the bucket's partials into its slice of the workspace, allocating nothing
-                kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
-        if compiling:
-            totals = (torch.stack(partials).sum(0) if partials
-                      else torch.zeros(2, dtype=torch.float32, device=self.device))
-        else:  # one launch for every bucket
-            totals = self._norm_totals
-            kernels().finalize_sum_sq_(self._norm_workspace, totals)
+            # the bucket's per-program partials into its slice of one workspace, allocating nothing
+            kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
+        totals = self._norm_totals
+        kernels().finalize_sum_sq_(self._norm_workspace, totals)  # one launch for every bucket
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
         sum_sq, found_inf = totals[0], (totals[1] > 0).float()
@@ -742,13 +734,6 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
-
-    def _adamw_coefficients(self, bucket: _Bucket, group: dict) -> torch.Tensor:
-        """AdamW's per-launch coefficients, computed once per param group and step (its buckets share lr and
-        step), for ShardedAdamW and ShardedMuon's AdamW groups."""
-        beta1, beta2 = group["betas"]
-        return self._once_per_step(("adamw", bucket.group_index), lambda: adamw_coefficients(
-            group["lr"], bucket.step, beta1, beta2, group["weight_decay"]))
 
     def _once_per_step(self, key, compute):
         """``compute()`` the first time ``key`` is asked for in this step, the cached value after that: what the

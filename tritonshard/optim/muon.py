@@ -32,8 +32,9 @@ import torch.distributed as dist
 from ..buffer import DEFAULT_ALIGN
 from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
-from ._hparams import check_betas, check_lr, check_min, require
-from .base import ShardedOptimizer, kernels
+from ._hparams import check_lr, check_min, require
+from .adamw import adamw_update, check_adamw_group
+from .base import ShardedOptimizer, kernels, param_name
 from .bucket import _Bucket, split_into_buckets
 
 __all__ = ["ShardedMuon"]
@@ -44,11 +45,11 @@ MUON_STATE = ("momentum_buffer",)
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")
 
 
-def _name(group: dict, gi: int, j: int, p) -> str:
-    names = group.get("param_names") if isinstance(group, dict) else None
-    if names:
-        return repr(names[j])
-    return f"param_groups[{gi}]['params'][{j}] (shape {tuple(p.shape)})"
+def _muon_owners(params: list, world_size: int, ns_steps: int, loads: list) -> list[int]:
+    """The owner of each matrix of one Muon bucket: elements balanced in the bucket, Newton-Schulz FLOPs over
+    all buckets (``loads``, per rank, updated). The optimizer and :meth:`ShardedMuon.plan` both lay out this way."""
+    return balance_owners([p.numel() for p in params], [newton_schulz_flops(p.shape, ns_steps) for p in params],
+                          world_size, loads)
 
 
 class ShardedMuon(ShardedOptimizer):
@@ -101,7 +102,7 @@ class ShardedMuon(ShardedOptimizer):
                 for j, p in enumerate(ps):
                     if isinstance(p, torch.Tensor) and p.ndim != 2:
                         raise ValueError(
-                            f"Muon only supports 2-D parameters, but {_name(g, gi, j, p)} in param_groups[{gi}] is "
+                            f"Muon only supports 2-D parameters, but {param_name(g, gi, j, p)} in param_groups[{gi}] is "
                             f"{p.ndim}-D: put norms, biases and other non-matrix parameters (and the embeddings and "
                             "head, which Muon is not meant for) in a group with use_muon=False (AdamW)")
         self._ns_loads: Optional[list] = None  # NS FLOPs per rank so far, while the buckets are laid out
@@ -118,15 +119,14 @@ class ShardedMuon(ShardedOptimizer):
     def _check_group(self, g: dict, where: str) -> None:
         require(isinstance(g.get("use_muon"), bool), f"use_muon must be True or False, got {g.get('use_muon')!r}",
                 where)
-        check_lr(g["lr"], where)
-        check_min("weight_decay", g["weight_decay"], where)
         if not g["use_muon"]:
-            check_betas(g["betas"], where)
-            check_min("eps", g["eps"], where, strict=True)
+            check_adamw_group(g, where)
             for key in ("amsgrad", "maximize"):
                 require(not g.get(key, False), f"{key}=True is not supported in the AdamW groups of ShardedMuon",
                         where)
             return
+        check_lr(g["lr"], where)
+        check_min("weight_decay", g["weight_decay"], where)
         m = g["momentum"]
         require(isinstance(m, numbers.Real) and not isinstance(m, bool) and 0.0 <= m < 1.0,
                 f"momentum must be in [0, 1), got {m!r}", where)
@@ -153,9 +153,7 @@ class ShardedMuon(ShardedOptimizer):
             return None
         if self._ns_loads is None:
             self._ns_loads = [0.0] * self.world_size
-        return balance_owners([p.numel() for p in params],
-                              [newton_schulz_flops(p.shape, group["ns_steps"]) for p in params],
-                              self.world_size, self._ns_loads)
+        return _muon_owners(params, self.world_size, group["ns_steps"], self._ns_loads)
 
     def _group_keeps_step(self, group: dict) -> bool:
         return not group["use_muon"]  # torch.optim.Muon keeps no step
@@ -172,17 +170,12 @@ class ShardedMuon(ShardedOptimizer):
 
     # ------------------------------------------------------------------ the update
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        if not group["use_muon"]:
+            adamw_update(self, bucket, group, grad_scale, found_inf)
+            return
         param, param_out, remainders = bucket.update_target()
         grad = bucket.grad_buffer.get_local_shard()
         k = kernels()
-        if not group["use_muon"]:
-            beta1, beta2 = group["betas"]
-            k.adamw_step_(param, grad, bucket.state["exp_avg"], bucket.state["exp_avg_sq"], lr=group["lr"],
-                          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                          step=bucket.step, grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
-                          remainders=remainders, coefficients=self._adamw_coefficients(bucket, group),
-                          **bucket.state_kwargs())
-            return
         work = bucket.workspace
         k.muon_momentum_(grad, bucket.state["momentum_buffer"], work, momentum=group["momentum"],
                          nesterov=group["nesterov"], grad_scale=grad_scale, found_inf=found_inf,
@@ -224,8 +217,7 @@ class ShardedMuon(ShardedOptimizer):
         extra_pad, n_buckets = 0, 0
         for params in split_into_buckets(metas, cap_elems):
             numels = [p.numel() for p in params]
-            owners = balance_owners(numels, [newton_schulz_flops(p.shape, ns_steps) for p in params], world_size,
-                                    loads)
+            owners = _muon_owners(params, world_size, ns_steps, loads)
             extra_pad += (Layout(numels, world_size, align, owners=owners).padded_numel
                           - Layout(numels, world_size, align).padded_numel)
             n_buckets += 1
