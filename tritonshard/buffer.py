@@ -26,16 +26,9 @@ class LayoutMismatchError(RuntimeError):
 
 
 def _default_device() -> torch.device:
-    """The device a rank should use when none is given.
-
-    CUDA: ``LOCAL_RANK`` (set by torchrun) modulo the visible device count, else ``torch.cuda.current_device()``.
-    Never ``cuda:<global rank>``, which is wrong on every node but the first. Without CUDA: the CPU (gloo).
-    """
-    if torch.cuda.is_available():
-        local_rank = os.environ.get("LOCAL_RANK")
-        index = int(local_rank) % torch.cuda.device_count() if local_rank is not None else torch.cuda.current_device()
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """The device a rank should use when none is given: :func:`tritonshard.comm.local_device` (indexed on CUDA,
+    by ``LOCAL_RANK``; the CPU without CUDA)."""
+    return comm.local_device()
 
 
 class Buffer:

@@ -8,13 +8,14 @@ warns.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter_single", "all_gather_single", "all_gather_text", "group_size", "group_rank",
-           "is_initialized"]
+__all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "all_gather_text", "local_device",
+           "group_size", "group_rank", "is_initialized"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -30,6 +31,28 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor,
                       group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
     """Concatenate every rank's ``input`` into ``output`` (``world_size * input.numel()`` elements)."""
     return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                      async_op: bool = False):
+    """Equal splits: chunk j of ``input`` goes to rank j, and rank i's chunk lands in chunk i of ``output``."""
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+def local_device() -> torch.device:
+    """The device this process should use: always with an index on CUDA.
+
+    CUDA: ``LOCAL_RANK`` (set by torchrun) modulo the visible device count, else ``torch.cuda.current_device()``;
+    never ``cuda:<global rank>``, which is wrong on every node but the first. Without CUDA: the CPU (gloo).
+    Why the index: torch 2.11 rejects ``init_process_group(device_id=torch.device("cuda"))`` ("Please use a
+    device_id with index"), and CUDA memory-stat calls given an index-less device raised "Invalid device argument"
+    on the H200 (2026-11-30).
+    """
+    if torch.cuda.is_available():
+        local_rank = os.environ.get("LOCAL_RANK")
+        index = int(local_rank) % torch.cuda.device_count() if local_rank is not None else torch.cuda.current_device()
+        return torch.device("cuda", index)
+    return torch.device("cpu")
 
 
 def is_initialized() -> bool:

@@ -35,10 +35,11 @@ def _master_error(opt, ref_master_by_param):
     return worst / scale
 
 
-def _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, results):
+def _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, results, ordered=False):
     model = make_model(0)
     ours_params = [p for g in param_groups(model) for p in g["params"]]
-    opt = ShardedAdamW(param_groups(model), lr=LR, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb)
+    opt = ShardedAdamW(param_groups(model), lr=LR, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
+                       ordered_reduce=ordered)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     ref = Reference(world_size, grad_dtype=grad_dtype)
     assert model.frozen.dtype == torch.float32, "frozen parameters are left out"
@@ -54,9 +55,9 @@ def _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, re
     assert float(opt.skipped_steps) == 0 and all(float(b.step) == STEPS for b in opt.buckets)
 
 
-def _check(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol):
+def _check(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, ordered):
     errs = []
-    _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, errs)
+    _train_vs_reference(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol, errs, ordered)
     if os.environ.get("TS_PRINT_ERRORS"):  # `TS_PRINT_ERRORS=1 pytest -s ...` shows the margins
         print(f"ws={world_size} {grad_dtype} rank {rank}: master errors per step {[f'{e:.1e}' for e in errs]}")
 
@@ -70,17 +71,20 @@ def _check(rank, world_size, grad_dtype, bucket_cap_mb, rel_tol):
 #   3 adds rounds at 2^-9 relative, so the averaged gradient can differ by up to ~3 * 2^-9 = 6e-3 relative per
 #   element. Adam's update is ~lr * m/sqrt(v), whose relative change is of the same order: per step
 #   <= lr * 6e-3 ~ 1.2e-4 absolute, over 4 steps ~5e-4, against max|master| ~0.5-1: 1e-3.
+# * world size 4 with ordered_reduce=True: the ranks' gradients are added in rank order, as the reference adds
+#   them, so only the fp32 op-order differences of world size 1 and 2 are left: 1e-6 (measured 1.1e-7).
 CASES = [
-    (1, torch.bfloat16, 25.0, 1e-6),
-    (2, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-6),   # ~200-element buckets: several buckets per group
-    (4, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-3),   # measured up to 5e-4
-    (2, torch.float32, 25.0, 1e-6),
+    (1, torch.bfloat16, 25.0, 1e-6, False),
+    (2, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-6, False),   # ~200-element buckets: several buckets per group
+    (4, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-3, False),   # measured up to 5e-4
+    (4, torch.bfloat16, 200 * 2 / 2 ** 20, 1e-6, True),
+    (2, torch.float32, 25.0, 1e-6, False),
 ]
 
 
-@pytest.mark.parametrize("world_size, grad_dtype, bucket_cap_mb, rel_tol", CASES)
-def test_matches_single_process_reference(world_size, grad_dtype, bucket_cap_mb, rel_tol):
-    run_on_ranks(_check, world_size, grad_dtype, bucket_cap_mb, rel_tol)
+@pytest.mark.parametrize("world_size, grad_dtype, bucket_cap_mb, rel_tol, ordered", CASES)
+def test_matches_single_process_reference(world_size, grad_dtype, bucket_cap_mb, rel_tol, ordered):
+    run_on_ranks(_check, world_size, grad_dtype, bucket_cap_mb, rel_tol, ordered)
 
 
 def _nan_on_one_rank(rank, world_size):

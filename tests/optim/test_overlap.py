@@ -38,9 +38,9 @@ def _bits(opt):
     return [b.param_buffer.get_data().clone() for b in opt.buckets], [b.master.clone() for b in opt.buckets]
 
 
-def _run_net(rank, overlap, cap, steps=3):
+def _run_net(rank, overlap, cap, steps=3, ordered=False):
     model = make_model(0)
-    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=cap, overlap_comm=overlap)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=cap, overlap_comm=overlap, ordered_reduce=ordered)
     if overlap:
         opt.attach(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -82,6 +82,26 @@ def _bit_identical(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bit_identical_to_the_non_overlapped_path(world_size):
     run_on_ranks(_bit_identical, world_size)
+
+
+def _ordered_bit_identical(rank, world_size):
+    # ordered_reduce with overlap: the third reduction launched in a backward first folds the first one (two
+    # scratch buffers), inside the backward hooks. Same bits as the plain ordered path, and for every bucket size.
+    results = []
+    for cap in BUCKET_CAPS:
+        plain, _ = _run_net(rank, False, cap, ordered=True)
+        overlapped, opt = _run_net(rank, True, cap, ordered=True)
+        assert opt.reduce_scatters_launched == 3 * len(opt.buckets)
+        assert torch.equal(plain.view(torch.int32), overlapped.view(torch.int32)), \
+            f"ordered_reduce, bucket_cap_mb={cap}: overlapped training differs from the plain path"
+        results.append(plain)
+    for cap, r in zip(BUCKET_CAPS[1:], results[1:]):
+        assert torch.equal(r.view(torch.int32), results[0].view(torch.int32)), \
+            f"ordered_reduce: bucket_cap_mb={cap} differs from {BUCKET_CAPS[0]}"
+
+
+def test_ordered_reduce_with_overlap_is_bit_identical_and_bucket_invariant():
+    run_on_ranks(_ordered_bit_identical, 4)
 
 
 def _first_reduce_scatter_before_backward_ends(rank, world_size):

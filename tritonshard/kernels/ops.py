@@ -21,11 +21,13 @@ from .muon import muon_update_ as _muon_update
 from .muon import adjusted_lr_ratio, newton_schulz  # noqa: F401  (torch ops: dynamo traces them)
 from .scale import scale_ as _scale
 from .scale import finalize_sum_sq_ as _finalize_sum_sq
+from .scale import fold_rows_ as _fold_rows
 from .scale import sum_sq_nonfinite as _sum_sq_nonfinite
 from .scale import sum_sq_partials_ as _sum_sq_partials
 from .sgd import sgd_step_ as _sgd_step
 
-__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "sum_sq_partials_", "finalize_sum_sq_", "adamw_step_",
+__all__ = ["flatten_into", "scale_", "sum_sq_nonfinite", "sum_sq_partials_", "finalize_sum_sq_", "fold_rows_",
+           "adamw_step_",
            "sgd_step_", "lion_step_", "muon_momentum_", "muon_update_", "newton_schulz", "adjusted_lr_ratio"]
 
 
@@ -77,6 +79,16 @@ def _finalize_sum_sq_op(partial_sumsq: Tensor, partial_nonfinite: Tensor, out: T
 
 
 @_finalize_sum_sq_op.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("tritonshard::fold_rows_", mutates_args=("out", "partial_sumsq", "partial_nonfinite"))
+def _fold_rows_op(rows: Tensor, out: Tensor, factor: float, partial_sumsq: Tensor, partial_nonfinite: Tensor) -> None:
+    _fold_rows(rows, out, factor, (partial_sumsq, partial_nonfinite))
+
+
+@_fold_rows_op.register_fake
 def _(*args):
     return None
 
@@ -185,6 +197,11 @@ def sum_sq_nonfinite(x: Tensor, factor=1.0) -> tuple[Tensor, Tensor]:
 def sum_sq_partials_(x: Tensor, factor, partials) -> None:
     """:func:`tritonshard.kernels.sum_sq_partials_` through ``torch.ops.tritonshard.sum_sq_partials_``."""
     torch.ops.tritonshard.sum_sq_partials_(x, *_split(factor), partials[0], partials[1])
+
+
+def fold_rows_(rows: Tensor, out: Tensor, factor: float, partials) -> None:
+    """:func:`tritonshard.kernels.fold_rows_` through ``torch.ops.tritonshard.fold_rows_``."""
+    torch.ops.tritonshard.fold_rows_(rows, out, float(factor), partials[0], partials[1])
 
 
 def finalize_sum_sq_(partials, out: Tensor) -> None:

@@ -12,6 +12,18 @@ flatten) and the shard costs one read instead of a read and a write.
 
 Deterministic: each program writes its partial sum and flag to its own slot; one single-program kernel then adds
 the partials in a fixed order. No atomics, so the result is the same bits on every run.
+
+Layout-independent: the squares are taken and summed in fp64 (the exact square of an fp32 value fits in fp64) and
+rounded to fp32 once, at the end. Where the blocks fall (which depends on the bucket layout, and across ranks on
+the shards) changes the fp64 sum by ~1e-16 relative, far below the fp32 result's rounding step (6e-8), so the
+norm, and the clip coefficient made from it, come out the same bits whatever ``bucket_cap_mb`` is (tested in
+tests/optim/test_bucket_invariance.py; measured before: fp32 partials moved the clip coefficient by an fp32 ulp
+between bucket sizes, issue 21). fp64 costs nothing here: the pass is memory-bound (3 fp64 ops per element).
+
+``fold_rows_`` is the ordered reduce-scatter's second half (``ordered_reduce=True`` in the optimizers): it adds
+the ``d`` ranks' contributions to this rank's shard, which an all-to-all delivered as ``d`` rows, in rank order,
+rounding to the grad dtype after every add (what the single-process reference and a 2-rank reduction compute),
+writes the sum into the shard and takes the same statistics in the same pass.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
 __all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "sum_sq_workspace",
-           "shared_sum_sq_workspace", "sum_sq_partials_", "finalize_sum_sq_"]
+           "shared_sum_sq_workspace", "sum_sq_partials_", "finalize_sum_sq_", "fold_rows_", "fold_rows_ref"]
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
@@ -58,22 +70,50 @@ def _scale_kernel(x_ptr, n, factor_ptr, factor_val, partial_sumsq, partial_nonfi
             y = to_fp32(stored)
         else:
             tl.store(x_ptr + offs, y, mask=mask)
+    _store_stats(y, mask, partial_sumsq, partial_nonfinite, pid)
+
+
+@triton.jit
+def _store_stats(y, mask, partial_sumsq, partial_nonfinite, pid):
+    """This program's partial sum of squares (fp64: exact squares, layout-independent sums) and non-finite flag."""
     y = tl.where(mask, y, 0.0)
-    tl.store(partial_sumsq + pid, tl.sum(y * y, axis=0))
+    y64 = y.to(tl.float64)
+    tl.store(partial_sumsq + pid, tl.sum(y64 * y64, axis=0))
     tl.store(partial_nonfinite + pid, tl.max(_is_nonfinite(y).to(tl.int32), axis=0))
 
 
 @triton.jit
+def _fold_rows_kernel(rows_ptr, out_ptr, n, factor, partial_sumsq, partial_nonfinite, ROWS: tl.constexpr,
+                      IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    row = rows_ptr + offs  # row r of the (ROWS, n) input: advanced by n per row (pointer arithmetic, no overflow)
+    acc = to_fp32(tl.load(row, mask=mask, other=0.0))
+    for _ in tl.static_range(1, ROWS):  # rank order, rounded to the grad dtype after every add
+        row += n
+        acc = acc + to_fp32(tl.load(row, mask=mask, other=0.0))
+        if IS_BF16:
+            acc = to_fp32(round_to_bf16(acc))
+    if IS_BF16:
+        tl.store(out_ptr + offs, round_to_bf16(acc), mask=mask)  # exact: acc holds a bf16 value
+    else:
+        tl.store(out_ptr + offs, acc, mask=mask)
+    _store_stats(acc * factor, mask, partial_sumsq, partial_nonfinite, pid)
+
+
+@triton.jit
 def _finalize_kernel(partial_sumsq, partial_nonfinite, num_partials, sumsq_out, nonfinite_out, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
     flag = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, num_partials, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < num_partials
         acc += tl.load(partial_sumsq + offs, mask=mask, other=0.0)
         flag = tl.maximum(flag, tl.load(partial_nonfinite + offs, mask=mask, other=0))
-    tl.store(sumsq_out, tl.sum(acc, axis=0))
-    tl.store(nonfinite_out, (tl.max(flag, axis=0) > 0).to(tl.float32))
+    total = tl.sum(acc, axis=0)  # fp64; the store converts to out's dtype (fp32 or fp64)
+    tl.store(sumsq_out, total.to(sumsq_out.dtype.element_ty))
+    tl.store(nonfinite_out, (tl.max(flag, axis=0) > 0).to(nonfinite_out.dtype.element_ty))
 
 
 def scale_ref(x: torch.Tensor, factor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +121,7 @@ def scale_ref(x: torch.Tensor, factor) -> tuple[torch.Tensor, torch.Tensor]:
     f = factor.float() if isinstance(factor, torch.Tensor) else float(factor)
     x.copy_((x.float() * f).to(x.dtype))
     stored = x.float()
-    sumsq = stored.square().sum()
+    sumsq = stored.double().square().sum().float()
     nonfinite = (~stored.isfinite()).any().float()
     return sumsq, nonfinite
 
@@ -90,7 +130,7 @@ def sum_sq_nonfinite_ref(x: torch.Tensor, factor=1.0) -> tuple[torch.Tensor, tor
     """Pure-PyTorch reference of the read-only pass: statistics of ``factor * x`` in fp32, ``x`` untouched."""
     f = factor.float() if isinstance(factor, torch.Tensor) else float(factor)
     y = x.float() * f
-    return y.square().sum(), (~y.isfinite()).any().float()
+    return y.double().square().sum().float(), (~y.isfinite()).any().float()
 
 
 def _validate(x, factor):
@@ -130,7 +170,7 @@ def sum_sq_workspace(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-program partials a :func:`sum_sq_nonfinite` of ``n`` elements needs, to allocate once and pass as
     ``partials=`` (then a launch allocates nothing)."""
     blocks = triton.cdiv(n, BLOCK)
-    return (torch.empty(blocks, dtype=torch.float32, device=device),
+    return (torch.empty(blocks, dtype=torch.float64, device=device),
             torch.empty(blocks, dtype=torch.int32, device=device))
 
 
@@ -146,11 +186,12 @@ def shared_sum_sq_workspace(numels, device) -> tuple[tuple[torch.Tensor, torch.T
     return workspace, slices
 
 
-def _check_stats_out(out, device) -> None:
+def _check_stats_out(out, device, dtypes=(torch.float32,)) -> None:
     """``out`` receives [sum of squares, non-finite flag]."""
-    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (2,)
+    if (not isinstance(out, torch.Tensor) or out.dtype not in dtypes or tuple(out.shape) != (2,)
             or out.device != device or not out.is_contiguous()):
-        raise ValueError(f"out must be a float32 tensor of shape (2,) on {device}, contiguous")
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"out must be a {names} tensor of shape (2,) on {device}, contiguous")
 
 
 @traced
@@ -179,10 +220,10 @@ def _check_partials(partials, n: int, device) -> None:
     want = triton.cdiv(n, BLOCK)
     if (not isinstance(partials, (tuple, list)) or len(partials) != 2
             or not all(isinstance(t, torch.Tensor) for t in partials)
-            or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
+            or partials[0].dtype != torch.float64 or partials[1].dtype != torch.int32
             or partials[0].numel() != want or partials[1].numel() != want
             or partials[0].device != device or partials[1].device != device):
-        raise ValueError(f"partials must be sum_sq_workspace({n}) (or slices of that size of a larger one): float32 "
+        raise ValueError(f"partials must be sum_sq_workspace({n}) (or slices of that size of a larger one): float64 "
                          f"and int32, {want} elements each, on {device}")
 
 
@@ -198,11 +239,8 @@ def sum_sq_partials_(x: torch.Tensor, factor, partials, *, backend: str | None =
     n = x.numel()
     if n == 0:
         return
-    if chosen is Backend.TORCH:  # the kernel's blocks, in fp32
-        f = factor.float() if isinstance(factor, torch.Tensor) else float(factor)
-        y = torch.nn.functional.pad(x.float() * f, (0, partials[0].numel() * BLOCK - n)).view(-1, BLOCK)
-        partials[0].copy_(y.square().sum(1))
-        partials[1].copy_((~y.isfinite()).any(1))
+    if chosen is Backend.TORCH:
+        _partials_ref(x.float() * (factor.float() if isinstance(factor, torch.Tensor) else float(factor)), partials)
         return
     is_tensor = isinstance(factor, torch.Tensor)
     _scale_kernel[(partials[0].numel(),)](
@@ -211,14 +249,67 @@ def sum_sq_partials_(x: torch.Tensor, factor, partials, *, backend: str | None =
         enable_fp_fusion=False)
 
 
+def _partials_ref(y: torch.Tensor, partials) -> None:
+    """The kernels' per-block statistics of the fp32 values ``y``, in PyTorch (fp64 squares and sums)."""
+    y = torch.nn.functional.pad(y, (0, partials[0].numel() * BLOCK - y.numel())).view(-1, BLOCK)
+    partials[0].copy_(y.double().square().sum(1))
+    partials[1].copy_((~y.isfinite()).any(1))
+
+
+def fold_rows_ref(rows: torch.Tensor) -> torch.Tensor:
+    """Reference: the rows of ``rows`` (d, n) added in row order, rounded to ``rows.dtype`` after every add."""
+    acc = rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        acc = (acc.float() + rows[r].float()).to(rows.dtype)
+    return acc
+
+
+@traced
+def fold_rows_(rows: torch.Tensor, out: torch.Tensor, factor: float, partials, *,
+               backend: str | None = None) -> None:
+    """``out = rows[0] + rows[1] + ... + rows[d-1]``, added in that order and rounded to ``out.dtype`` after every
+    add (:func:`fold_rows_ref`), and, in the same pass, the per-block statistics of ``factor * out`` into
+    ``partials`` as :func:`sum_sq_partials_` writes them.
+
+    Args:
+        rows: (d, n) contiguous, bf16 or fp32: row r is rank r's contribution (an all-to-all's output).
+        out: n elements, ``rows.dtype``, contiguous; may not overlap ``rows``.
+        factor: a Python number (the optimizer's 1/d).
+        partials: from :func:`sum_sq_workspace` (n), or same-sized slices of a larger one.
+    """
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous 2-D tensor (ranks, n), got "
+                         f"{tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__}")
+    _validate(out, factor)
+    if isinstance(factor, torch.Tensor):
+        raise TypeError("factor must be a Python number here")
+    if rows.dtype != out.dtype or rows.shape[1] != out.numel() or rows.device != out.device:
+        raise ValueError(f"out must have rows.shape[1] = {rows.shape[1]} elements of {rows.dtype} on {rows.device}, "
+                         f"got {out.numel()} of {out.dtype} on {out.device}")
+    if rows.shape[0] < 1:
+        raise ValueError("rows must have at least one row")
+    _check_partials(partials, out.numel(), out.device)
+    chosen = select_backend("fold_rows_", out.device, backend)
+    n = out.numel()
+    if n == 0:
+        return
+    if chosen is Backend.TORCH:
+        out.copy_(fold_rows_ref(rows))
+        _partials_ref(out.float() * float(factor), partials)
+        return
+    _fold_rows_kernel[(partials[0].numel(),)](
+        rows, out, n, float(factor), partials[0], partials[1], ROWS=rows.shape[0],
+        IS_BF16=out.dtype == torch.bfloat16, BLOCK=BLOCK, enable_fp_fusion=False)
+
+
 @traced
 def finalize_sum_sq_(partials, out: torch.Tensor, *, backend: str | None = None) -> None:
     """``out = [sum of partials[0], 1.0 if any partials[1] else 0.0]``: one single-program launch that adds the
-    partials in a fixed order (deterministic)."""
-    if (len(partials) != 2 or partials[0].dtype != torch.float32 or partials[1].dtype != torch.int32
+    partials in a fixed order (deterministic), in fp64; ``out`` is float32 (the sum rounded once) or float64."""
+    if (len(partials) != 2 or partials[0].dtype != torch.float64 or partials[1].dtype != torch.int32
             or partials[0].numel() != partials[1].numel()):
-        raise ValueError("partials must be (float32, int32) tensors of one length")
-    _check_stats_out(out, partials[0].device)
+        raise ValueError("partials must be (float64, int32) tensors of one length (sum_sq_workspace)")
+    _check_stats_out(out, partials[0].device, (torch.float32, torch.float64))
     chosen = select_backend("finalize_sum_sq_", out.device, backend)
     if chosen is Backend.TORCH:
         out[0].copy_(partials[0].sum())

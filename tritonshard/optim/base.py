@@ -163,6 +163,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             update's ``grad_scale``, an overflow skips the step and backs off, all without a host sync.
         grad_dtype: dtype of the gradient buffers (bf16 or fp32).
         bucket_cap_mb: at most this many MiB of ``param_dtype`` per bucket (a larger parameter gets its own).
+        ordered_reduce: sum the ranks' gradients in rank order, rounding after every add, instead of in the order
+            the reduce-scatter chooses (gloo's and NCCL's rings start each chunk at a different rank, so an
+            element's order follows the shard it lands in, which follows ``bucket_cap_mb``). Then results are bit
+            for bit the same for every bucket size and match the single-process reference at every world size.
+            Costs: the reduce-scatter becomes an all-to-all (the same bytes on the wire) whose (d, shard) output
+            is added by the norm pass (+2 B/param read per step), into two scratch buffers of the largest bucket.
+            Off by default until a GPU run measures it. With 1 or 2 ranks the collective is already exact (one
+            correctly rounded add): this changes nothing there.
         align: view alignment inside buckets, in elements (see :data:`tritonshard.buffer.DEFAULT_ALIGN`).
     """
 
@@ -173,7 +181,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                  param_dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype = torch.bfloat16,
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
                  loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False,
-                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic"):
+                 state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic",
+                 ordered_reduce: bool = False):
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
@@ -230,9 +239,23 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
         self._norm_workspace, slices = shared_sum_sq_workspace(
             [b.grad_buffer.shard_numel for b in self.buckets], self.device)
-        self._norm_totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        # fp64 [sum_sq, non-finite]: all-reduced in fp64, so the per-rank sums' grouping (the layout) cannot show
+        self._norm_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for b, partials in zip(self.buckets, slices):
             b.norm_partials = partials
+        # ordered_reduce: the all-to-all's (d, shard) outputs, two of them: the third launch in a step first
+        # consumes (folds) the bucket that used its scratch two launches before (see _consume_reduced)
+        if not isinstance(ordered_reduce, bool):
+            raise TypeError(f"ordered_reduce must be a bool, got {type(ordered_reduce).__name__}")
+        self.ordered_reduce = ordered_reduce
+        self._ordered = ordered_reduce and self.world_size > 2 and bool(self.buckets)
+        if ordered_reduce and self.replica_size > 2:
+            raise ValueError(f"ordered_reduce=True with a replica group of {self.replica_size} ranks is not supported "
+                             "(the replicas' all-reduce would still add in the ring's order); use at most 2 replicas")
+        largest = max((b.grad_buffer.padded_numel for b in self.buckets), default=0)
+        self._scratch = ([torch.empty(largest, dtype=grad_dtype, device=self.device) for _ in range(2)]
+                         if self._ordered else [])
+        self._scratch_user: list = [None, None]  # the bucket whose all-to-all output a scratch holds
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for i, b in enumerate(self.buckets):
             b.index = i
@@ -473,7 +496,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 b.grad_buffer.zero_()
                 b.has_grads = True
             with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
-                b.rs_work = b.grad_buffer.reduce_scatter(op=dist.ReduceOp.SUM, async_op=True)
+                if self._ordered:
+                    slot = self._next_launch % 2
+                    if self._scratch_user[slot] is not None:
+                        self._consume_reduced(self._scratch_user[slot])
+                    b.rs_slot, self._scratch_user[slot] = slot, b
+                    data = b.grad_buffer.get_data()
+                    b.rs_work = comm.all_to_all_single(self._scratch[slot][:data.numel()], data,
+                                                       group=self.process_group, async_op=True)
+                else:
+                    b.rs_work = b.grad_buffer.reduce_scatter(op=dist.ReduceOp.SUM, async_op=True)
             b.rs_launched = True
             self.reduce_scatters_launched += 1
             self._next_launch += 1
@@ -506,23 +538,39 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 self._flush_bucket(b)  # gradients set by hand, without a backward
         self._launch_all()
         self._adopt_observed_order()
-        for b in self.buckets:
-            with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
-                b.rs_work.wait()
-            b.rs_work = None
-            shard = b.grad_buffer.get_local_shard()
-            if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
-                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
-            # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
-            # the bucket's per-program partials into its slice of one workspace, allocating nothing
-            kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
+        for i in self._launch_order:
+            self._consume_reduced(self.buckets[i])
         totals = self._norm_totals
         kernels().finalize_sum_sq_(self._norm_workspace, totals)  # one launch for every bucket
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
-        sum_sq, found_inf = totals[0], (totals[1] > 0).float()
+        # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout
+        sum_sq, found_inf = totals[0].float(), (totals[1] > 0).float()
         self._reduced = (sum_sq, found_inf)
         return self._reduced
+
+    def _consume_reduced(self, b: _Bucket) -> None:
+        """Wait for ``b``'s reduction and run its norm pass (partials into its slice of the shared workspace);
+        with ``ordered_reduce``, that pass also adds the all-to-all's rows into the shard and frees the scratch."""
+        if b.rs_work is None:
+            return
+        with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
+            b.rs_work.wait()
+        b.rs_work = None
+        shard = b.grad_buffer.get_local_shard()
+        if self._ordered:
+            rows = self._scratch[b.rs_slot][:b.grad_buffer.padded_numel].view(self.world_size, -1)
+            kernels().fold_rows_(rows, shard, self._grad_average, b.norm_partials)
+            self._scratch_user[b.rs_slot] = None
+            if self.replica_size > 1:  # at most 2 replicas (checked at construction): one exact add
+                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
+                kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
+            return
+        if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
+            dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
+        # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
+        # the bucket's per-program partials into its slice of one workspace, allocating nothing
+        kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
 
     def _adopt_observed_order(self) -> None:
         """Once, after the first backward: launch later steps' reduce-scatters in the order buckets completed
@@ -548,6 +596,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
                 b.rs_work.wait()
             b.rs_work, b.rs_launched, b.launch_wanted, b.has_grads = None, False, False, False
+        self._scratch_user = [None, None]
+        for b in self.buckets:
             b.ready.clear()
             if not compiling:  # step() and zero_grad() consume the gradients: param.grad is None after them
                 for p in b.placed:

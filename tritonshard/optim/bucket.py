@@ -81,6 +81,7 @@ class _Bucket:
         self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
         self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
         self.rs_launched = False
+        self.rs_slot = 0            # ordered_reduce: which scratch its all-to-all writes
         self.ag_work = None         # handle of its in-flight param all-gather
 
     def master_fp32(self) -> torch.Tensor:

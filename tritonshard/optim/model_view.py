@@ -184,11 +184,13 @@ class ModelViewMixin:
             for piece in b.param_buffer.shard_pieces():
                 if not piece.numel:
                     continue
-                seg = shard[piece.shard_start:piece.shard_end].float().abs()
+                # fp64 sums: how a parameter is cut into pieces (by the layout, so by bucket_cap_mb) and summed over
+                # ranks moves them by ~1e-16 relative, below the fp32 rounding of the norm (bucket invariance)
+                seg = shard[piece.shard_start:piece.shard_end].double().abs()
                 values.append(seg.amax() if is_inf else (seg.square().sum() if norm_type == 2.0
                                                          else seg.pow(norm_type).sum()))
                 index.append(first + piece.tensor_index)
-        acc = torch.zeros(len(self._param_list), dtype=torch.float32, device=self.device)
+        acc = torch.zeros(len(self._param_list), dtype=torch.float64, device=self.device)
         if values:
             if self._norm_index is None:  # the pieces never change: one host-to-device copy, ever
                 self._norm_index = torch.tensor(index, dtype=torch.int64, device=self.device)
@@ -200,7 +202,7 @@ class ModelViewMixin:
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
         norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
-        norms = norms * self._grad_average  # the shards hold the SUM over ranks
+        norms = (norms * self._grad_average).float()  # the shards hold the SUM over ranks
         return norms / self._scale if self._scale is not None else norms
 
     def _expose_state(self) -> None:
