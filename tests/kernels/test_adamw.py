@@ -130,8 +130,10 @@ def _call(**overrides):
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     for k, v in overrides.items():
         (args if k in args else kw)[k] = v
-    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
-            for k, v in args.items()}
+    # a strided case is built on the device (a callable): moving a strided CPU tensor to a GPU gives a contiguous
+    # copy, so the check would see nothing there (the GPU run of 2026-11-30 caught that)
+    args = {k: (v(DEVICE) if callable(v) else v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta"
+                else v) for k, v in args.items()}
     adamw_step_(args["param"], args["grad"], args["exp_avg"], args["exp_avg_sq"], **kw)
 
 
@@ -140,7 +142,7 @@ def _call(**overrides):
     (dict(exp_avg=torch.zeros(8, dtype=torch.float64)), TypeError, "exp_avg must be float32"),
     (dict(grad=torch.zeros(8, dtype=torch.int32)), TypeError, "grad must be"),
     (dict(exp_avg_sq=torch.zeros(9)), ValueError, "exp_avg_sq has 9 elements"),
-    (dict(grad=torch.zeros(16)[::2]), ValueError, "grad must be contiguous"),
+    (dict(grad=lambda device: torch.zeros(16, device=device)[::2]), ValueError, "grad must be contiguous"),
     (dict(exp_avg=torch.zeros(8, device="meta")), ValueError, "exp_avg is on meta"),
     (dict(param_out=torch.zeros(8)), TypeError, "param_out must be bfloat16"),
     (dict(lr=-1.0), ValueError, "lr must be >= 0"),
