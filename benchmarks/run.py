@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 
+from tritonshard.comm import local_device
 from tritonshard.kernels import (adamw_step_, adamw_step_ref, flatten_into, flatten_into_ref, interpreter_enabled,
                                  last_backend, lion_step_, lion_step_ref, scale_, scale_ref, sgd_step_, sgd_step_ref,
                                  sum_sq_nonfinite, sum_sq_nonfinite_ref)
@@ -385,7 +386,7 @@ def write(out_dir: str, rows: list[dict], env: dict, markdown: str | None = None
     if errors:
         text += "\n\nNot measured:\n" + "\n".join(f"- {e}" for e in errors) + "\n"
     if markdown:
-        with open(markdown, "w") as f:
+        with open(markdown, "a") as f:
             f.write(f"# tritonshard microbenchmarks: {env['device']}\n\n"
                     f"Reproduce: `python -m benchmarks.run --out DIR` (or `bash benchmarks/gpu_check.sh`).\n"
                     f"Bytes moved are the minimum per element (see BYTES in benchmarks/run.py); % of copy is "
@@ -443,9 +444,11 @@ def main(argv=None, errors: list[str] | None = None):
     p.add_argument("--sizes", type=str, default=None, help="comma-separated element counts, e.g. 1048576,4194304")
     p.add_argument("--only", type=str, default=None, help="comma-separated substrings of kernel names")
     p.add_argument("--reps", type=int, default=5, help="CPU repetitions (GPU uses do_bench)")
-    p.add_argument("--markdown", default=None, help="also write the table as a markdown file")
+    p.add_argument("--markdown", default=None, help="also append the table to this markdown file")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if args.sizes:
         sizes = [int(s) for s in args.sizes.split(",")]
     elif args.quick or device.type == "cpu":

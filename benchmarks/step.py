@@ -21,6 +21,7 @@ import time
 import torch
 
 import tritonshard
+from tritonshard.comm import local_device
 
 SHAPES = {  # (n_layer, d_model, vocab) of GPT-2-like configs; per layer 12 d^2 + 13 d parameters
     "tiny": (2, 64, 512),
@@ -50,14 +51,56 @@ def timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
+def timed_host(fn, device, reps: int) -> tuple[float, float]:
+    """(host seconds, wall seconds), medians: host = until ``fn`` returns (what the CPU spends launching), wall =
+    until the device has finished too. host ~ wall means the GPU waits on Python (host-bound)."""
+    fn()
+    host, wall = [], []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(host), statistics.median(wall)
+
+
+def bench_bucket_sweep(shapes, device, reps, caps) -> list[dict]:
+    """ShardedAdamW's step at each ``bucket_cap_mb``: host and wall ms, buckets (issue 20's measure)."""
+    rows = []
+    for cap in caps:
+        reset_peak(device)
+        params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+        opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap)
+        grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+
+        def step():
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        host, wall = timed_host(step, device, reps)
+        rows.append({"impl": f"ShardedAdamW bucket_cap_mb={cap:g}", "bucket_cap_mb": cap, "buckets": len(opt.buckets),
+                     "host_ms": host * 1e3, "wall_ms": wall * 1e3, "step_ms": wall * 1e3,
+                     "host_us_per_bucket": host * 1e6 / len(opt.buckets), "peak_bytes": peak_bytes(device)})
+        del opt, params, grads
+    return rows
+
+
 def peak_bytes(device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    # the no-argument forms, on the current device (main() made `device` current): given a device, these calls
+    # raised "Invalid device argument" on the H200 with torch 2.11 (2026-11-30)
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
 
 
 def reset_peak(device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_peak_memory_stats()
 
 
 def time_sharded_step(opt, params, shapes, device, reps) -> float:
@@ -183,8 +226,14 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--markdown", help="append this model's table to FILE (gpu_check.sh's results.md)")
+    p.add_argument("--bucket-caps", type=float, nargs="*", default=[],
+                   help="also sweep ShardedAdamW's bucket_cap_mb over these values (host and wall ms per step)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["ours", "torch", "fsdp2", "muon", "torch_muon"],
+                   help="implementations to leave out (a GPU check short of time)")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local_device()  # indexed on CUDA: device_id= below and the memory stats need the index
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     shapes = gpt_param_shapes(*SHAPES[args.model])
     n = sum(torch.Size(s).numel() for s in shapes)
     print(f"optimizer step, {args.model}: {n / 1e6:.1f}M parameters in {len(shapes)} tensors on {device}", flush=True)
@@ -195,7 +244,11 @@ def main(argv=None):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     rows = []
-    for fn in (bench_ours, bench_torch, bench_fsdp2, bench_muon, bench_torch_muon):
+    benches = {"ours": bench_ours, "torch": bench_torch, "fsdp2": bench_fsdp2, "muon": bench_muon,
+               "torch_muon": bench_torch_muon}
+    for key, fn in benches.items():
+        if key in args.skip:
+            continue
         try:
             row = fn(shapes, device, args.reps)
         except Exception as exc:  # report, do not hide: the row says why it did not run
@@ -204,6 +257,17 @@ def main(argv=None):
         rows.append(row)
         print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
+    sweep = []
+    if args.bucket_caps:
+        try:
+            sweep = bench_bucket_sweep(shapes, device, args.reps, args.bucket_caps)
+        except Exception as exc:  # noqa: BLE001 -- the row says why
+            sweep = [{"impl": "bucket sweep", "error": f"{type(exc).__name__}: {exc}"}]
+        for row in sweep:
+            row.update(model=args.model, params=n, device=str(device))
+            print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+        rows += sweep
     if own_group:
         dist.destroy_process_group()
     os.makedirs(args.out, exist_ok=True)
@@ -219,13 +283,22 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"\n## Optimizer step, {model} ({n / 1e6:.1f}M parameters), {name}, torch {torch.__version__}\n",
              "| implementation | step ms | peak memory GiB | optimizer state B/param | note |", "|---|---|---|---|---|"]
+    sweep = [r for r in rows if "bucket_cap_mb" in r]
     for r in rows:
+        if r in sweep:
+            continue
         if "error" in r:
             lines.append(f"| {r['impl']} | - | - | - | did not run: {r['error']} |")
             continue
         state = f"{r['optimizer_bytes'] / n:.1f}" if "optimizer_bytes" in r else "-"
         lines.append(f"| {r['impl']} | {r['step_ms']:.2f} | {r['peak_bytes'] / 2**30:.2f} | {state} "
                      f"| {r.get('note', '')} |")
+    if sweep:
+        lines += ["", f"ShardedAdamW, bucket_cap_mb swept ({model}; median; host = until step() returns, wall = "
+                  "until the device is done too):", "",
+                  "| bucket_cap_mb | buckets | host ms | wall ms | host us / bucket |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['bucket_cap_mb']:g} | {r['buckets']} | {r['host_ms']:.2f} | {r['wall_ms']:.2f} | "
+                  f"{r['host_us_per_bucket']:.0f} |" for r in sweep]
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import tritonshard
+from tritonshard.comm import local_device
 
 CONFIGS: dict[str, Callable] = {
     "ShardedAdamW": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3),
@@ -88,7 +89,9 @@ def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> st
 
 
 def main() -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local_device()  # indexed on CUDA: torch 2.11's init_process_group(device_id=) needs the index
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     owned_group = not dist.is_initialized()
     if owned_group:  # a real process group: the collectives run (NCCL) instead of being skipped
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,

@@ -5,14 +5,22 @@ Run it (2 processes on CPU with gloo; on GPUs the same script uses NCCL, one pro
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer torch   # fp32 DDP + AdamW baseline
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer muon    # ShardedMuon (+ AdamW)
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer amp     # torch AMP baseline
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer fsdp2   # FSDP2 bf16 baseline
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --resume            # continue from a checkpoint
 
 The data is generated, not downloaded: a character-level stream of addition problems ("123+45=168;"), so the
 loss has something to learn (the digits of the sum) and falls well below the entropy of random digits.
 
+The baselines are what a user would otherwise run, on the same model, data, seed and schedule: ``torch`` (fp32
+weights and compute, DDP, torch.optim.AdamW), ``amp`` (torch AMP: fp32 weights, bf16 autocast, DDP, fused
+torch.optim.AdamW) and ``fsdp2`` (``fully_shard`` per block and at the root with
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, fused torch.optim.AdamW); all clip with
+torch's ``clip_grad_norm_``. ``benchmarks/e2e.py`` runs them side by side.
+
 What it prints: a progress bar with loss, tokens/s, gradient norm and skipped steps; the optimizer's memory per
-rank next to what plain fp32 AdamW would hold. What it writes to --out-dir: metrics.jsonl (one line per step)
-and loss.png. Checkpoints go to --out-dir/checkpoints every --ckpt-interval steps and on Ctrl-C / SIGTERM.
+rank next to what plain fp32 AdamW would hold; at the end the peak memory per rank (CUDA: max allocated; CPU: peak
+RSS of the process). What it writes to --out-dir: metrics.jsonl (one line per step), summary.json and loss.png. Checkpoints go to --out-dir/checkpoints every --ckpt-interval steps and on Ctrl-C / SIGTERM.
 Batches and learning rates are pure functions of (seed, step, rank), so --resume continues exactly where the
 checkpoint left off.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -34,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonshard
+from tritonshard.comm import local_device
 from tritonshard.checkpoint import latest_checkpoint, load_sharded, save_checkpoint
 
 
@@ -138,12 +148,45 @@ def lr_at(step: int, args) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+#: the torch.optim baselines (the rest are tritonshard's optimizers)
+BASELINES = ("torch", "amp", "fsdp2")
+
+
+def shard_fsdp2(model: "GPT") -> None:
+    """FSDP2 as its docs recommend: every block, then the root; bf16 compute, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+@contextlib.contextmanager
+def fsdp2_no_sync(model):
+    """FSDP2's gradient accumulation without communication (set_requires_gradient_sync, its no_sync)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def peak_memory_bytes(device) -> int:
+    """This process's peak memory: CUDA's max allocated, or on a CPU the peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()  # the current device (no argument: see tritonshard.comm)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--optimizer", choices=["tritonshard", "muon", "torch"], default="tritonshard",
+    p.add_argument("--optimizer", choices=["tritonshard", "muon", *BASELINES], default="tritonshard",
                    help="tritonshard: ShardedAdamW, bf16 model; muon: ShardedMuon for the blocks' matrices and AdamW "
-                        "for the rest, bf16 model; torch: fp32 model, DDP, torch.optim.AdamW")
+                        "for the rest, bf16 model; torch: fp32 model, DDP, torch.optim.AdamW; amp: torch AMP (fp32 "
+                        "weights, bf16 autocast, DDP, fused AdamW); fsdp2: fully_shard with bf16 MixedPrecisionPolicy, "
+                        "fused AdamW")
     p.add_argument("--muon-lr", type=float, default=0.02, help="peak lr of the Muon group (--optimizer muon)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -166,6 +209,7 @@ def parse_args(argv=None):
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap reduce-scatters with backward and all-gathers with the next forward")
     p.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--no-save", action="store_true", help="write no checkpoints at all (benchmark runs)")
     p.add_argument("--out-dir", default="runs/gpt")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     p.add_argument("--stop-after", type=int, default=0,
@@ -176,7 +220,10 @@ def parse_args(argv=None):
 
 def setup_distributed():
     if "RANK" not in os.environ:  # plain `python train_gpt.py`: one process, no process group
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = local_device()  # cuda:<current> (always with an index: device_id= and memory stats need it)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return 0, 1, device
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -208,18 +255,32 @@ def main(argv=None):
                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
                                       state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
                                       state_rounding=args.state_rounding)
-    if args.optimizer != "torch":
+    if args.optimizer not in BASELINES:
         if args.overlap:
             opt.attach(model)
         train_model = model
         mem = opt.memory_bytes()
         no_sync = opt.no_sync
+    elif args.optimizer == "fsdp2":
+        if args.resume:
+            raise SystemExit("--optimizer fsdp2 is a speed and memory baseline: it writes no checkpoints to resume")
+        shard_fsdp2(model)
+        train_model = model
+        # fused: the fastest torch.optim AdamW, as a user would pick it (on CUDA and, since torch 2.4, on CPUs)
+        opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), fused=True)
+        mem = {"params": 4 * n_params // world, "grads": 4 * n_params // world, "state": 8 * n_params // world}
+        mem["total"] = sum(mem.values())
+        no_sync = functools.partial(fsdp2_no_sync, model)
     else:
         train_model = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-        opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+                                fused=True if args.optimizer == "amp" else None)
         mem = {"params": 4 * n_params, "grads": 4 * n_params, "state": 8 * n_params}
         mem["total"] = sum(mem.values())
         no_sync = train_model.no_sync if world > 1 else contextlib.nullcontext
+    # torch AMP: the forward under bf16 autocast (backward outside it, as torch's AMP recipe says)
+    autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if args.optimizer == "amp"
+                else contextlib.nullcontext)
 
     start = 0
     if args.resume:
@@ -258,13 +319,15 @@ def main(argv=None):
             x, y = get_batch(corpus, args.seed, step, rank, micro, args.batch_size, args.block_size)
             ctx = no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext()
             with ctx:
-                loss = train_model(x.to(device), y.to(device)) / args.grad_accum
+                with autocast():
+                    loss = train_model(x.to(device), y.to(device)) / args.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
-        if args.optimizer != "torch":
+        if args.optimizer not in BASELINES:
             gnorm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else opt.grad_norm()
         else:
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip if args.clip > 0 else math.inf)
+            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm  # FSDP2: a DTensor
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
@@ -275,7 +338,7 @@ def main(argv=None):
             loss_value, stop_now = flag[0].item() / world, flag[1].item() > 0
         else:
             loss_value, stop_now = loss_sum.item(), stop["requested"]
-        skipped = int(opt.skipped_steps) if args.optimizer != "torch" else 0
+        skipped = int(opt.skipped_steps) if args.optimizer not in BASELINES else 0
         dt = time.perf_counter() - t0
         if rank == 0:
             row = {"step": step, "loss": loss_value, "grad_norm": float(gnorm), "lr": lr,
@@ -285,16 +348,28 @@ def main(argv=None):
             bar.update(row)
         last = step == args.steps
         stop_now = stop_now or step == args.stop_after
-        if stop_now or last or (args.ckpt_interval and step % args.ckpt_interval == 0):
+        if not args.no_save and (stop_now or last or (args.ckpt_interval and step % args.ckpt_interval == 0)):
             save(args, opt, model, ckpt_dir, step, world)
             if stop_now and not last:
                 if rank == 0:
                     bar.close()
-                    print(f"stopped at step {step}; checkpoint saved, continue with --resume")
+                    print(f"stopped at step {step}; " + ("no checkpoint (fsdp2 writes none)" if args.optimizer == "fsdp2"
+                                                         else "checkpoint saved, continue with --resume"))
                 break
+    peak = torch.tensor([float(peak_memory_bytes(device))], device=device)
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         bar.close()
         metrics.close()
+        summary = {"optimizer": args.optimizer, "overlap": args.overlap, "world_size": world, "device": str(device),
+                   "params": n_params, "steps": step, "peak_memory_bytes_per_rank": int(peak.item()),
+                   "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "cpu peak RSS",
+                   "optimizer_memory_bytes_per_rank": int(mem["total"])}
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"peak memory per rank: {fmt_bytes(summary['peak_memory_bytes_per_rank'])} "
+              f"({summary['peak_memory_kind']})")
         plot_losses({args.optimizer: metrics_path}, os.path.join(out_dir, "loss.png"))
         print(f"metrics: {metrics_path}; loss curve: {os.path.join(out_dir, 'loss.png')}")
     if dist.is_initialized():
@@ -308,7 +383,9 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------- checkpoints
 def save(args, opt, model, ckpt_dir, step, world):
-    if args.optimizer != "torch":
+    if args.optimizer == "fsdp2":
+        return  # a speed and memory baseline (see --optimizer): nothing to resume from
+    if args.optimizer not in BASELINES:
         save_checkpoint(opt, ckpt_dir, step, extra={"step": step})
     else:  # the baseline: replicated state, rank 0 writes one file
         if dist.get_rank() == 0 if dist.is_initialized() else True:
@@ -320,7 +397,7 @@ def save(args, opt, model, ckpt_dir, step, world):
 
 
 def load_checkpoint(args, opt, model, ckpt_dir) -> int:
-    if args.optimizer != "torch":
+    if args.optimizer not in BASELINES:
         path = latest_checkpoint(ckpt_dir)
         if path is None:
             raise SystemExit(f"--resume: no checkpoint in {ckpt_dir}")

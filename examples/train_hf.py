@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import VOCAB, fmt_bytes, get_batch, make_corpus, make_progress, plot_losses  # noqa: E402
 
 import tritonshard  # noqa: E402
+from tritonshard.comm import local_device  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -63,14 +64,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    device = local_device()  # cuda:<LOCAL_RANK> (indexed), made current before NCCL starts; else the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     out_dir = os.path.join(args.out_dir, args.optimizer)
 
     torch.manual_seed(args.seed)

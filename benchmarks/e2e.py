@@ -1,0 +1,159 @@
+"""End to end, side by side: the training example with tritonshard and with the baselines a user would pick.
+
+    python -m benchmarks.e2e --model 85M --nproc 1 --steps 25          # one GPU (NCCL world size 1)
+    python -m benchmarks.e2e --model tiny --nproc 2 --steps 6          # the CPU smoke run CI does (gloo)
+
+Every configuration trains ``examples/train_gpt.py`` on the same model, data, seed and lr schedule, as a fresh
+``torchrun`` (so one run's allocator state or compile cache cannot help the next):
+
+* ``amp``: torch AMP: fp32 weights, bf16 autocast, DDP, fused ``torch.optim.AdamW``, torch's ``clip_grad_norm_``;
+* ``fsdp2``: ``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(param_dtype=bfloat16,
+  reduce_dtype=float32)``, fused AdamW;
+* ``sharded``: ``ShardedAdamW`` without ``overlap_comm``; ``sharded-overlap``: with ``overlap_comm`` + ``attach``;
+* ``muon``: ``ShardedMuon`` (Muon on the blocks' matrices, AdamW on the rest; overlap on, the example's default);
+* ``torch`` (not in the default set): fp32 weights and compute, DDP, ``torch.optim.AdamW``.
+
+Reported per configuration: median tokens/s over the steps after the first fifth (compilation, allocator warm-up),
+the ratio to ``amp``, the peak memory per rank (CUDA: max allocated; CPU: peak RSS, which includes the interpreter
+and says little), the optimizer's own memory per rank, the mean loss over the last steps, skipped steps; and one
+loss-curve plot of all runs. CPU timings mean nothing for GPUs: the CPU run proves the harness and the baselines work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
+
+CONFIGS = {
+    "amp": ["--optimizer", "amp"],
+    "fsdp2": ["--optimizer", "fsdp2"],
+    "sharded": ["--optimizer", "tritonshard", "--no-overlap"],
+    "sharded-overlap": ["--optimizer", "tritonshard", "--overlap"],
+    "muon": ["--optimizer", "muon"],
+    "torch": ["--optimizer", "torch"],
+}
+DEFAULT_CONFIGS = ["amp", "fsdp2", "sharded", "sharded-overlap", "muon"]
+
+#: model and batch: (n_layer, n_head, n_embd, block_size, batch_size, grad_accum). 85M and 302M are the shapes of
+#: the first H200 comparison (16 sequences x 256 tokens x 2 micro-batches per rank).
+MODELS = {
+    "tiny": (2, 2, 32, 32, 4, 2),
+    "example": (4, 4, 128, 64, 16, 2),
+    "85M": (12, 12, 768, 256, 16, 2),
+    "302M": (24, 16, 1024, 256, 16, 2),
+}
+
+
+def _train_gpt():
+    spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_config(name: str, args, out_dir: str) -> dict:
+    n_layer, n_head, n_embd, block, batch, accum = MODELS[args.model]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+           EXAMPLE, *CONFIGS[name], "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
+           "--block-size", str(block), "--batch-size", str(batch), "--grad-accum", str(accum),
+           "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 5)), "--no-progress", "--no-save",
+           "--out-dir", os.path.join(out_dir, name), *args.example_args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    row = {"config": name, "wall_s": time.perf_counter() - t0}
+    run_dir = os.path.join(out_dir, name, CONFIGS[name][1])
+    with open(os.path.join(out_dir, f"{name}.log"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return {**row, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    warm = max(1, len(rows) // 5)
+    last = max(1, min(10, len(rows) // 3))
+    row.update(
+        steps=len(rows), tokens_per_s=statistics.median(r["tokens_per_s"] for r in rows[warm:] or rows),
+        final_loss=statistics.fmean(r["loss"] for r in rows[-last:]), last_steps=last,
+        skipped=rows[-1]["skipped"], peak_memory_bytes=summary["peak_memory_bytes_per_rank"],
+        peak_memory_kind=summary["peak_memory_kind"], optimizer_bytes=summary["optimizer_memory_bytes_per_rank"],
+        params=summary["params"], world_size=summary["world_size"], device=summary["device"],
+        metrics=os.path.join(run_dir, "metrics.jsonl"))
+    return row
+
+
+def markdown(rows: list[dict], args) -> str:
+    device = next((r["device"] for r in rows if "device" in r), "?")
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    params = next((r["params"] for r in rows if "params" in r), 0)
+    amp = next((r["tokens_per_s"] for r in rows if r["config"] == "amp" and "tokens_per_s" in r), None)
+    n_layer, n_head, n_embd, block, batch, accum = MODELS[args.model]
+    lines = [f"\n## End to end, {args.model} ({params / 1e6:.1f}M parameters), {args.nproc} rank(s), {name}\n",
+             f"examples/train_gpt.py, {n_layer} x {n_embd}, {batch} x {block} tokens x {accum} micro-batches per "
+             f"rank, {args.steps} steps, same data and seed; torch {torch.__version__}; `python -m benchmarks.e2e "
+             f"--model {args.model} --nproc {args.nproc} --steps {args.steps}`\n",
+             "| run | tokens/s (median) | vs amp | peak memory / rank | optimizer memory / rank | loss (mean of last "
+             "steps) | skipped |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | - | - | - | - | - | did not run: {r['error']} |")
+            continue
+        ratio = f"{r['tokens_per_s'] / amp:.2f}x" if amp else "-"
+        lines.append(f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_memory_bytes'] / 2**30:.2f} GiB "
+                     f"| {r['optimizer_bytes'] / 2**30:.3f} GiB | {r['final_loss']:.4f} (last {r['last_steps']}) "
+                     f"| {r['skipped']} |")
+    kind = next((r["peak_memory_kind"] for r in rows if "peak_memory_kind" in r), "")
+    lines.append(f"\nPeak memory: {kind}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=list(MODELS), default="tiny")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) per run")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
+    p.add_argument("--out", default="benchmarks/out/e2e", help="runs, logs, e2e-<model>.json and the loss plot")
+    p.add_argument("--markdown", help="append the table to FILE")
+    p.add_argument("--example-args", nargs=argparse.REMAINDER, default=[],
+                   help="passed on to examples/train_gpt.py (last on the command line)")
+    args = p.parse_args(argv)
+    out_dir = os.path.join(args.out, args.model)
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for name in args.configs:
+        try:
+            row = run_config(name, args, out_dir)
+        except subprocess.TimeoutExpired:
+            row = {"config": name, "error": f"timed out after {args.timeout:.0f} s"}
+        rows.append(row)
+        print("  " + ", ".join(f"{k}={v:,.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                               if k != "metrics"), flush=True)
+    with open(os.path.join(args.out, f"e2e-{args.model}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    curves = {r["config"]: r["metrics"] for r in rows if "metrics" in r}
+    if curves:
+        _train_gpt().plot_losses(curves, os.path.join(args.out, f"e2e-{args.model}-loss.png"))
+    table = markdown(rows, args)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(table)
+    return rows
+
+
+if __name__ == "__main__":
+    rows = main()
+    sys.exit(1 if any("error" in r for r in rows) else 0)

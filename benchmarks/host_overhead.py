@@ -1,0 +1,127 @@
+"""Host time of an optimizer step on the GPU code path, measured on a CPU: microseconds per bucket and per tensor.
+
+    python -m benchmarks.host_overhead [--buckets 16 64] [--tensors-per-bucket 2] [--reps 20]
+
+A step on a GPU is host-bound when Python takes longer to launch its kernels and collectives than the GPU takes
+to run them (issue 20: ~270 us of host time per bucket on an H200 made a 1B step 34.7 ms where its kernels needed
+12.5 ms). That host time does not need a GPU to be measured: this runs the real GPU path (``Backend.TRITON``:
+Triton's own dispatch, the launchers, the optimizer's bookkeeping) through ``benchmarks.compile_check``'s dry-run
+driver, which compiles each specialization once for sm_90 and then launches nothing, in a 1-rank gloo group (so
+the collectives are real calls, gloo's on CPU tensors).
+
+What it reports: the step (clip_grad_norm_ + step + zero_grad, gradients set as ``param.grad`` by hand, which the
+step flattens) timed at two bucket counts with the same tensors per bucket; the slope is the host cost per bucket
+(the per-step constant cancels), divided further per tensor. Also the same slope for gloo's reduce-scatter +
+all-gather alone, which a CUDA run replaces by NCCL's (~60 us each on the H200, PLATFORM.md), so it is reported
+apart. Needs TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwargs: dict) -> tuple[float, float]:
+    """(seconds per step, seconds per step of the bare collectives) for ``num_buckets`` buckets."""
+    import tritonshard
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(num_buckets * per_bucket)]
+    cap_mb = per_bucket * numel * 2 / 2 ** 20  # exactly per_bucket bf16 tensors per bucket
+    opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=cap_mb, **opt_kwargs)
+    assert len(opt.buckets) == num_buckets, (len(opt.buckets), num_buckets)
+    grads = [torch.randn(numel).to(torch.bfloat16) for _ in params]
+
+    def step():
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    def collectives():
+        for b in opt.buckets:
+            b.grad_buffer.reduce_scatter(async_op=True).wait()
+            b.param_buffer.all_gather(async_op=True).wait()
+
+    for _ in range(3):  # compile every specialization, fill the caches
+        step()
+        collectives()
+    times, comm = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        collectives()
+        comm.append(time.perf_counter() - t0)
+    return statistics.median(times), statistics.median(comm)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--buckets", type=int, nargs=2, default=[16, 64], help="two bucket counts (the slope's ends)")
+    p.add_argument("--tensors-per-bucket", type=int, default=2)
+    p.add_argument("--numel", type=int, default=4096, help="elements per tensor")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--out", help="write the row as JSON to this file")
+    args = p.parse_args(argv)
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from benchmarks.compile_check import DryRunDriver
+    from tritonshard.kernels import _dispatch
+    if _dispatch.interpreter_enabled():
+        raise SystemExit("benchmarks.host_overhead times the compiled path: run it with TRITON_INTERPRET unset")
+    torch.set_num_threads(1)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dry = DryRunDriver(GPUTarget("cuda", args.arch, 32))
+    previous = driver._active
+    driver.set_active(dry)
+    try:
+        with _dispatch.compile_for_target():
+            lo, hi = args.buckets
+            step_lo, comm_lo = _measure(lo, args.tensors_per_bucket, args.numel, args.reps, {})
+            step_hi, comm_hi = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, {})
+            launches_before = dry.launches
+            _measure(lo, args.tensors_per_bucket, args.numel, 1, {})
+    finally:
+        driver._active = previous
+        if own_group:
+            dist.destroy_process_group()
+    per_bucket = (step_hi - step_lo) / (hi - lo)
+    comm_per_bucket = (comm_hi - comm_lo) / (hi - lo)
+    row = {
+        "buckets": [lo, hi], "tensors_per_bucket": args.tensors_per_bucket, "numel": args.numel,
+        "step_ms": [step_lo * 1e3, step_hi * 1e3],
+        "host_us_per_bucket": per_bucket * 1e6,
+        "host_us_per_tensor": per_bucket * 1e6 / args.tensors_per_bucket,
+        "gloo_collectives_us_per_bucket": comm_per_bucket * 1e6,
+        "host_us_per_bucket_without_gloo": (per_bucket - comm_per_bucket) * 1e6,
+        "launches_per_step_at_lo": (dry.launches - launches_before) / 4,  # 3 warm-up steps + 1 timed
+        "torch": torch.__version__, "cpu_count": os.cpu_count(),
+    }
+    print(f"host time of one ShardedAdamW step on the GPU code path (dry-run driver, sm_{args.arch}; 1-rank gloo):")
+    print(f"  {lo} buckets: {step_lo * 1e3:.2f} ms, {hi} buckets: {step_hi * 1e3:.2f} ms "
+          f"({args.tensors_per_bucket} tensors of {args.numel} per bucket)")
+    print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), of which "
+          f"gloo's reduce-scatter + all-gather {row['gloo_collectives_us_per_bucket']:.0f} us; "
+          f"without them {row['host_us_per_bucket_without_gloo']:.0f} us")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
+    return row
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
