@@ -174,6 +174,19 @@ def test_gpu_check_reports_a_stage_that_times_out(tmp_path):
     assert "**stage 2 timed out**" in results and "## Optimizer step, tiny" in results
 
 
+def test_host_overhead_benchmark_smoke(tmp_path):
+    # the compiled path on a CPU (dry-run driver): needs the interpreter off, so a subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--buckets", "2", "6", "--reps", "3",
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.loads(out.read_text())
+    assert row["buckets"] == [2, 6] and row["bound_launches"] is True
+    assert row["launches_per_step_at_lo"] == 2 * 3 + 1, "per bucket flatten, norm, update; one finalize"
+    assert "per bucket:" in proc.stdout
+
+
 def test_train_summary(tmp_path):
     from benchmarks import train_summary
 

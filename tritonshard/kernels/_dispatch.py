@@ -88,6 +88,12 @@ def compile_for_target() -> Iterator[None]:
         _FORCED_COMPILE = previous
 
 
+def compiled_path(device: torch.device) -> bool:
+    """Whether a launch on ``device`` would run the compiled Triton kernels (``Backend.TRITON``) by default: where
+    the optimizer may bind its launches once (:mod:`._launch`). Records nothing."""
+    return not _INTERPRETED and (device.type == "cuda" or _FORCED_COMPILE)
+
+
 def last_backend(op: str) -> Optional[Backend]:
     """The backend the last call of ``op`` ("flatten_into", "scale_", "adamw_step_", "cast_to_bf16") used."""
     return _LAST.get(op)

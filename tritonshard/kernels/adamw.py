@@ -182,21 +182,31 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                            param_out=out, maximize=maximize, state_rounding=state_rounding, seed=seed,
                            coefficients=coefficients)
         return
-    n = param.numel()
-    if n == 0:
+    if param.numel() == 0:
         return
     coef, values = ((coefficients, None) if coefficients is not None
                     else _coefficients(lr, step, beta1, beta2, weight_decay, param.device))
+    kernel, grid, args, kwargs = launch_spec(
+        param, grad, exp_avg, exp_avg_sq, coef, values, grad_scale, found_inf, param_out,
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else None, beta1, beta2, eps, maximize,
+        remainders)
+    kernel[grid](*args, **kwargs)
+
+
+def launch_spec(param, grad, exp_avg, exp_avg_sq, coef, values, grad_scale, found_inf, param_out, seed,
+                beta1, beta2, eps, maximize, remainders) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`adamw_step_` launch, unchecked: for :func:`adamw_step_` after its
+    checks, and for an optimizer that checked the same arguments once (see :mod:`._launch`). ``coef`` is the
+    coefficients tensor or None (then ``values`` are the host coefficients); ``seed`` a tensor or None (nearest)."""
     decay, step_size, bc2_sqrt = values if values is not None else (1.0, 1.0, 1.0)
     gs_is_tensor = isinstance(grad_scale, torch.Tensor)
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, param_out if param_out is not None else param, n,
-        coef if coef is not None else param, float(decay), float(step_size), float(bc2_sqrt),
-        grad_scale if gs_is_tensor else param, 1.0 if gs_is_tensor else float(grad_scale),
-        found_inf if found_inf is not None else param,
-        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param,
-        float(beta1), float(1 - beta1), float(beta2), float(1 - beta2), float(eps),
-        COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor, HAS_FOUND_INF=found_inf is not None,
-        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), LERP_FROM_END=(1 - beta1) >= 0.5,
-        REMAINDER=remainders, STOCHASTIC=state_rounding == "stochastic",
-        BLOCK=BLOCK, enable_fp_fusion=True)
+    args = (param, grad, exp_avg, exp_avg_sq, param_out if param_out is not None else param, param.numel(),
+            coef if coef is not None else param, float(decay), float(step_size), float(bc2_sqrt),
+            grad_scale if gs_is_tensor else param, 1.0 if gs_is_tensor else float(grad_scale),
+            found_inf if found_inf is not None else param, seed if seed is not None else param,
+            float(beta1), float(1 - beta1), float(beta2), float(1 - beta2), float(eps))
+    kwargs = dict(COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor,
+                  HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize),
+                  LERP_FROM_END=(1 - beta1) >= 0.5, REMAINDER=remainders, STOCHASTIC=seed is not None,
+                  BLOCK=BLOCK, enable_fp_fusion=True)
+    return _adamw_kernel, (-(-param.numel() // BLOCK),), args, kwargs

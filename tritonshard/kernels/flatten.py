@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch
 from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
@@ -192,6 +193,15 @@ def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Se
     if chosen is Backend.TORCH:
         flatten_into_ref(out, tensors, offsets, accumulate=accumulate, scale=scale)
         return
+    launch_unchecked(out, tensors, offsets, accumulate, scale)
+
+
+def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], accumulate: bool,
+                     scale: float = 1.0, launches: dict | None = None) -> None:
+    """:func:`flatten_into`'s compiled launches without its checks: for a caller whose arguments are right by
+    construction (ShardedOptimizer: its own buffer and offsets, and gradients that autograd gave the parameters'
+    dtype and device). With ``launches`` (a dict the caller keeps, e.g. per bucket), each launch is bound once and
+    replayed while its pointer tables are the cached ones (:mod:`._launch`)."""
     # one launch per (source dtype, aligned): aligned = source address and destination byte offset both multiples
     # of 16 bytes (what a Buffer's 64-element alignment and the caching allocator give), so the kernel may use
     # 16-byte vector accesses; anything else takes the element-wise path
@@ -209,7 +219,12 @@ def flatten_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Se
         numels = tuple(t.numel() for t in srcs)
         ptr_tab, off_tab, numel_tab, block_tensor, block_start = _schedules.get(out.device, ptrs, offs, numels, BLOCK)
         # no FMA contraction: scale * x + acc must round like the reference's separate multiply and add
-        _flatten_kernel[(block_tensor.numel(),)](
-            ptr_tab, off_tab, numel_tab, block_tensor, block_start, out, float(scale),
-            SRC_DTYPE=_SRC_DTYPES[dtype], OUT_IS_BF16=out.dtype == torch.bfloat16, ACCUMULATE=accumulate,
-            ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False)
+        grid = (block_tensor.numel(),)
+        args = (ptr_tab, off_tab, numel_tab, block_tensor, block_start, out, float(scale))
+        kwargs = dict(SRC_DTYPE=_SRC_DTYPES[dtype], OUT_IS_BF16=out.dtype == torch.bfloat16, ACCUMULATE=accumulate,
+                      ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False)
+        if launches is None:
+            _flatten_kernel[grid](*args, **kwargs)
+        else:
+            _launch.launch(launches, (dtype, aligned, accumulate), (_flatten_kernel, grid, args, kwargs),
+                           lambda: _flatten_kernel[grid](*args, **kwargs))

@@ -242,11 +242,17 @@ def sum_sq_partials_(x: torch.Tensor, factor, partials, *, backend: str | None =
     if chosen is Backend.TORCH:
         _partials_ref(x.float() * (factor.float() if isinstance(factor, torch.Tensor) else float(factor)), partials)
         return
+    kernel, grid, args, kwargs = partials_launch_spec(x, factor, partials)
+    kernel[grid](*args, **kwargs)
+
+
+def partials_launch_spec(x: torch.Tensor, factor, partials) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`sum_sq_partials_` launch, unchecked (see :mod:`._launch`)."""
     is_tensor = isinstance(factor, torch.Tensor)
-    _scale_kernel[(partials[0].numel(),)](
-        x, n, factor if is_tensor else x, 0.0 if is_tensor else float(factor), partials[0], partials[1],
-        FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, WRITE=False, BLOCK=BLOCK,
-        enable_fp_fusion=False)
+    return (_scale_kernel, (partials[0].numel(),),
+            (x, x.numel(), factor if is_tensor else x, 0.0 if is_tensor else float(factor), partials[0], partials[1]),
+            dict(FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, WRITE=False, BLOCK=BLOCK,
+                 enable_fp_fusion=False))
 
 
 def _partials_ref(y: torch.Tensor, partials) -> None:
@@ -297,9 +303,15 @@ def fold_rows_(rows: torch.Tensor, out: torch.Tensor, factor: float, partials, *
         out.copy_(fold_rows_ref(rows))
         _partials_ref(out.float() * float(factor), partials)
         return
-    _fold_rows_kernel[(partials[0].numel(),)](
-        rows, out, n, float(factor), partials[0], partials[1], ROWS=rows.shape[0],
-        IS_BF16=out.dtype == torch.bfloat16, BLOCK=BLOCK, enable_fp_fusion=False)
+    kernel, grid, args, kwargs = fold_rows_launch_spec(rows, out, factor, partials)
+    kernel[grid](*args, **kwargs)
+
+
+def fold_rows_launch_spec(rows: torch.Tensor, out: torch.Tensor, factor: float, partials) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`fold_rows_` launch, unchecked (see :mod:`._launch`)."""
+    return (_fold_rows_kernel, (partials[0].numel(),),
+            (rows, out, out.numel(), float(factor), partials[0], partials[1]),
+            dict(ROWS=rows.shape[0], IS_BF16=out.dtype == torch.bfloat16, BLOCK=BLOCK, enable_fp_fusion=False))
 
 
 @traced

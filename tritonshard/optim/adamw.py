@@ -7,7 +7,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels import _launch
 from ..kernels.adamw import adamw_coefficients
+from ..kernels.adamw import launch_spec as adamw_launch_spec
 from ._hparams import check_betas, check_lr, check_min
 from .base import ShardedOptimizer, kernels
 from .bucket import _Bucket
@@ -64,11 +66,31 @@ def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
     """One bucket's fused AdamW update. The coefficients (float64 device math from lr and the group's step) are
     computed once per param group and step and shared by the group's buckets."""
     beta1, beta2 = group["betas"]
-    coefficients = opt._once_per_step(("adamw", bucket.group_index), lambda: adamw_coefficients(
-        group["lr"], bucket.step, beta1, beta2, group["weight_decay"]))
+    bound = opt._hot_path()
+    gi = bucket.group_index
+
+    def coefficients_now():
+        coef = adamw_coefficients(group["lr"], bucket.step, beta1, beta2, group["weight_decay"])
+        if not bound:
+            return coef
+        # a bound launch reads the group's coefficients from one tensor that keeps its storage
+        return opt._persistent_tensor(("adamw", gi), lambda: torch.empty_like(coef)).copy_(coef)
+    coefficients = opt._once_per_step(("adamw", gi), coefficients_now)
     param, param_out, remainders = bucket.update_target()
-    kernels().adamw_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"],
-                          bucket.state["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], step=bucket.step, grad_scale=grad_scale,
-                          found_inf=found_inf, param_out=param_out, maximize=maximize, remainders=remainders,
-                          coefficients=coefficients, **bucket.state_kwargs())
+    grad, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state_kwargs()
+
+    def checked_launch():
+        kernels().adamw_step_(param, grad, bucket.state["exp_avg"], bucket.state["exp_avg_sq"], lr=group["lr"],
+                              beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                              step=bucket.step, grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
+                              maximize=maximize, remainders=remainders, coefficients=coefficients, **state_kwargs)
+    if not bound:
+        checked_launch()
+        return
+    spec = adamw_launch_spec(param, grad, bucket.state["exp_avg"], bucket.state["exp_avg_sq"], coefficients, None,
+                             grad_scale, found_inf, param_out,
+                             state_kwargs.get("seed") if state_kwargs.get("state_rounding") == "stochastic" else None,
+                             beta1, beta2, group["eps"], maximize, remainders)
+    # the first launch with these arguments (and any change of them: new betas, a grad_scale that became a tensor)
+    # goes through the checked launcher; then the bound launch replays it
+    _launch.launch(bucket.launches, "update", spec, checked_launch)

@@ -80,8 +80,11 @@ import torch.distributed as dist
 from .. import comm
 from ..buffer import DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
+from ..kernels import _launch
 from ..kernels import ops as _op_kernels
-from ..kernels.scale import shared_sum_sq_workspace
+from ..kernels._dispatch import compiled_path
+from ..kernels.flatten import launch_unchecked as _flatten_unchecked
+from ..kernels.scale import fold_rows_launch_spec, partials_launch_spec, shared_sum_sq_workspace
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
@@ -133,9 +136,15 @@ def kernels():
     return _op_kernels if torch.compiler.is_compiling() else _eager_kernels
 
 
+_NO_TRACE = contextlib.nullcontext()
+
+
 def _trace(label: str):
-    """A profiler range in eager mode (visible in traces); nothing under torch.compile."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch.profiler.record_function(label)
+    """A profiler range while a profiler records (visible in traces); nothing otherwise, nor under torch.compile.
+    (``record_function`` costs ~3 us of host time per range even with no profiler on: 6 ranges per bucket.)"""
+    if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
+        return _NO_TRACE
+    return torch.profiler.record_function(label)
 
 
 class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
@@ -293,6 +302,15 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._flush_queued = False
         self._grads_this_backward = False
         self._grads_consumed_event = None  # CUDA: recorded by step() after the updates (streams, rule 3)
+        # The hot path (compiled kernels, eager): every launch is bound once and replayed (kernels/_launch.py), so
+        # what changes per step lives in tensors that keep their storage: found_inf, grad_scale and per-group
+        # coefficients are copied into these each step (one small op per step, not per bucket)
+        self._found_inf_buf = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._grad_scale_buf = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._persistent: dict = {}
+        # collectives straight through comm (no per-call group checks) on the hot path: the Buffers checked the
+        # group and the layout across ranks when they were built
+        self._direct_collectives = comm.is_initialized()
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -430,8 +448,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             stream = torch.cuda.current_stream(self.device)
             for g, _ in grads:  # streams, rule 4
                 g.record_stream(stream)
-        kernels().flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads],
-                               accumulate=b.has_grads)
+        if self._hot_path():  # arguments right by construction (see launch_unchecked)
+            _flatten_unchecked(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads], b.has_grads,
+                               launches=b.launches)
+        else:
+            kernels().flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads],
+                                   accumulate=b.has_grads)
         if torch.compiler.is_compiling():
             for p in b.params:
                 p.grad = None
@@ -496,7 +518,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 b.grad_buffer.zero_()
                 b.has_grads = True
             with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
-                if self._ordered:
+                if self._direct_collectives and not self._ordered and self._hot_path():
+                    # the hot path: the group was checked when the Buffer was built (layout check included)
+                    b.rs_work = comm.reduce_scatter_single(b.grad_buffer.get_local_shard(), b.grad_buffer.get_data(),
+                                                           op=dist.ReduceOp.SUM, group=self.process_group,
+                                                           async_op=True)
+                elif self._ordered:
                     slot = self._next_launch % 2
                     if self._scratch_user[slot] is not None:
                         self._consume_reduced(self._scratch_user[slot])
@@ -558,9 +585,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             b.rs_work.wait()
         b.rs_work = None
         shard = b.grad_buffer.get_local_shard()
+        bound = self._hot_path()
         if self._ordered:
             rows = self._scratch[b.rs_slot][:b.grad_buffer.padded_numel].view(self.world_size, -1)
-            kernels().fold_rows_(rows, shard, self._grad_average, b.norm_partials)
+            if bound:
+                rows = b.scratch_rows.setdefault(b.rs_slot, rows)  # the same view object every step: bindable
+                _launch.launch(b.launches, ("fold", b.rs_slot),
+                               fold_rows_launch_spec(rows, shard, self._grad_average, b.norm_partials),
+                               lambda: kernels().fold_rows_(rows, shard, self._grad_average, b.norm_partials))
+            else:
+                kernels().fold_rows_(rows, shard, self._grad_average, b.norm_partials)
             self._scratch_user[b.rs_slot] = None
             if self.replica_size > 1:  # at most 2 replicas (checked at construction): one exact add
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
@@ -570,7 +604,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
         # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
         # the bucket's per-program partials into its slice of one workspace, allocating nothing
-        kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
+        if bound:
+            _launch.launch(b.launches, "norm", partials_launch_spec(shard, self._grad_average, b.norm_partials),
+                           lambda: kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials))
+        else:
+            kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
 
     def _adopt_observed_order(self) -> None:
         """Once, after the first backward: launch later steps' reduce-scatters in the order buckets completed
@@ -747,6 +785,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         multiplier = self._common_multiplier()
         if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
             grad_scale = grad_scale * multiplier
+        bound = self._hot_path()
+        if bound:  # the bound update launches read these two tensors (see __init__)
+            self._found_inf_buf.copy_(found_inf)
+            found_inf = self._found_inf_buf
+            if isinstance(grad_scale, torch.Tensor):
+                self._grad_scale_buf.copy_(grad_scale)
+                grad_scale = self._grad_scale_buf
         # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
         # their weights and state must come out of the flat update unchanged
         frozen = self._frozen_since_build()
@@ -765,7 +810,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                 self._restore_pieces(kept.get(i, ()))
             with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
-                b.ag_work = b.param_buffer.all_gather(async_op=True)
+                if self._direct_collectives and bound:
+                    b.ag_work = comm.all_gather_single(b.param_buffer.get_data(), b.param_buffer.get_local_shard(),
+                                                       group=self.process_group, async_op=True)
+                else:
+                    b.ag_work = b.param_buffer.all_gather(async_op=True)
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
             self._grads_consumed_event = torch.cuda.Event()
             self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
@@ -784,6 +833,19 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _hot_path(self) -> bool:
+        """The compiled kernels, eagerly: launches are bound once per bucket and replayed (kernels/_launch.py;
+        ``_launch.set_bound_launches(False)`` sends the same launches through Triton's dispatch instead), the
+        per-step scalars live in persistent tensors, and collectives and the flatten skip the per-call checks."""
+        return compiled_path(self.device) and not torch.compiler.is_compiling()
+
+    def _persistent_tensor(self, key, make):
+        """A tensor made once and kept (a bound launch's per-step input, rewritten in place every step)."""
+        t = self._persistent.get(key)
+        if t is None:
+            t = self._persistent[key] = make()
+        return t
 
     def _once_per_step(self, key, compute):
         """``compute()`` the first time ``key`` is asked for in this step, the cached value after that: what the

@@ -82,6 +82,9 @@ class _Bucket:
         self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
         self.rs_launched = False
         self.rs_slot = 0            # ordered_reduce: which scratch its all-to-all writes
+        self.scratch_rows: dict = {}  # ordered_reduce: the (d, shard) view of each scratch, made once
+        #: bound kernel launches of this bucket (kernels/_launch.py), keyed by role ("norm", "update", flatten's)
+        self.launches: dict = {}
         self.ag_work = None         # handle of its in-flight param all-gather
 
     def master_fp32(self) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""What a ShardedAdamW step hands Triton's compiled launchers, with and without bound launches (issue 20).
+
+Run by tests/optim/test_launch_plans.py in a subprocess with TRITON_INTERPRET unset (the compiled path; the dry-run
+driver of benchmarks.compile_check compiles for sm_90 and records every launch instead of running it). Prints one
+JSON object: per recorded step, the launches as (kernel, normalized arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from benchmarks.compile_check import DryRunDriver
+
+
+class RecordingDriver(DryRunDriver):
+    """The dry-run driver, its launcher recording what it is handed."""
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.calls: list = []
+
+        def launcher_cls(src, metadata):
+            name = metadata.name
+
+            def launch(*args, **kwargs):
+                self.calls.append((name, args))
+            return launch
+        self.launcher_cls = launcher_cls
+
+
+def _normal(x):
+    """An argument as comparable data: tensors by storage, dtype and shape; floats by their bits."""
+    if isinstance(x, torch.Tensor):
+        return ["tensor", x.data_ptr(), str(x.dtype), list(x.shape)]
+    if isinstance(x, float):
+        return ["float", x.hex()]
+    if isinstance(x, (int, bool, str)) or x is None:
+        return x
+    if isinstance(x, (tuple, list)):
+        return [_normal(v) for v in x]
+    return ["object", type(x).__name__, id(x)]
+
+
+def _launches(calls):
+    # (grid x3, stream, function, packed metadata, launch metadata, enter hook, exit hook, kernel arguments...):
+    # the launch metadata is built per launch for the launch hooks, which are empty here: compared by type only
+    return [[name, [_normal(a) if i != 6 else type(a).__name__ for i, a in enumerate(args)]] for name, args in calls]
+
+
+def main() -> None:
+    from tritonshard import ShardedAdamW
+    from tritonshard.kernels import _dispatch, _launch
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rec = RecordingDriver(GPUTarget("cuda", 90, 32))
+    driver.set_active(rec)
+    out = {}
+    with _dispatch.compile_for_target():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (4099, 199, 1, 12_289, 640)]
+        # bf16 states with stochastic rounding: the seed tensor is an argument too; two groups, several buckets
+        opt = ShardedAdamW([{"params": params[:3]}, {"params": params[3:], "lr": 5e-4, "weight_decay": 0.0}],
+                           lr=1e-3, bucket_cap_mb=5000 * 2 / 2 ** 20, state_dtype=torch.bfloat16)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        grads = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
+
+        def step(clip=True):
+            before = _launch.replays
+            for p, g in zip(params, grads):
+                p.grad = g
+            if clip:
+                opt.clip_grad_norm_(1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            calls, rec.calls = rec.calls, []
+            return {"launches": _launches(calls), "replays": _launch.replays - before}
+
+        _launch.set_bound_launches(False)
+        out["buckets"] = len(opt.buckets)
+        out["triton_dispatch"] = [step(), step()]   # every launch through Triton's own dispatch
+        _launch.set_bound_launches(True)
+        out["binding"] = [step(), step()]           # checked launch, then the recording one
+        out["bound"] = [step(), step()]             # replayed
+        for g in opt.param_groups:                  # a hyper-parameter changes: the launches must rebind
+            g["betas"] = (0.8, 0.99)
+        out["new_betas"] = [step(), step(), step()]
+        out["no_clip"] = [step(clip=False), step(clip=False), step(clip=False)]  # grad_scale becomes a number
+        _launch.set_bound_launches(False)
+        out["no_clip_triton_dispatch"] = [step(clip=False)]
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Bound launches (issue 20): the optimizer's hot path hands Triton's compiled launcher exactly what Triton's own
+dispatch would, and rebinds when an argument changes.
+
+A ShardedAdamW step runs through the compiled path on a CPU (benchmarks.compile_check's dry-run driver: every
+specialization compiled for sm_90, nothing launched; in a subprocess, as the suite's own process has the Triton
+interpreter on), and every launch's arguments are recorded: grid, stream, the kernel's arguments (tensors by
+address, dtype and shape; floats by their bits). The replayed steps must equal the steps through Triton's
+dispatch, launch by launch, and must really be replays.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHES_PER_STEP = 10   # 3 buckets x (flatten, norm partials, update) + 1 finalize
+BOUND_PER_STEP = 9       # all but the finalize (one per step, shared by the buckets)
+BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kernel's beta1
+
+
+@pytest.fixture(scope="module")
+def record():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.optim.launch_record"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _diff(a, b) -> str:
+    for i, ((n1, x), (n2, y)) in enumerate(zip(a, b)):
+        if n1 != n2 or x != y:
+            where = [(j, p, q) for j, (p, q) in enumerate(zip(x, y)) if p != q][:3]
+            return f"launch {i} ({n1} vs {n2}): argument (index, dispatch, bound) {where}"
+    return f"{len(a)} vs {len(b)} launches"
+
+
+def test_replayed_launches_equal_tritons_dispatch(record):
+    assert record["buckets"] == 3
+    dispatch = record["triton_dispatch"][1]["launches"]
+    assert len(dispatch) == LAUNCHES_PER_STEP
+    assert record["triton_dispatch"][1]["replays"] == 0
+    for step in record["bound"]:
+        assert step["replays"] == BOUND_PER_STEP, "the bound steps must replay, not dispatch"
+        assert step["launches"] == dispatch, _diff(dispatch, step["launches"])
+    # the launches were bound (checked once) while dispatching; the first step with replays on records them while
+    # launching through Triton's dispatch, the next replays
+    assert [s["replays"] for s in record["binding"]] == [0, BOUND_PER_STEP]
+    for step in record["binding"]:
+        assert step["launches"] == dispatch, _diff(dispatch, step["launches"])
+
+
+def test_a_changed_hyperparameter_rebinds(record):
+    first, second, third = record["new_betas"]
+    # new betas: the 3 updates go through the checked launcher (not a replay of the old launch); the flatten and
+    # norm launches, whose arguments did not change, still replay
+    assert first["replays"] == BOUND_PER_STEP - 3
+    for step in (first, second, third):
+        updates = [args for name, args in step["launches"] if name == "_adamw_kernel"]
+        assert len(updates) == 3 and all(args[BETA1_ARG] == ["float", (0.8).hex()] for args in updates)
+    assert third["replays"] == BOUND_PER_STEP and third["launches"] == second["launches"]
+
+
+def test_grad_scale_turning_into_a_number_rebinds_to_the_same_launch_as_dispatch(record):
+    *_, last_bound = record["no_clip"]
+    (dispatch,) = record["no_clip_triton_dispatch"]
+    assert last_bound["replays"] == BOUND_PER_STEP
+    assert last_bound["launches"] == dispatch["launches"], _diff(dispatch["launches"], last_bound["launches"])

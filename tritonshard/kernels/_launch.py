@@ -1,0 +1,139 @@
+"""``BoundLaunch``: one kernel launch, bound once and replayed, for the optimizer's hot path (issue 20).
+
+A Triton launch from Python (``kernel[grid](*args)``) binds and specializes every argument, hashes the
+specialization, looks the compiled kernel up, checks the globals it captured and builds launch metadata: about
+15-40 us of host time per launch, three launches per bucket per step, while the kernels themselves take a few
+microseconds on an H200. The optimizer launches the same kernels on the same tensors every step (its buffers are
+allocated once; the per-step values, such as the step counter, lr-derived coefficients, grad_scale and found_inf,
+live in device tensors that are rewritten in place). So it binds each launch once, when it first runs it:
+
+* the first call goes through Triton's normal path, with the compiled kernel's launcher wrapped for that one
+  launch to record the exact arguments Triton passes it (grid, stream, function handle, metadata, hooks, then the
+  kernel's arguments in Triton's own order and convention, whatever the Triton version);
+* every later call hands those recorded arguments straight to the compiled launcher, with the current stream
+  substituted (the step may run on another stream than the first one did).
+
+Correctness rests on three facts, each checked: the arguments are the same objects every step (a BoundLaunch is
+built from, and keyed by, the optimizer's own persistent tensors and the Python scalars of the launch; a changed
+scalar, e.g. a new ``betas``, rebinds); a tensor keeps its address, so Triton's specialization (16-byte alignment)
+still holds; and nothing Triton would do per launch is skipped where it matters: with a launch hook installed
+(``knobs.runtime.launch_enter_hook``, e.g. a profiler) or on a backend without a compiled launcher (the
+interpreter, the PyTorch reference) every call takes the normal path. ``tests/optim/test_launch_plans.py`` records
+what a whole ShardedAdamW step hands Triton's launcher (through the dry-run driver of ``benchmarks.compile_check``)
+with and without bound launches and requires the same calls, argument by argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+__all__ = ["BoundLaunch", "bound_launches_enabled", "set_bound_launches"]
+
+_ENABLED = True
+#: launches replayed through a compiled launcher so far (observable: tests and benchmarks check it moves)
+replays = 0
+
+
+def set_bound_launches(enabled: bool) -> bool:
+    """Turn bound launches on or off process-wide (tests and benchmarks compare both); returns the old value."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(enabled)
+    return previous
+
+
+def bound_launches_enabled() -> bool:
+    return _ENABLED
+
+
+class BoundLaunch:
+    """``kernel[grid](*args, **kwargs)``, launched through the compiled launcher from the second call on.
+
+    ``args``/``kwargs`` must be what every call launches: tensors the caller keeps (their contents may change,
+    not their storage) and Python scalars that do not change (the caller rebinds when one does).
+    """
+
+    __slots__ = ("kernel", "grid", "args", "kwargs", "_launcher", "_recorded", "_device")
+
+    def __init__(self, kernel, grid: tuple, args: tuple, kwargs: dict):
+        self.kernel, self.grid, self.args, self.kwargs = kernel, grid, args, kwargs
+        self._launcher: Optional[Callable] = None
+        self._recorded: Optional[tuple] = None
+        self._device = None
+
+    def __call__(self) -> None:
+        if _ENABLED and _no_launch_hooks():
+            if self._recorded is not None:
+                global replays
+                replays += 1
+                args = self._recorded
+                stream = driver.active.get_current_stream(self._device)
+                self._launcher(args[0], args[1], args[2], stream, *args[4:])
+            else:
+                self._record()
+            return
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+    def _record(self) -> None:
+        """The first launch: Triton's normal path, with the compiled kernel's launcher recording its arguments."""
+        try:
+            compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)  # compiles; launches nothing
+        except (TypeError, AttributeError):  # a Triton whose warmup() differs, the interpreter: the normal path
+            compiled = None
+        if compiled is None or not hasattr(compiled, "_run") or not hasattr(compiled, "run"):
+            self.kernel[self.grid](*self.args, **self.kwargs)  # an unknown Triton: keep the normal path
+            return
+        launcher = compiled.run  # initializes the handles (loads the module) once
+        calls: list[tuple] = []
+
+        def record(*args: Any) -> Any:
+            calls.append(args)
+            return launcher(*args)
+
+        compiled._run = record
+        try:
+            self.kernel[self.grid](*self.args, **self.kwargs)
+        finally:
+            compiled._run = launcher
+        if len(calls) == 1 and len(calls[0]) >= 9:  # (grid x3, stream, function, metadata, launch md, 2 hooks, ...)
+            self._launcher, self._recorded = launcher, calls[0]
+            self._device = driver.active.get_current_device()
+
+
+def _no_launch_hooks() -> bool:
+    """No launch hook is installed (a profiler such as proton installs one; then every launch takes Triton's path,
+    which builds the metadata the hook reads). Triton 3.6 keeps None there, 3.9 an empty HookChain."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def launch(cache: dict, key, spec: tuple, first: Callable[[], None]) -> None:
+    """Launch ``spec`` = (kernel, grid, args, kwargs) through the BoundLaunch in ``cache`` under ``key``.
+
+    When there is none, or its arguments differ from ``spec``'s (tensors compared by identity, the rest by value),
+    ``first()`` runs instead, the public launcher with its argument checks (which launches), and a BoundLaunch of
+    ``spec`` is stored for the next call: every new binding has been validated once."""
+    kernel, grid, args, kwargs = spec
+    bound = cache.get(key)
+    if bound is not None and bound.grid == grid and _same(bound.args, args) and bound.kwargs == kwargs:
+        bound()
+        return
+    first()
+    cache[key] = BoundLaunch(kernel, grid, args, kwargs)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """The same launch arguments: the same tensor objects, scalars of the same type and value."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if type(x) is not type(y) or isinstance(x, torch.Tensor) or x != y:
+            return False
+    return True
