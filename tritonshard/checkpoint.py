@@ -19,8 +19,11 @@ ranges themselves; the storage format is plain DCP.
 Atomicity: a sharded checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` by one rank only once
 every rank has finished; :func:`save_checkpoint` then advances a ``latest`` pointer file (written to a temporary
 name and renamed). A crash at any point leaves the previous checkpoint loadable and never a half-written one that
-looks valid. Loading never unpickles code from the checkpoint's content: ``meta.pt`` and :func:`load_file` use
-``torch.load(weights_only=True)``, and DCP reads tensor chunks as raw bytes.
+looks valid. Loading never runs code from the checkpoint's content: ``meta.pt`` and :func:`load_file` use
+``torch.load(weights_only=True)``, DCP's ``.metadata`` (a pickle) goes through an unpickler that resolves only
+DCP's metadata types, torch's dtypes and paths (anything else raises :class:`UnsafeCheckpointError` before it is
+imported; until 2026-12 a crafted ``.metadata`` ran its code), and DCP reads tensor chunks as raw bytes. Load
+failures are :class:`CheckpointError` s (Exceptions), not DCP's ``CheckpointException`` (a BaseException).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import warnings
 import shutil
 from typing import Any, Optional
@@ -35,21 +39,101 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
 
 __all__ = ["atomic_save", "load_file", "save_sharded", "load_sharded", "save_checkpoint", "latest_checkpoint",
-           "CheckpointMismatchError"]
+           "CheckpointError", "CheckpointMismatchError", "UnsafeCheckpointError"]
 
 _FORMAT = 1
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded: the base of tritonshard's checkpoint errors (an ``Exception``, which
+    ``except Exception`` catches, unlike DCP's ``CheckpointException``)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint does not fit the optimizer (parameters, shapes or groups differ)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file asks the unpickler for something a checkpoint never holds (code, most likely): refused
+    before anything it names is imported, let alone called."""
+
+
+#: what DCP's ``.metadata`` pickle may name (measured on what torch 2.11-2.13 write for tritonshard's checkpoints,
+#: plus DCP's other metadata types): its dataclasses, torch.Size, dtypes, layouts and memory formats, paths.
+#: Nothing here runs code when the unpickler constructs it.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
+        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`_METADATA_GLOBALS` (and torch's dtypes, layouts, memory formats)."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                         torch.memory_format)):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.path} asks to load {module}.{name}, which a checkpoint's metadata never holds: refused (a "
+            "crafted or foreign file; tritonshard never runs code from a checkpoint)")
+
+
+class _SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, its ``.metadata`` read through :class:`_MetadataUnpickler` instead of ``pickle.load``
+    (which would run whatever code a crafted file names)."""
+
+    #: the first refusal or read error (DCP turns it into an AssertionError message inside a CheckpointException;
+    #: load_sharded raises this one instead)
+    error: Optional[CheckpointError] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata(kwargs.get("rank"))
+        except CheckpointError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def _read_metadata(self, rank) -> Metadata:
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, str(path)).load()
+            except UnsafeCheckpointError:
+                raise
+            except Exception as exc:  # truncated or corrupt: say which file
+                raise CheckpointError(f"{path} is not readable checkpoint metadata: {type(exc).__name__}: {exc}") \
+                    from exc
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _fsync_dir(path: str) -> None:
@@ -265,8 +349,13 @@ def load_sharded(opt, path: str) -> dict:
                     targets[_key(i, name)] = (piece.tensor_start, shard[sl])
         # each rank reads only the stored chunks that overlap its own pieces (DCP's resharding read plan)
         with _single_process_ok():
-            dcp.load({}, checkpoint_id=path, planner=_PiecesLoadPlanner(targets), process_group=_dcp_group(opt),
-                     no_dist=not comm.is_initialized())
+            # the metadata through a restricted unpickler: a crafted .metadata cannot run code (issue 23)
+            reader = _SafeFileSystemReader(path)
+            try:
+                dcp.load({}, checkpoint_id=path, storage_reader=reader, planner=_PiecesLoadPlanner(targets),
+                         process_group=_dcp_group(opt), no_dist=not comm.is_initialized())
+            except CheckpointException as exc:  # a BaseException: `except Exception` in a user's loop misses it
+                raise (reader.error or _checkpoint_error(path, exc)) from None
         group_steps: dict = {}  # one step per param group, shared by its buckets
         for b in opt.buckets:
             group_steps.setdefault(b.group_index, set()).update(meta["steps"][index_of[p]] for p in b.params)
@@ -282,6 +371,19 @@ def load_sharded(opt, path: str) -> dict:
         opt._refresh_params_from_master()
     opt._expose_state()
     return meta["extra"]
+
+
+def _checkpoint_error(path: str, exc: CheckpointException) -> CheckpointError:
+    """DCP's CheckpointException (a BaseException holding every rank's failure) as tritonshard's own error: ours
+    as it was raised (e.g. UnsafeCheckpointError), anything else named with its rank and the checkpoint."""
+    failures = exc.failures
+    for rank in sorted(failures):
+        inner = failures[rank][0]
+        if isinstance(inner, CheckpointError):
+            return inner
+    rank = min(failures) if failures else "?"
+    inner = failures[rank][0] if failures else exc
+    return CheckpointError(f"loading {path} failed on rank {rank}: {type(inner).__name__}: {inner}")
 
 
 def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = None, keep: int = 2) -> str:

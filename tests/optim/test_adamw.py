@@ -116,15 +116,22 @@ def _params():
     (lambda: ShardedAdamW([_params()[0]] * 2), ValueError, "passed twice"),
     (lambda: ShardedAdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)]), TypeError,
      "floating point"),
+    # a meta-device parameter has no values: before issue 23 it was accepted and its steps "succeeded" unchanged
     (lambda: ShardedAdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))]),
-     ValueError, "one device"),
+     ValueError, r"param_groups\[0\]\['params'\]\[1\] \(shape \(3,\)\) is on the meta device"),
     (lambda: ShardedAdamW(_params(), lr=-1.0), ValueError, "lr must be >= 0"),
+    # infinities passed construction and failed at step() (issue 23)
+    (lambda: ShardedAdamW(_params(), lr=float("inf")), ValueError, "lr must be >= 0 and finite, got inf"),
+    (lambda: ShardedAdamW(_params(), eps=float("inf")), ValueError, "eps must be > 0 and finite"),
+    (lambda: ShardedAdamW(_params(), weight_decay=float("inf")), ValueError, "weight_decay must be >= 0 and finite"),
+    (lambda: ShardedAdamW(_params(), bucket_cap_mb=float("nan")), ValueError, "bucket_cap_mb must be a finite"),
+    (lambda: ShardedAdamW(_params(), bucket_cap_mb=float("inf")), ValueError, "bucket_cap_mb must be a finite"),
     (lambda: ShardedAdamW(_params(), betas=(1.0, 0.999)), ValueError, r"betas\[0\] must be in \[0, 1\)"),
     (lambda: ShardedAdamW(_params(), betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
     (lambda: ShardedAdamW(_params(), eps=0.0), ValueError, "eps must be > 0"),
     (lambda: ShardedAdamW(_params(), weight_decay=-1e-2), ValueError, "weight_decay must be >= 0"),
     (lambda: ShardedAdamW([{"params": _params()[:1]}, {"params": _params()[1:], "lr": -1}]), ValueError,
-     r"lr must be >= 0, got -1 \(param_groups\[1\]\)"),
+     r"lr must be >= 0 and finite, got -1 \(param_groups\[1\]\)"),
     (lambda: ShardedAdamW(_params(), param_dtype=torch.float32), ValueError, "param_dtype"),
     (lambda: ShardedAdamW(_params(), loss_scale=2.0 ** 16), TypeError, "LossScaleConfig"),
     (lambda: ShardedAdamW(_params(), grad_dtype=torch.float16), ValueError, "grad_dtype"),
@@ -156,3 +163,45 @@ def test_hooks_on_the_model_do_not_keep_the_optimizer_alive():
     before = [p.detach().clone() for p in model.parameters()]
     loss_fn(model, x).backward()  # the orphaned hooks do nothing
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_generator_param_group_keeps_its_parameters():
+    # {"params": model.parameters()}, as in countless scripts: the duplicate check used to consume the generator,
+    # leaving torch.optim an empty group and training nothing, silently (issue 23)
+    model = make_model(0)
+    opt = ShardedAdamW([{"params": model.fc1.parameters()}, {"params": model.fc2.parameters(), "lr": LR / 2}], lr=LR)
+    want = torch.optim.AdamW([{"params": make_model(0).fc1.parameters()}, {"params": make_model(0).fc2.parameters()}])
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in want.param_groups] == [2, 2]
+    before = [p.detach().clone() for p in model.fc1.parameters()]
+    loss_fn(model, torch.randn(6, 13).bfloat16()).backward()
+    opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.fc1.parameters())), "group 0 did not train"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_bad_hyperparameter_at_step_changes_nothing(bad):
+    # a scheduler or the user sets group 1's lr to nonsense: step() raises before group 0 is updated or any step
+    # counter moves (it used to raise from group 1's launch, after group 0's update)
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9)
+    loss_fn(model, torch.randn(6, 13).bfloat16()).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_fn(model, torch.randn(6, 13).bfloat16()).backward()
+    opt.param_groups[1]["lr"] = bad
+    before = {"params": [p.detach().clone() for p in model.parameters()],
+              "master": [b.master.clone() for b in opt.buckets], "step": [b.step.clone() for b in opt.buckets]}
+    with pytest.raises(ValueError, match=r"lr must be >= 0 and finite, got .* \(param_groups\[1\], at step\(\)\)"):
+        opt.step()
+    after = {"params": list(model.parameters()), "master": [b.master for b in opt.buckets],
+             "step": [b.step for b in opt.buckets]}
+    for key in before:
+        assert all(torch.equal(x, y) for x, y in zip(before[key], after[key])), f"{key} changed"
+
+
+def test_a_sparse_gradient_is_an_error_naming_the_parameter():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = ShardedAdamW(emb.parameters(), lr=LR)
+    opt.attach(emb)
+    with pytest.raises(RuntimeError, match=r"the gradient of 'weight' is torch.sparse_coo.*sparse=False"):
+        emb(torch.tensor([1, 2, 3])).float().sum().backward()

@@ -56,16 +56,17 @@ class BoundLaunch:
     not their storage) and Python scalars that do not change (the caller rebinds when one does).
     """
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "_launcher", "_recorded", "_device")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "_launcher", "_recorded", "_device", "_unbindable")
 
     def __init__(self, kernel, grid: tuple, args: tuple, kwargs: dict):
         self.kernel, self.grid, self.args, self.kwargs = kernel, grid, args, kwargs
         self._launcher: Optional[Callable] = None
         self._recorded: Optional[tuple] = None
         self._device = None
+        self._unbindable = False  # recording failed once (an unknown Triton, the interpreter): never try again
 
     def __call__(self) -> None:
-        if _ENABLED and _no_launch_hooks():
+        if _ENABLED and not self._unbindable and _no_launch_hooks():
             if self._recorded is not None:
                 global replays
                 replays += 1
@@ -84,6 +85,7 @@ class BoundLaunch:
         except (TypeError, AttributeError):  # a Triton whose warmup() differs, the interpreter: the normal path
             compiled = None
         if compiled is None or not hasattr(compiled, "_run") or not hasattr(compiled, "run"):
+            self._unbindable = True
             self.kernel[self.grid](*self.args, **self.kwargs)  # an unknown Triton: keep the normal path
             return
         launcher = compiled.run  # initializes the handles (loads the module) once
@@ -101,6 +103,8 @@ class BoundLaunch:
         if len(calls) == 1 and len(calls[0]) >= 9:  # (grid x3, stream, function, metadata, launch md, 2 hooks, ...)
             self._launcher, self._recorded = launcher, calls[0]
             self._device = driver.active.get_current_device()
+        else:
+            self._unbindable = True
 
 
 def _no_launch_hooks() -> bool:

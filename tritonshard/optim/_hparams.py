@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -22,7 +23,7 @@ def check_lr(lr, where: str) -> None:
         return
     if not _is_number(lr):
         raise TypeError(f"lr must be a number or a 0-d tensor, got {type(lr).__name__}{where}")
-    require(lr >= 0, f"lr must be >= 0, got {lr}", where)
+    require(lr >= 0 and math.isfinite(lr), f"lr must be >= 0 and finite, got {lr}", where)
 
 
 def check_betas(betas, where: str) -> None:
@@ -33,8 +34,8 @@ def check_betas(betas, where: str) -> None:
 
 
 def check_min(name: str, value, where: str, lo: float = 0.0, strict: bool = False) -> None:
-    ok = _is_number(value) and (value > lo if strict else value >= lo)
-    require(ok, f"{name} must be {'>' if strict else '>='} {lo:g}, got {value!r}", where)
+    ok = _is_number(value) and (value > lo if strict else value >= lo) and math.isfinite(value)
+    require(ok, f"{name} must be {'>' if strict else '>='} {lo:g} and finite, got {value!r}", where)
 
 
 def check_number(name: str, value, where: str) -> None:

@@ -121,6 +121,10 @@ def param_name(group: dict, gi: int, j: int, p) -> str:
 
 def _reject_duplicates(params: list) -> None:
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    for group in groups:  # as torch.optim does, in place: a generator ({"params": model.parameters()}) becomes a
+        # list once, here, before anything reads it (reading it here first left torch.optim an empty group)
+        if isinstance(group, dict) and "params" in group and not isinstance(group["params"], torch.Tensor):
+            group["params"] = list(group["params"])
     seen = set()
     for gi, group in enumerate(groups):
         ps = group["params"]
@@ -206,8 +210,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             raise TypeError(f"loss_scale must be a LossScaleConfig or None, got {type(loss_scale).__name__}")
         if grad_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
+                or not math.isfinite(bucket_cap_mb)):
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}")
         params = list(params)
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
@@ -366,13 +371,18 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _check_params(self) -> None:
         devices = set()
         for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
+            for j, p in enumerate(group["params"]):
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected torch.nn.Parameter")
                 if not p.is_floating_point():
                     raise TypeError(f"parameters must be floating point; param_groups[{gi}] has one of dtype "
                                     f"{p.dtype} and shape {tuple(p.shape)}")
                 if p.requires_grad:
+                    if p.device.type == "meta":
+                        raise ValueError(
+                            f"param_groups[{gi}]['params'][{j}] {_shape(p)} is on the meta device: it has no values to "
+                            "train. Materialize the model first (model.to_empty(device=...), then initialize or load "
+                            "its weights), then build the optimizer")
                     devices.add(p.device)
         if len(devices) > 1:
             raise ValueError(f"all trainable parameters must be on one device, got {sorted(map(str, devices))}")
@@ -431,6 +441,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                  if p.grad is not None and p not in b.placed]
         if not grads:
             return
+        for p in b.params:
+            g = p.grad
+            if g is not None and g.layout != torch.strided and p not in b.placed:
+                raise RuntimeError(
+                    f"the gradient of {self._param_names[p]} is {g.layout}: tritonshard flattens dense gradients only "
+                    "(e.g. build nn.Embedding with sparse=False)")
         if b.rs_launched:
             raise RuntimeError(
                 f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
@@ -776,6 +792,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
+        # a bad value in group 1 must not leave group 0 updated and the step counters advanced
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f" (param_groups[{gi}], at step())")
         _, found_inf = self._reduce_grads()
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no rounding)
