@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -227,7 +228,8 @@ def setup_distributed():
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)
+    # a timeout a user would choose: a hung or stopped rank ends the job in minutes, not gloo's/NCCL's default 30
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=float(os.environ.get("DIST_TIMEOUT_MIN", 10))))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -69,7 +70,9 @@ def main(argv=None):
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        # a hung or stopped rank ends the job within minutes, not the 30-minute default
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=float(os.environ.get("DIST_TIMEOUT_MIN",
+                                                                                                  10))))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     out_dir = os.path.join(args.out_dir, args.optimizer)

@@ -1,5 +1,6 @@
 """fp16 parameters with dynamic loss scaling: unscale folded into grad_scale, overflow skips and backs off, growth."""
 
+import pytest
 import torch
 
 from tests.distributed import run_on_ranks
@@ -75,3 +76,46 @@ def test_bf16_has_no_loss_scale_by_default_and_state_dict_round_trips_the_scale(
     other = ShardedAdamW(param_groups(make_model(0)), lr=LR, param_dtype=torch.float16)
     other.load_state_dict(sd)
     assert float(other.loss_scale) == 1024.0 and int(other._growth_tracker) == 7
+
+
+def _poisoned_steps(min_scale: float, patience: int, poisoned: int, clean: int):
+    """fp16 training where the first ``poisoned`` steps overflow (an inf in the data), then ``clean`` ones."""
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16,
+                       loss_scale=LossScaleConfig(init_scale=2.0 ** 16, min_scale=min_scale,
+                                                  max_overflows_at_min_scale=patience))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    scales, norms = [], []
+    for step in range(poisoned + clean):
+        norms.append(float(train_step(model, opt, sched, 0, step, poison=step < poisoned)))
+        scales.append(float(opt.loss_scale))
+    return opt, scales, norms
+
+
+def test_the_loss_scale_stops_at_its_floor_and_training_goes_on():
+    # 50 overflowing steps halve 2^16 to 2^-34 without a floor (3.6e-12 as measured before, and the gradients of
+    # the clean steps after it underflowed to zero); with the floor the scale stays at min_scale=2^10 and the clean
+    # steps train
+    opt, scales, norms = _poisoned_steps(2.0 ** 10, patience=100, poisoned=50, clean=5)
+    assert min(scales) == 2.0 ** 10 and scales[5] == 2.0 ** 10
+    assert int(opt.skipped_steps) == 50 and all(float(b.step) == 5 for b in opt.buckets)
+    assert all(n > 1e-3 for n in norms[50:]), f"the clean steps' gradients must not underflow: {norms[50:]}"
+
+
+def test_overflowing_at_the_floor_stops_the_run_loudly():
+    # the scale reaches 2^10 after 6 halvings from 2^16; 3 more overflows there: the next step() raises, before
+    # it changes anything
+    model_steps = 6 + 3
+    with pytest.raises(FloatingPointError, match=r"last 3 steps .* loss scale at its floor .*min_scale=1024"):
+        _poisoned_steps(2.0 ** 10, patience=3, poisoned=model_steps + 5, clean=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(min_scale=0.0), "min_scale must be a finite number > 0"),
+    (dict(min_scale=2.0 ** 20), r"min_scale \(1048576.0\) must be <= init_scale"),
+    (dict(max_overflows_at_min_scale=0), "max_overflows_at_min_scale must be an int >= 1"),
+    (dict(backoff_factor=float("nan")), "backoff_factor must be a finite number > 0"),
+])
+def test_bad_loss_scale_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaleConfig(**kwargs)

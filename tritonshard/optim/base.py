@@ -69,8 +69,10 @@ are left out entirely: they keep their storage and dtype and are never updated.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import hashlib
 import math
 from typing import Optional
 
@@ -105,6 +107,26 @@ class LossScaleConfig:
     #: multiplies the scale after a step with inf/NaN (that step is skipped)
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    #: the scale never backs off below this (DeepSpeed's and Megatron's default, 1.0). Without a floor, 50
+    #: overflowing steps in a row took the scale to 3.6e-12, and every gradient of the clean steps after them
+    #: underflowed to zero in fp16: the loss rose while nothing was reported (issue 23)
+    min_scale: float = 1.0
+    #: step() raises FloatingPointError once this many consecutive steps overflowed with the scale at
+    #: ``min_scale``: lowering the scale no longer helps (the model diverged, or the data holds inf/NaN), and a
+    #: run that keeps skipping every step must stop loudly, as DeepSpeed's does
+    max_overflows_at_min_scale: int = 10
+
+    def __post_init__(self):
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"LossScaleConfig.{name} must be a finite number > 0, got {value!r}")
+        if not self.min_scale <= self.init_scale:
+            raise ValueError(f"LossScaleConfig.min_scale ({self.min_scale}) must be <= init_scale ({self.init_scale})")
+        for name in ("growth_interval", "max_overflows_at_min_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LossScaleConfig.{name} must be an int >= 1, got {value!r}")
 
 
 def _shape(p) -> str:
@@ -230,6 +252,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self.replica_group = replica_group
         self.replica_size = comm.group_size(replica_group) if replica_group is not None else 1
         self.replica_rank = comm.group_rank(replica_group) if replica_group is not None else 0
+        # every option that changes the collectives (their dtypes, kinds, order or count) must agree across ranks,
+        # checked before any collective depends on it: a different overlap_comm hung, a different grad_dtype
+        # aborted gloo (issue 23)
+        self._check_options_agree({
+            "optimizer": type(self).__name__, "overlap_comm": bool(overlap_comm), "grad_dtype": str(grad_dtype),
+            "param_dtype": str(param_dtype), "ordered_reduce": bool(ordered_reduce), "state_dtype": str(state_dtype),
+            "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None,
+            "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
+            "param_groups": len(self.param_groups),
+            "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"])})
         #: gradients are averaged over every data-parallel rank (shard group x replicas); the shards hold the SUM
         self._grad_average = 1.0 / (self.world_size * self.replica_size)
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
@@ -277,6 +309,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # going through self.param_groups: under torch.compile that attribute makes dynamo wrap every parameter's
         # .grad, which holds a ShardedGrad placeholder after backward
         self._group_of_bucket = [self.param_groups[b.group_index] for b in self.buckets]
+        #: (index, dict) of the groups with buckets, which step() validates (a group with nothing to train never
+        #: reaches a kernel); held here for the same reason as _group_of_bucket
+        self._trained_groups = sorted({b.group_index: g for b, g in zip(self.buckets, self._group_of_bucket)}.items())
         # all-gather (and update) order: the order the forward uses parameters, approximated by their order in the
         # param groups here and by the model's registration order once attach() knows the model
         self._set_gather_order([p for g in self.param_groups for p in g["params"]])
@@ -297,6 +332,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._scale = (torch.full((), float(loss_scale.init_scale), dtype=torch.float32, device=self.device)
                        if loss_scale is not None else None)
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=self.device)
+        # consecutive overflowing steps with the scale at its floor; read by the host one step late (no sync)
+        self._overflows_at_min = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._overflows_at_min_host = (torch.zeros((), dtype=torch.int32).pin_memory()
+                                       if self.device.type == "cuda" else None)
+        self._overflows_at_min_event = None
 
         # device-side bookkeeping: nothing here is ever read on the host inside step()
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -367,6 +407,33 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _group_keeps_step(self, group: dict) -> bool:
         """Whether torch.optim's state for ``group`` has a ``step`` entry (state_dict() writes it then)."""
         return True
+
+    def _check_options_agree(self, options: dict) -> None:
+        """One all-gather of a hash of ``options`` per group; on a mismatch, the options themselves, and a
+        ValueError on every rank naming the first option that differs and the ranks' values."""
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        device = trainable[0].device if trainable else comm.local_device()
+        groups = [(self.process_group, self.world_size)]
+        if self.replica_group is not None:
+            groups.append((self.replica_group, self.replica_size))
+        text = repr(sorted(options.items()))
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+        for group, size in groups:
+            if not comm.is_initialized() or size == 1:
+                continue
+            mine = torch.tensor([digest], dtype=torch.int64, device=device)
+            everyone = torch.empty(size, dtype=torch.int64, device=device)
+            comm.all_gather_single(everyone, mine, group=group)
+            if bool((everyone == everyone[0]).all()):
+                continue
+            theirs = [dict(ast.literal_eval(t)) for t in comm.all_gather_text(text, group, size, device)]
+            for key in options:
+                values = [t.get(key) for t in theirs]
+                if len(set(map(repr, values))) > 1:
+                    listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                    raise ValueError(f"the ranks built {type(self).__name__} with different {key} ({listing}); every "
+                                     "rank must pass the same options (they decide the collectives)")
+            raise ValueError("the ranks built the optimizer with different options")
 
     def _check_params(self) -> None:
         devices = set()
@@ -792,9 +859,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_loss_scale_floor()
         # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
         # a bad value in group 1 must not leave group 0 updated and the step counters advanced
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in self._trained_groups:
             self._check_group(group, f" (param_groups[{gi}], at step())")
         _, found_inf = self._reduce_grads()
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
@@ -842,8 +910,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self.last_step_skipped.copy_(found_inf > 0)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
             cfg = self.loss_scale_config
+            pinned = (found_inf > 0) & (self._scale <= cfg.min_scale)  # overflowed although at the floor
             torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
+            self._scale.clamp_(min=cfg.min_scale)
+            self._overflows_at_min.copy_(torch.where(pinned, self._overflows_at_min + 1, 0))
+            if self._overflows_at_min_host is not None and not torch.compiler.is_compiling():
+                # to the host without a sync: the next step() reads it if the copy has landed by then
+                self._overflows_at_min_host.copy_(self._overflows_at_min, non_blocking=True)
+                self._overflows_at_min_event = torch.cuda.Event()
+                self._overflows_at_min_event.record(torch.cuda.current_stream(self.device))
         if not self._defer_gathers:
             self.wait_for_params()  # nobody would wait before the next forward
         self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
@@ -853,6 +929,26 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _check_loss_scale_floor(self) -> None:
+        """Raise when the last steps all overflowed with the loss scale at its floor (LossScaleConfig). On a GPU the
+        count is read from its asynchronous copy once that has landed (at most a step late), never with a sync."""
+        if self._scale is None or torch.compiler.is_compiling():
+            return
+        if self._overflows_at_min_host is not None:
+            event = self._overflows_at_min_event
+            if event is None or not event.query():
+                return
+            count = int(self._overflows_at_min_host)
+        else:
+            count = int(self._overflows_at_min)
+        cfg = self.loss_scale_config
+        if count >= cfg.max_overflows_at_min_scale:
+            raise FloatingPointError(
+                f"the last {count} steps all had inf/NaN gradients with the loss scale at its floor "
+                f"(LossScaleConfig.min_scale={cfg.min_scale:g}); every one was skipped, and lowering the scale "
+                "cannot help any more: the model diverged or the inputs hold inf/NaN. Lower the lr, check the data, "
+                "or resume from an earlier checkpoint (max_overflows_at_min_scale sets how many to allow)")
 
     def _hot_path(self) -> bool:
         """The compiled kernels, eagerly: launches are bound once per bucket and replayed (kernels/_launch.py;

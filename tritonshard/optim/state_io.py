@@ -151,12 +151,14 @@ class StateDictMixin:
     def _scaler_state(self) -> dict:
         if self._scale is None:
             return {}
-        return {"loss_scale": self._scale.detach().clone(), "growth_tracker": self._growth_tracker.detach().clone()}
+        return {"loss_scale": self._scale.detach().clone(), "growth_tracker": self._growth_tracker.detach().clone(),
+                "overflows_at_min_scale": self._overflows_at_min.detach().clone()}
 
     def _load_scaler_state(self, extra: dict) -> None:
         if self._scale is not None and "loss_scale" in extra:
             self._scale.fill_(float(extra["loss_scale"]))
             self._growth_tracker.fill_(int(extra["growth_tracker"]))
+            self._overflows_at_min.fill_(int(extra.get("overflows_at_min_scale", 0)))
 
     def _apply_hparams(self, saved_groups) -> None:
         """Restore the hyper-parameters this optimizer has (its defaults' keys; LR schedulers add initial_lr)."""
