@@ -72,7 +72,7 @@ def test_loss_falls_and_resume_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
-    proc = _torchrun(["--steps", "100000", "--ckpt-interval", "0"], tmp_path, stdout=subprocess.PIPE,
+    proc = _torchrun(["--steps", "100000", "--ckpt-interval", "0"], tmp_path, REFERENCE_KERNELS, stdout=subprocess.PIPE,
                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = tmp_path / "tritonshard" / "metrics.jsonl"
     deadline = time.time() + 120

@@ -414,18 +414,48 @@ def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = N
                         if d.startswith("step_") and d != current and not d.endswith((".partial", ".old")))
         older = [d for d in others if d < current]
         stale = [d for d in others if d > current] + (older[:len(older) - (keep - 1)] if keep > 0 else [])
+        # and what a crash left: ".old" copies of re-saved steps (the new one is complete now), other ".partial"s
+        stale += [d for d in os.listdir(directory) if d.startswith("step_") and d.endswith((".old", ".partial"))]
         for d in stale:
             shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
     _barrier(opt)
     return path
 
 
+def _is_complete(path: str) -> bool:
+    """A finished sharded checkpoint: DCP's metadata and ours (written last, after every rank's data)."""
+    return os.path.isfile(os.path.join(path, "meta.pt")) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
 def latest_checkpoint(directory: str) -> Optional[str]:
-    """The path ``directory/latest`` points at, or None when there is no complete checkpoint yet."""
-    pointer = os.path.join(directory, "latest")
-    if not os.path.isfile(pointer):
+    """The checkpoint ``directory/latest`` points at; when the pointer is missing or names something incomplete
+    or gone, the newest complete ``step_*`` checkpoint instead, with a warning naming both; None when there is no
+    complete checkpoint at all.
+
+    What the fallback covers (issue 23): a crash between the two renames that re-save an existing step (the
+    pointer names a directory that is gone for a moment, its previous version is ``step_<n>.old``), a checkpoint
+    that lost its ``meta.pt``, a crash before the first pointer was written.
+    """
+    if not os.path.isdir(directory):
         return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    path = os.path.join(directory, name)
-    return path if os.path.isfile(os.path.join(path, "meta.pt")) else None
+    pointer = os.path.join(directory, "latest")
+    named = None
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            named = f.read().strip()
+        path = os.path.join(directory, named)
+        if named and _is_complete(path):
+            return path
+    # newest first; for one step, the checkpoint itself before its ".old" predecessor
+    candidates = sorted((d for d in os.listdir(directory)
+                         if d.startswith("step_") and not d.endswith(".partial")
+                         and _is_complete(os.path.join(directory, d))),
+                        key=lambda d: (d.removesuffix(".old"), not d.endswith(".old")), reverse=True)
+    if not candidates:
+        return None
+    chosen = os.path.join(directory, candidates[0])
+    why = (f"'latest' names {named!r}, which is missing or incomplete" if named is not None
+           else "there is no 'latest' pointer")
+    warnings.warn(f"{directory}: {why}; using the newest complete checkpoint, {chosen}", RuntimeWarning,
+                  stacklevel=2)
+    return chosen

@@ -1,0 +1,77 @@
+"""``latest_checkpoint`` finds a loadable checkpoint after the crashes an operator meets (issue 23, item 4).
+
+Before: a crash between the two renames of re-saving an existing step left ``latest`` naming a missing directory,
+a checkpoint without its ``meta.pt`` did the same, and ``latest_checkpoint()`` returned None although complete
+older checkpoints existed (a resume would start from scratch); ``.old`` directories were never pruned. Each case is
+built here as the crash leaves the directory, then loaded.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tritonshard import ShardedAdamW
+from tritonshard.checkpoint import latest_checkpoint, load_sharded, save_checkpoint
+
+
+def _trained(steps: int, directory: str):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(5, 7))]
+    opt = ShardedAdamW(params, lr=1e-2)
+    for step in range(1, steps + 1):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        save_checkpoint(opt, directory, step, extra={"step": step}, keep=0)
+    return opt
+
+
+def _fresh():
+    params = [torch.nn.Parameter(torch.zeros(37)), torch.nn.Parameter(torch.zeros(5, 7))]
+    return ShardedAdamW(params, lr=1e-2)
+
+
+def test_the_pointer_is_used_when_it_names_a_complete_checkpoint(tmp_path):
+    _trained(2, str(tmp_path))
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000002")
+
+
+def test_a_crash_between_the_renames_of_a_resave_falls_back_to_the_previous_version(tmp_path):
+    _trained(2, str(tmp_path))
+    # re-saving step 2 died after `step_2 -> step_2.old` and before `step_2.partial -> step_2`
+    os.replace(tmp_path / "step_00000002", tmp_path / "step_00000002.old")
+    with pytest.warns(RuntimeWarning, match=r"'latest' names 'step_00000002', which is missing or incomplete; "
+                                            r"using the newest complete checkpoint, .*step_00000002\.old"):
+        path = latest_checkpoint(str(tmp_path))
+    assert path == str(tmp_path / "step_00000002.old")
+    assert load_sharded(_fresh(), path)["step"] == 2
+
+
+def test_a_checkpoint_without_meta_falls_back_to_the_newest_complete_one(tmp_path):
+    _trained(3, str(tmp_path))
+    os.remove(tmp_path / "step_00000003" / "meta.pt")
+    with pytest.warns(RuntimeWarning, match="step_00000002"):
+        path = latest_checkpoint(str(tmp_path))
+    assert load_sharded(_fresh(), path)["step"] == 2
+
+
+def test_no_pointer_but_checkpoints(tmp_path):
+    _trained(2, str(tmp_path))
+    os.remove(tmp_path / "latest")
+    with pytest.warns(RuntimeWarning, match="there is no 'latest' pointer"):
+        assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000002")
+    shutil.rmtree(tmp_path / "step_00000001")
+    shutil.rmtree(tmp_path / "step_00000002")
+    assert latest_checkpoint(str(tmp_path)) is None  # nothing complete: None, as before
+    assert latest_checkpoint(str(tmp_path / "never_created")) is None
+
+
+def test_leftovers_of_a_crash_are_pruned_by_the_next_save(tmp_path):
+    opt = _trained(2, str(tmp_path))
+    shutil.copytree(tmp_path / "step_00000002", tmp_path / "step_00000002.old")
+    os.makedirs(tmp_path / "step_00000003.partial")
+    save_checkpoint(opt, str(tmp_path), 3, keep=0)
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("step_")) == \
+        ["step_00000001", "step_00000002", "step_00000003"]
