@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tritonshard import ShardedAdamW
-from tritonshard.checkpoint import latest_checkpoint, load_sharded, save_checkpoint
+from tritonshard.checkpoint import CheckpointError, latest_checkpoint, load_sharded, save_checkpoint
 
 
 def _trained(steps: int, directory: str):
@@ -75,3 +75,21 @@ def test_leftovers_of_a_crash_are_pruned_by_the_next_save(tmp_path):
     save_checkpoint(opt, str(tmp_path), 3, keep=0)
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("step_")) == \
         ["step_00000001", "step_00000002", "step_00000003"]
+
+
+def test_a_failed_load_changes_nothing_and_says_which_checkpoint(tmp_path):
+    # a truncated .distcp failed only after every exp_avg/exp_avg_sq element of the rank had been overwritten, and
+    # with DCP's CheckpointException, a BaseException that `except Exception` misses (issue 23, item 3)
+    _trained(2, str(tmp_path))
+    path = str(tmp_path / "step_00000002")
+    (data_file,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    with open(os.path.join(path, data_file), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(path, data_file)) // 3)
+    opt = _trained(1, str(tmp_path / "other"))
+    before = [t.clone() for b in opt.buckets for t in (b.master, b.step, *b.state.values())]
+    weights = [b.param_buffer.get_data().clone() for b in opt.buckets]
+    with pytest.raises(CheckpointError, match=rf"loading {path} failed on rank 0"):
+        load_sharded(opt, path)
+    after = [t for b in opt.buckets for t in (b.master, b.step, *b.state.values())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "a failed load changed the optimizer's state"
+    assert all(torch.equal(w, b.param_buffer.get_data()) for w, b in zip(weights, opt.buckets))

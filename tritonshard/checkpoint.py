@@ -339,13 +339,16 @@ def load_sharded(opt, path: str) -> dict:
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     with torch.no_grad():
+        # all or nothing: DCP reads into copies, which replace the live state only once every read succeeded (a
+        # truncated .distcp used to fail after the moments had been overwritten, leaving them half loaded)
         masters = [b.master_fp32().clone() for b in opt.buckets]
+        states = [{name: t.clone() for name, t in b.state.items()} for b in opt.buckets]
         targets = {}  # DCP key -> (offset of this rank's piece in the flattened parameter, where it goes)
-        for b, master in zip(opt.buckets, masters):
+        for b, master, state in zip(opt.buckets, masters, states):
             for piece in b.param_buffer.shard_pieces():
                 i = index_of[b.params[piece.tensor_index]]
                 sl = slice(piece.shard_start, piece.shard_end)
-                for name, shard in (("master", master), *b.state.items()):
+                for name, shard in (("master", master), *state.items()):
                     targets[_key(i, name)] = (piece.tensor_start, shard[sl])
         # each rank reads only the stored chunks that overlap its own pieces (DCP's resharding read plan)
         with _single_process_ok():
@@ -362,8 +365,10 @@ def load_sharded(opt, path: str) -> dict:
         for gi, steps in group_steps.items():
             if len(steps) > 1:
                 raise CheckpointMismatchError(f"parameters of param_groups[{gi}] have different steps {sorted(steps)}")
-        for b, master in zip(opt.buckets, masters):
+        for b, master, state in zip(opt.buckets, masters, states):
             b.set_master(master)
+            for name, t in state.items():
+                b.state[name].copy_(t)
             b.step.fill_(next(iter(group_steps[b.group_index])))
         opt._apply_hparams(meta["param_groups"])
         opt.skipped_steps.fill_(meta["skipped_steps"])

@@ -80,3 +80,23 @@ def test_bad_rounding_arguments():
         adamw_step_(p, g, m, v, step=1, state_rounding="stochastic", **HP)
     with pytest.raises(TypeError, match="exp_avg must be float32 or bfloat16"):
         adamw_step_(p, g, m.half(), v, step=1, **HP)
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "lion"])
+def test_stochastic_states_leave_the_weights_rounded_to_nearest(kind, backend):
+    # only the states round stochastically; the bf16 weights (param_out) are the nearest rounding of the new fp32
+    # master, in the kernels and in the reference alike (the reference rounded them stochastically before issue 23)
+    p, g = randn(N, 3), randn(N, 4, torch.bfloat16)
+    out = torch.empty(N, dtype=torch.bfloat16, device=DEVICE)
+    states = [randn(N, 5 + k, torch.bfloat16, scale=0.1) for k in range(2 if kind == "adamw" else 1)]
+    if kind == "adamw":
+        states[-1].abs_()  # exp_avg_sq >= 0
+    sr = dict(state_rounding="stochastic", seed=1234, param_out=out, backend=backend)
+    if kind == "adamw":
+        adamw_step_(p, g, *states, step=3, **HP, **sr)
+    elif kind == "sgd":
+        sgd_step_(p, g, states[0], lr=1e-2, momentum=0.9, step=3, **sr)
+    else:
+        lion_step_(p, g, states[0], lr=1e-3, weight_decay=0.1, **sr)
+    assert_bitwise_equal(out, p.to(torch.bfloat16), f"{kind} bf16 weights vs the master's nearest rounding")

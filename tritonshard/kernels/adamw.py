@@ -128,7 +128,7 @@ def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, w
     denom = v.sqrt() / bc2_sqrt + eps
     p = p + (-step_size * m) / denom
     pairs = [(exp_avg, m), (exp_avg_sq, v), (param, p)] + ([(param_out, p)] if param_out is not None else [])
-    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
+    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None, states=2)
 
 
 def _validate(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,

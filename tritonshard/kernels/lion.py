@@ -69,7 +69,7 @@ def lion_step_ref(param, grad, exp_avg, *, lr, beta1=0.9, beta2=0.99, weight_dec
     pairs = [(exp_avg, m * beta2 + (1 - beta2) * g), (param, p)]
     if param_out is not None:
         pairs.append((param_out, p))
-    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
+    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None, states=1)
 
 
 @traced

@@ -120,7 +120,7 @@ def muon_momentum_ref(grad, momentum_buffer, update_out, *, momentum, nesterov=T
     b = _torch_lerp(momentum_buffer.float(), g, 1.0 - momentum)
     u = _torch_lerp(g, b, momentum) if nesterov else b
     keep_old_where_found_inf(found_inf, [(momentum_buffer, b)],
-                             host_seed(seed) if state_rounding == "stochastic" else None)
+                             host_seed(seed) if state_rounding == "stochastic" else None, states=1)
     keep_old_where_found_inf(found_inf, [(update_out, u)])
 
 

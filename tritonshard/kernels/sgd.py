@@ -81,7 +81,8 @@ def sgd_step_ref(param, grad, momentum_buffer, *, lr, momentum=0.0, dampening=0.
     pairs.append((param, p))
     if param_out is not None:
         pairs.append((param_out, p))
-    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None)
+    keep_old_where_found_inf(found_inf, pairs, host_seed(seed) if state_rounding == "stochastic" else None,
+                             states=1 if momentum != 0 else 0)
 
 
 @traced
