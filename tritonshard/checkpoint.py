@@ -210,7 +210,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
         meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
                 "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
                 "state_names": list(opt._state_names), "extra": extra or {},
-                "scaler": opt._scaler_state()}
+                "scaler": opt._scaler_state(), "rounding": opt._rounding_state()}
         atomic_save(meta, os.path.join(partial, "meta.pt"))
     _barrier(opt)
     if _is_lead(opt):
@@ -373,6 +373,7 @@ def load_sharded(opt, path: str) -> dict:
         opt._apply_hparams(meta["param_groups"])
         opt.skipped_steps.fill_(meta["skipped_steps"])
         opt._load_scaler_state(meta.get("scaler", {}))
+        opt._load_rounding_state(meta.get("rounding", {}))
         opt._refresh_params_from_master()
     opt._expose_state()
     return meta["extra"]

@@ -61,6 +61,7 @@ class _Bucket:
         self.state_rounding = state_rounding
         self.sr_seed = (torch.full((1,), seed, dtype=torch.int64, device=device)
                         if state_dtype == torch.bfloat16 and state_rounding == "stochastic" else None)
+        self.sr_base = seed  # sr_seed - sr_base = the steps taken so far (saved, so a resume draws the same bits)
         self.step = torch.zeros((), dtype=torch.float32, device=device)  # steps taken (skipped ones excluded)
         for p, view in zip(params, self.param_buffer.get_views()):
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does

@@ -67,7 +67,7 @@ class StateDictMixin:
                 state[i] = full[p]
         return {"state": state, "param_groups": groups,
                 "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone(),
-                                **self._scaler_state()}}
+                                **self._scaler_state(), **self._rounding_state()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
@@ -145,8 +145,25 @@ class StateDictMixin:
             extra = state_dict.get("tritonshard", {})
             self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
             self._load_scaler_state(extra)
+            self._load_rounding_state(extra)
             self._refresh_params_from_master()
         self._expose_state()
+
+    def _rounding_state(self) -> dict:
+        """Stochastic rounding's position: every bucket's Philox key advances by one per step() from its own base
+        (see ShardedOptimizer._make_bucket), so one count restores them all and a resume draws the same random bits
+        as the uninterrupted run (at the same world and bucket size; a reshard changes the keys, not the
+        distribution). One host read, at save time."""
+        for b in self.buckets:
+            if b.sr_seed is not None:
+                return {"sr_steps": int(b.sr_seed.reshape(-1)[0]) - b.sr_base}
+        return {}
+
+    def _load_rounding_state(self, extra: dict) -> None:
+        if "sr_steps" in extra:
+            for b in self.buckets:
+                if b.sr_seed is not None:
+                    b.sr_seed.fill_(b.sr_base + int(extra["sr_steps"]))
 
     def _scaler_state(self) -> dict:
         if self._scale is None:
