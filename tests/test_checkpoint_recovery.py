@@ -85,11 +85,53 @@ def test_a_failed_load_changes_nothing_and_says_which_checkpoint(tmp_path):
     (data_file,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
     with open(os.path.join(path, data_file), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(path, data_file)) // 3)
+    # as a checkpoint from before checksums (issue 23, item 2) would be: DCP itself meets the damage
+    from tritonshard.checkpoint import atomic_save, load_file
+    meta = load_file(os.path.join(path, "meta.pt"))
+    del meta["checksums"]
+    atomic_save(meta, os.path.join(path, "meta.pt"))
+    os.remove(os.path.join(path, "meta.pt.blake2b"))
     opt = _trained(1, str(tmp_path / "other"))
     before = [t.clone() for b in opt.buckets for t in (b.master, b.step, *b.state.values())]
     weights = [b.param_buffer.get_data().clone() for b in opt.buckets]
-    with pytest.raises(CheckpointError, match=rf"loading {path} failed on rank 0"):
+    with pytest.raises(CheckpointError, match=rf"loading {path} failed on rank 0"), \
+            pytest.warns(RuntimeWarning, match="has no checksums"):
         load_sharded(opt, path)
     after = [t for b in opt.buckets for t in (b.master, b.step, *b.state.values())]
     assert all(torch.equal(x, y) for x, y in zip(before, after)), "a failed load changed the optimizer's state"
     assert all(torch.equal(w, b.param_buffer.get_data()) for w, b in zip(weights, opt.buckets))
+
+
+def _flip(file: str, offset: int, count: int = 1) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        data = bytearray(f.read(count))
+        f.seek(offset)
+        f.write(bytes(b ^ 0x10 for b in data))
+
+
+@pytest.mark.parametrize("target", ["distcp", "meta.pt", ".metadata", "missing"])
+def test_corruption_is_detected_before_anything_is_loaded(tmp_path, target):
+    # 8 flipped bytes in a .distcp loaded silently (3 state elements off by up to 5.7e7), and single-bit flips in
+    # meta.pt loaded other values (eps, group index, shape) at 708 of 2,669 offsets (issue 23, item 2)
+    _trained(2, str(tmp_path))
+    path = str(tmp_path / "step_00000002")
+    (data_file,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    if target == "distcp":
+        _flip(os.path.join(path, data_file), os.path.getsize(os.path.join(path, data_file)) // 2, 8)
+        match = rf"{data_file} is corrupt"
+    elif target == "meta.pt":
+        _flip(os.path.join(path, "meta.pt"), os.path.getsize(os.path.join(path, "meta.pt")) // 2)
+        match = r"meta\.pt is corrupt"
+    elif target == ".metadata":
+        _flip(os.path.join(path, ".metadata"), 40)
+        match = r"\.metadata is corrupt"
+    else:
+        os.remove(os.path.join(path, data_file))
+        match = rf"{data_file} is missing"
+    opt = _trained(1, str(tmp_path / "other"))
+    before = [t.clone() for b in opt.buckets for t in (b.master, b.step, *b.state.values())]
+    with pytest.raises(CheckpointError, match=match):
+        load_sharded(opt, path)
+    after = [t for b in opt.buckets for t in (b.master, b.step, *b.state.values())]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))

@@ -51,6 +51,19 @@ def _craft(path: str, marker: str, nested: bool) -> None:
         data = pickle.dumps(Payload(marker))
     with open(meta_file, "wb") as f:
         f.write(data)
+    _refresh_checksums(path)
+
+
+def _refresh_checksums(path: str) -> None:
+    """What an attacker would do next: record the crafted file's checksum (checksums catch corruption, not
+    intent), so the refusal tested here is the unpickler's."""
+    from tritonshard.checkpoint import _META_DIGEST, _digest, atomic_save, load_file
+    meta_path = os.path.join(path, "meta.pt")
+    meta = load_file(meta_path)
+    meta["checksums"][".metadata"] = _digest(os.path.join(path, ".metadata"))
+    atomic_save(meta, meta_path)
+    with open(os.path.join(path, _META_DIGEST), "w") as f:
+        f.write(_digest(meta_path) + "\n")
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["whole-file", "inside-valid-metadata"])
@@ -84,6 +97,7 @@ def test_a_truncated_metadata_is_a_checkpoint_error_naming_the_file(tmp_path):
         data = f.read()
     with open(meta_file, "wb") as f:
         f.write(data[:len(data) // 2])
+    _refresh_checksums(path)
     with pytest.raises(CheckpointError, match=r"\.metadata is not readable checkpoint metadata"):
         load_sharded(opt, path)
 

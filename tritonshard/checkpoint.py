@@ -24,12 +24,17 @@ looks valid. Loading never runs code from the checkpoint's content: ``meta.pt`` 
 DCP's metadata types, torch's dtypes and paths (anything else raises :class:`UnsafeCheckpointError` before it is
 imported; until 2026-12 a crafted ``.metadata`` ran its code), and DCP reads tensor chunks as raw bytes. Load
 failures are :class:`CheckpointError` s (Exceptions), not DCP's ``CheckpointException`` (a BaseException).
+
+Integrity: every file DCP writes is hashed (BLAKE2b) at save, the digests go into ``meta.pt``, and ``meta.pt``'s
+own digest into ``meta.pt.blake2b``; a load checks them all before anything is read into the optimizer, and reads
+into copies that replace the state only once everything succeeded: a load succeeds completely or changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import pickle
 import warnings
@@ -205,13 +210,20 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             dcp.save({}, checkpoint_id=partial, planner=_PiecesSavePlanner(pieces), process_group=_dcp_group(opt),
                      no_dist=not comm.is_initialized())
     if _is_lead(opt):
+        # every file DCP wrote, hashed once it is complete (DCP's coordinator returns after every rank's write);
+        # meta.pt carries these, and meta.pt's own digest sits beside it (checked on load before anything is used)
+        checksums = {name: _digest(os.path.join(partial, name)) for name in sorted(os.listdir(partial))}
         steps = {index_of[p]: float(b.step) for b in opt.buckets for p in b.params}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
                 "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
                 "state_names": list(opt._state_names), "extra": extra or {},
-                "scaler": opt._scaler_state(), "rounding": opt._rounding_state()}
+                "scaler": opt._scaler_state(), "rounding": opt._rounding_state(), "checksums": checksums}
         atomic_save(meta, os.path.join(partial, "meta.pt"))
+        with open(os.path.join(partial, _META_DIGEST), "w") as f:
+            f.write(_digest(os.path.join(partial, "meta.pt")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
     _barrier(opt)
     if _is_lead(opt):
         if os.path.exists(path):
@@ -225,6 +237,40 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             os.replace(partial, path)
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
     _barrier(opt)
+
+
+_META_DIGEST = "meta.pt.blake2b"
+
+
+def _digest(path: str) -> str:
+    """BLAKE2b-128 of a file, streamed (~1 GB/s on one core): what save_sharded records and load_sharded checks."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 23), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify_files(opt, path: str, checksums: Optional[dict]) -> None:
+    """Every file the checkpoint was saved with is there, unchanged: checked by rank 0 of the shard group (one
+    read of the checkpoint) and agreed on by every rank before anything is loaded; a CheckpointError naming the
+    first bad file on every rank otherwise."""
+    if checksums is None:
+        return
+    error = ""
+    if opt.rank == 0:
+        for name, want in checksums.items():
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                error = f"{file} is missing (the checkpoint was saved with it)"
+            elif _digest(file) != want:
+                error = f"{file} is corrupt: its checksum does not match the one saved in meta.pt"
+            if error:
+                break
+    if comm.is_initialized() and opt.world_size > 1:
+        error = comm.all_gather_text(error, opt.process_group, opt.world_size, opt.device)[0]
+    if error:
+        raise CheckpointError(error)
 
 
 def _key(index: int, name: str) -> str:
@@ -331,7 +377,17 @@ def load_sharded(opt, path: str) -> dict:
     meta_path = os.path.join(path, "meta.pt")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path} is not a tritonshard sharded checkpoint (no meta.pt)")
+    digest_path = os.path.join(path, _META_DIGEST)
+    if os.path.isfile(digest_path):
+        with open(digest_path) as f:
+            want = f.read().strip()
+        if _digest(meta_path) != want:
+            raise CheckpointError(f"{meta_path} is corrupt: its checksum does not match {digest_path}")
+    else:
+        warnings.warn(f"{path} has no checksums (written before 2026-12-01): its files are not verified",
+                      RuntimeWarning, stacklevel=2)
     meta = load_file(meta_path)
+    _verify_files(opt, path, meta.get("checksums"))
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     _check_signature(opt, meta)
