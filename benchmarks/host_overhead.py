@@ -31,18 +31,13 @@ import torch.distributed as dist
 def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwargs: dict) -> tuple[float, float]:
     """(seconds per step, seconds per step of the bare collectives) for ``num_buckets`` buckets."""
     import tritonshard
+    from benchmarks.step import sharded_step
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(num_buckets * per_bucket)]
     cap_mb = per_bucket * numel * 2 / 2 ** 20  # exactly per_bucket bf16 tensors per bucket
     opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=cap_mb, **opt_kwargs)
     assert len(opt.buckets) == num_buckets, (len(opt.buckets), num_buckets)
     grads = [torch.randn(numel).to(torch.bfloat16) for _ in params]
-
-    def step():
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
+    step = sharded_step(opt, params, grads)
 
     def collectives():  # as step() issues them: every reduce-scatter launched, then waited; the same for gathers
         for work in [b.grad_buffer.reduce_scatter(async_op=True) for b in opt.buckets]:

@@ -76,14 +76,7 @@ def bench_bucket_sweep(shapes, device, reps, caps) -> list[dict]:
         params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
         opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap)
         grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
-
-        def step():
-            for p, g in zip(params, grads):
-                p.grad = g
-            opt.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-        host, wall = timed_host(step, device, reps)
+        host, wall = timed_host(sharded_step(opt, params, grads), device, reps)
         rows.append({"impl": f"ShardedAdamW bucket_cap_mb={cap:g}", "bucket_cap_mb": cap, "buckets": len(opt.buckets),
                      "host_ms": host * 1e3, "wall_ms": wall * 1e3, "step_ms": wall * 1e3,
                      "host_us_per_bucket": host * 1e6 / len(opt.buckets), "peak_bytes": peak_bytes(device)})
@@ -103,17 +96,22 @@ def reset_peak(device):
         torch.cuda.reset_peak_memory_stats()
 
 
-def time_sharded_step(opt, params, shapes, device, reps) -> float:
-    """Seconds per step of a tritonshard optimizer: bf16 gradients set as ``param.grad``, clip, step, zero_grad."""
-    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
-
+def sharded_step(opt, params, grads):
+    """One step of a tritonshard optimizer as the benchmarks time it: ``grads`` set as ``param.grad`` (the step
+    flattens them), clip, step, zero_grad."""
     def step():
         for p, g in zip(params, grads):
             p.grad = g
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-    return timed(step, device, reps)
+    return step
+
+
+def time_sharded_step(opt, params, shapes, device, reps) -> float:
+    """Seconds per step of a tritonshard optimizer: bf16 gradients set as ``param.grad``, clip, step, zero_grad."""
+    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+    return timed(sharded_step(opt, params, grads), device, reps)
 
 
 def time_torch_step(optimizers, params, shapes, device, reps) -> float:
