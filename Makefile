@@ -1,7 +1,7 @@
 # One command for a new user: `make test` creates .venv, installs tritonshard with its test dependencies, and runs
 # the suite (kernels through the Triton interpreter on CPU, distributed tests with real gloo processes).
 #
-# TORCH_SPEC pins the CPU build used by CI (see ../shared/PLATFORM.md: an unpinned torch pulls a multi-GB CUDA
+# TORCH_SPEC pins the CPU build used by CI (on the project's CI machines an unpinned torch pulls a multi-GB CUDA
 # build). On a GPU machine, override it with your CUDA torch, e.g. `make test TORCH_SPEC=torch`.
 PYTHON ?= python3
 VENV ?= .venv

@@ -395,9 +395,17 @@ def write(out_dir: str, rows: list[dict], env: dict, markdown: str | None = None
     print(text)
 
 
+#: printed above every table not measured on a GPU (issue 22: a CPU run printed "25355 % of copy" unexplained)
+CPU_CAVEAT = ("**CPU run: these timings say nothing about GPUs.** The kernels ran through the Triton interpreter or "
+              "the PyTorch reference, and '% of copy' compares them with a CPU memcpy of the same bytes (values far "
+              "above 100 % are the interpreter's fixed costs meeting tiny copies). This run only proves the harness "
+              "works; GPU figures: benchmarks/results/.")
+
+
 def table(rows: list[dict], env: dict) -> str:
-    lines = [f"{env['device']} | backend {env['backend']} | torch {env['torch']} | triton {env['triton']} | "
-             f"git {env['git']} | {env['date']}", "",
+    caveat = [CPU_CAVEAT, ""] if env.get("backend") != "triton" else []
+    lines = caveat + [f"{env['device']} | backend {env['backend']} | torch {env['torch']} | triton {env['triton']} | "
+                      f"git {env['git']} | {env['date']}", "",
              "| kernel | elements | B/elem | ours ms | ours GB/s | % of copy | PyTorch way | torch GB/s | speedup |",
              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:

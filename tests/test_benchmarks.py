@@ -36,6 +36,7 @@ def test_microbenchmarks_smoke(tmp_path):
     assert env["backend"] == "triton-interpreter"  # tests/conftest.py turns the interpreter on without a GPU
     assert {r["our_backend"] for r in csv_rows} == {"triton-interpreter"}
     assert "| kernel |" in (tmp_path / "results.md").read_text()
+    assert "CPU run: these timings say nothing about GPUs" in (tmp_path / "results.md").read_text()
 
 
 def test_step_benchmark_smoke(tmp_path):

@@ -163,6 +163,7 @@ def kernels():
 
 
 _NO_TRACE = contextlib.nullcontext()
+_FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
 def _trace(label: str):
@@ -531,7 +532,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             stream = torch.cuda.current_stream(self.device)
             for g, _ in grads:  # streams, rule 4
                 g.record_stream(stream)
-        if self._hot_path():  # arguments right by construction (see launch_unchecked)
+        # the unchecked flatten only for gradients of the buffer's device and a source dtype the kernel reads (a
+        # model moved or converted after construction goes through the checked launcher, which names the problem)
+        if self._hot_path() and all(g.device == self.device and g.dtype in _FLAT_SOURCES for g, _ in grads):
             _flatten_unchecked(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads], b.has_grads,
                                launches=b.launches)
         else:
