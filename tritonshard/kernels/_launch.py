@@ -28,8 +28,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-from triton import knobs
 from triton.runtime import driver
+
+try:  # triton.knobs exists from Triton 3.4 on (the GPU machine has 3.6, CI 3.9); older ones never bind
+    from triton import knobs
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    knobs = None
 
 __all__ = ["BoundLaunch", "bound_launches_enabled", "set_bound_launches"]
 
@@ -109,7 +113,10 @@ class BoundLaunch:
 
 def _no_launch_hooks() -> bool:
     """No launch hook is installed (a profiler such as proton installs one; then every launch takes Triton's path,
-    which builds the metadata the hook reads). Triton 3.6 keeps None there, 3.9 an empty HookChain."""
+    which builds the metadata the hook reads). Triton 3.6 keeps None there, 3.9 an empty HookChain. Without
+    ``triton.knobs`` (Triton < 3.4) the hooks cannot be seen: answer False, so nothing is bound."""
+    if knobs is None:
+        return False
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False

@@ -505,16 +505,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         overwrites (parameters without a gradient get zeros), later ones accumulate."""
         if b.placed:
             self._take_back_cleared(b)
-        grads = [(p.grad, off) for p, off in zip(b.params, b.grad_buffer.offsets)
-                 if p.grad is not None and p not in b.placed]
-        if not grads:
+        pending = [(p, p.grad, off) for p, off in zip(b.params, b.grad_buffer.offsets)
+                   if p.grad is not None and p not in b.placed]
+        if not pending:
             return
-        for p in b.params:
-            g = p.grad
-            if g is not None and g.layout != torch.strided and p not in b.placed:
-                raise RuntimeError(
-                    f"the gradient of {self._param_names[p]} is {g.layout}: tritonshard flattens dense gradients only "
-                    "(e.g. build nn.Embedding with sparse=False)")
+        sparse = next((p for p, g, _ in pending if g.layout != torch.strided), None)
+        if sparse is not None:
+            raise RuntimeError(
+                f"the gradient of {self._param_names[sparse]} is {sparse.grad.layout}: tritonshard flattens dense "
+                "gradients only (e.g. build nn.Embedding with sparse=False)")
+        grads = [(g, off) for _, g, off in pending]
         if b.rs_launched:
             raise RuntimeError(
                 f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
