@@ -682,10 +682,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             else:
                 kernels().fold_rows_(rows, shard, self._grad_average, b.norm_partials)
             self._scratch_user[b.rs_slot] = None
-            if self.replica_size > 1:  # at most 2 replicas (checked at construction): one exact add
-                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
-                kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
-            return
+            if self.replica_size == 1:
+                return  # the fold took the norm pass's statistics
+            # hybrid: the replicas' sum (at most 2 replicas, checked at construction: one exact add), then the
+            # statistics of that sum below, replacing the fold's
         if self.replica_size > 1:  # hybrid: the same shard on every replica, summed over them
             dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
         # read-only: the shard keeps the SUM; the 1/d average is applied in the update's grad_scale
