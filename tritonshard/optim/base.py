@@ -767,6 +767,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         ddp_type = torch.nn.parallel.DistributedDataParallel
         if isinstance(model, ddp_type):
             model.require_backward_grad_sync = False  # tritonshard reduces the gradients
+            model_sync.guard_model(model, self)  # ddp.parameters() reads the inner model's tensors directly
             model = model.module
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() takes the torch.nn.Module being trained, got {type(model).__name__}")
@@ -787,8 +788,21 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
             self._defer_gathers = True
         self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
-        model_sync.guard_model(model, self)
+        self._guard_modules(model)
         return handles
+
+    def _guard_modules(self, model: torch.nn.Module) -> None:
+        """Guard ``model`` and every module inside it that holds some of the optimizer's parameters, each waiting
+        for the all-gathers of its own buckets: a wrapper's inner model (torch.compile's ``_orig_mod``, PEFT's
+        ``base_model.model``, DDP's ``module``) and any block a user reads on its own (``model.layers[3]
+        .state_dict()``, an EMA over ``model.transformer.parameters()``) see the new weights right after step()."""
+        every = len(self.buckets)
+        for module in model.modules():
+            owned = {self._bucket_of[p][0].index for p in module.parameters() if p in self._bucket_of}
+            if module is model or len(owned) == every:
+                model_sync.guard_model(module, self)
+            elif owned:
+                model_sync.guard_model(module, self, sorted(owned))
 
     def _set_gather_order(self, params_in_forward_order: list) -> None:
         """Buckets sorted by the earliest position of any of their parameters in ``params_in_forward_order``."""
@@ -803,8 +817,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         gradients a second time: turn its reduction off before its post-forward prepares one (its no_sync()
         restores the value it found, False)."""
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if ddp is not None and ddp.require_backward_grad_sync and ddp.module is module:
-            ddp.require_backward_grad_sync = False
+        if ddp is not None and ddp.module is module:
+            if ddp.require_backward_grad_sync:
+                ddp.require_backward_grad_sync = False
+            if not isinstance(ddp, model_sync._GuardedModule):  # wrapped after attach (accelerate's prepare)
+                model_sync.guard_model(ddp, self)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

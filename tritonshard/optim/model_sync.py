@@ -281,7 +281,8 @@ class _GuardedModule:
     def _tritonshard_wait(self) -> None:
         opt = self._tritonshard_opt()
         if opt is not None:
-            opt.wait_for_params()
+            indices = self.__dict__.get("_tritonshard_buckets")  # None: every bucket
+            opt.wait_for_params(None if indices is None else [opt.buckets[i] for i in indices])
 
     def _tritonshard_opt(self):
         ref = self.__dict__.get("_tritonshard_optimizer")
@@ -315,6 +316,7 @@ class _GuardedModule:
         self._tritonshard_wait()
         state = self.__getstate__()
         state.pop("_tritonshard_optimizer", None)
+        state.pop("_tritonshard_buckets", None)
         return _rebuild_module, (type(self)._tritonshard_base, state)
 
 
@@ -327,10 +329,10 @@ def _rebuild_module(cls, state):
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
-def guard_model(model: torch.nn.Module, optimizer) -> None:
+def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = None) -> None:
     """Swap ``model``'s class for a guarded subclass of it (same name, ``isinstance`` still holds) whose read and
-    write paths wait for ``optimizer``'s in-flight all-gathers. Pickling and deep copies produce the original class,
-    without the guard. Idempotent."""
+    write paths wait for ``optimizer``'s in-flight all-gathers: of the buckets with these indices, or of all of them
+    (None). Pickling and deep copies produce the original class, without the guard. Idempotent."""
     cls = type(model)
     if not isinstance(model, _GuardedModule):
         guarded = _GUARDED_CLASSES.get(cls)
@@ -340,3 +342,4 @@ def guard_model(model: torch.nn.Module, optimizer) -> None:
             _GUARDED_CLASSES[cls] = guarded
         model.__class__ = guarded
     object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
+    object.__setattr__(model, "_tritonshard_buckets", None if buckets is None else tuple(buckets))
