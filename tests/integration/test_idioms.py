@@ -409,3 +409,42 @@ def _state_pieces(rank, world_size):
 def test_opt_state_holds_the_pieces_this_rank_owns():
     """Before the fix opt.state was {}: loggers and LR finders that read opt.state[p]['exp_avg'] saw nothing."""
     run_on_ranks(_state_pieces, 2)
+
+
+# ---------------------------------------------------------------------------------------------- inputs' dtype
+class _TakesKwargs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.emb = torch.nn.Embedding(10, 8)
+
+    def forward(self, x, *, extra, ids):
+        assert ids.dtype == torch.int64  # integer inputs are never cast
+        return self.lin(x + extra["bias"][0] + self.emb(ids))
+
+
+def test_attach_casts_floating_inputs_to_the_weights_dtype():
+    """Issue 22.4: after construction the weights are bf16, and the README's fp32 inputs failed "mat1 and mat2
+    must have the same dtype". attach() casts floating inputs (positional, keyword, nested), as FSDP2 does; the
+    result is what feeding bf16 inputs by hand gives; cast_forward_inputs=False leaves them alone."""
+    torch.manual_seed(0)
+    model = _TakesKwargs()
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    x, bias, ids = torch.randn(3, 8), torch.randn(8), torch.randint(0, 10, (3,))
+    with pytest.raises(RuntimeError, match="dtype"):  # what a user got before
+        model(x, extra={"bias": [bias]}, ids=ids)
+    want = model(x.bfloat16(), extra={"bias": [bias.bfloat16()]}, ids=ids)
+    opt.attach(model)
+    got = model(x, extra={"bias": [bias]}, ids=ids)
+    assert got.dtype == torch.bfloat16
+    assert_bitwise_equal(got, want, "forward on fp32 inputs after attach vs bf16 inputs by hand")
+    got.float().sum().backward()  # the cast is differentiable: training goes on
+    opt.step()
+
+    plain = _TakesKwargs()
+    opt2 = ShardedAdamW(plain.parameters(), lr=1e-3)
+    opt2.attach(plain, cast_forward_inputs=False)
+    with pytest.raises(RuntimeError, match="dtype"):
+        plain(x, extra={"bias": [bias]}, ids=ids)
+    with pytest.raises(TypeError, match="cast_forward_inputs"):
+        opt2.attach(plain, cast_forward_inputs="yes")

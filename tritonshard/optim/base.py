@@ -196,7 +196,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         state_rounding: how bf16 states are rounded: "stochastic" (unbiased; the default) or "nearest".
         loss_scale: dynamic loss scaling (:class:`LossScaleConfig`); on by default for fp16. Multiply the loss by
             ``opt.loss_scale`` (or use ``opt.scale_loss(loss)``) before backward; the unscale is folded into the
-            update's ``grad_scale``, an overflow skips the step and backs off, all without a host sync.
+            update's ``grad_scale``, an overflow skips the step and backs off, all without a host sync. ``False``:
+            off, also for fp16 (to use ``torch.amp.GradScaler`` instead: its recipe, ``unscale_`` included, works
+            on every optimizer here, as on torch's fused ones).
         grad_dtype: dtype of the gradient buffers (bf16 or fp32).
         bucket_cap_mb: at most this many MiB of ``param_dtype`` per bucket (a larger parameter gets its own).
         ordered_reduce: sum the ranks' gradients in rank order, rounding after every add, instead of in the order
@@ -211,6 +213,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     """
 
     _state_names: tuple[str, ...] = ()
+    #: torch.amp.GradScaler's protocol for optimizers that unscale inside their step, as torch's fused ones do: the
+    #: scaler's inf check runs on our placeholders (the reduced gradients' non-finite flag), ``unscale_``'s inverse
+    #: scale is folded into the update's grad_scale, and ``scaler.step`` sets ``grad_scale`` / ``found_inf`` on the
+    #: optimizer for the duration of ``step()``, which folds in the first and skips on the second, on the device
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: dict, *, process_group: Optional[dist.ProcessGroup] = None,
                  replica_group: Optional[dist.ProcessGroup] = None, device_mesh=None,
@@ -229,8 +236,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if state_rounding not in ("stochastic", "nearest"):
             raise ValueError(f"state_rounding must be 'stochastic' or 'nearest', got {state_rounding!r}")
         self.state_dtype, self.state_rounding = state_dtype, state_rounding
-        if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
-            raise TypeError(f"loss_scale must be a LossScaleConfig or None, got {type(loss_scale).__name__}")
+        if loss_scale is not None and loss_scale is not False and not isinstance(loss_scale, LossScaleConfig):
+            raise TypeError(f"loss_scale must be a LossScaleConfig, None (the default: on for fp16 weights) or False "
+                            f"(off), got {type(loss_scale).__name__}")
         if grad_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"grad_dtype must be torch.bfloat16 or torch.float32, got {grad_dtype}")
         if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
@@ -259,7 +267,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._check_options_agree({
             "optimizer": type(self).__name__, "overlap_comm": bool(overlap_comm), "grad_dtype": str(grad_dtype),
             "param_dtype": str(param_dtype), "ordered_reduce": bool(ordered_reduce), "state_dtype": str(state_dtype),
-            "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None,
+            "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None and loss_scale is not False,
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"])})
@@ -329,6 +337,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # dynamic loss scaling: on by default for fp16 weights, whose gradients underflow without it
         if loss_scale is None and param_dtype == torch.float16:
             loss_scale = LossScaleConfig()
+        elif loss_scale is False:  # off, also for fp16 weights (e.g. to use torch.amp.GradScaler instead)
+            loss_scale = None
         self.loss_scale_config = loss_scale
         self._scale = (torch.full((), float(loss_scale.init_scale), dtype=torch.float32, device=self.device)
                        if loss_scale is not None else None)
@@ -743,8 +753,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                     b.ag_work.wait()
                 b.ag_work = None
 
-    def attach(self, model: torch.nn.Module) -> list:
+    def attach(self, model: torch.nn.Module, *, cast_forward_inputs: bool = True) -> list:
         """Tell the optimizer which model it trains: recommended for every model, needed for some idioms.
+
+        * ``cast_forward_inputs=True``: the floating-point tensors among the model's inputs (positional and keyword,
+          through tuples, lists and dicts) are cast to ``param_dtype`` before its forward, as FSDP2's
+          ``MixedPrecisionPolicy(cast_forward_inputs=True)`` does: construction made the weights bf16 (or fp16),
+          and fp32 inputs would fail the first matmul. Integer inputs (token ids, masks) are left alone. Pass
+          False to feed the inputs as they are (e.g. under ``torch.autocast``, or a model that casts itself).
 
         * Errors name parameters by their names in ``model`` (``model.layers.0.mlp.up_proj.weight``).
         * ``step()`` checks that the model still holds the optimizer's parameters (``load_state_dict(...,
@@ -778,7 +794,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 self._param_names[p] = repr(name)
         self._model_params = [(module, local, p) for module in model.modules()
                               for local, p in module._parameters.items() if p is not None and p in known]
-        handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self))]
+        if not isinstance(cast_forward_inputs, bool):
+            raise TypeError(f"cast_forward_inputs must be a bool, got {type(cast_forward_inputs).__name__}")
+        cast_to = self.param_dtype if cast_forward_inputs else None
+        handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
         if self.overlap_comm:
             for module in model.modules():
                 owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
@@ -864,6 +883,26 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         """The current loss scale (a 0-d device tensor), or None without loss scaling."""
         return self._scale
 
+    def _check_no_own_loss_scale(self, by: str) -> None:
+        if self._scale is not None:
+            raise RuntimeError(
+                f"{by} on a {type(self).__name__} that scales the loss itself (loss_scale="
+                f"{self.loss_scale_config}; on by default with param_dtype=torch.float16): the gradients would be "
+                "unscaled twice. Either drop torch's GradScaler and backward opt.scale_loss(loss) (clipping and "
+                "the skip on inf/NaN work the same; opt.clip_grad_norm_ and torch's clip_grad_norm_ see unscaled "
+                "norms), or build the optimizer with loss_scale=False to let GradScaler do it")
+
+    def _amp_unscale(self, params: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler's inf check and ``unscale_``) on the
+        placeholders of ``params``: reduce the gradients (once per step), OR the global non-finite flag into the
+        scaler's ``found_inf``, and fold ``inv_scale`` into the update like any multiplier of ``param.grad`` (so
+        torch's ``clip_grad_norm_`` after ``unscale_`` sees unscaled norms). All on the device."""
+        self._check_no_own_loss_scale("torch.amp.GradScaler")
+        _, ours = self._reduce_grads()
+        found_inf.copy_(torch.maximum(found_inf, ours.to(found_inf.dtype)))
+        for p in params:
+            self._fold_grad_multiplier(p, inv_scale)
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (``loss`` itself without loss scaling): call ``.backward()`` on this."""
         return loss * self._scale if self._scale is not None else loss
@@ -885,6 +924,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         for gi, group in self._trained_groups:
             self._check_group(group, f" (param_groups[{gi}], at step())")
         _, found_inf = self._reduce_grads()
+        # torch.amp.GradScaler.step(opt) sets these two around this call (see _step_supports_amp_scaling): the scale
+        # the loss was multiplied by, unless unscale_() folded its inverse in already, and its inf flag
+        amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
+        if amp_scale is not None or amp_found_inf is not None:
+            self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
+        if amp_found_inf is not None:
+            found_inf = torch.maximum(found_inf, (amp_found_inf > 0).to(found_inf.dtype))
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no rounding)
         grad_scale = self._grad_average if self._clip_coef is None else self._clip_coef * self._grad_average
@@ -893,6 +939,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         multiplier = self._common_multiplier()
         if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
             grad_scale = grad_scale * multiplier
+        if amp_scale is not None:  # GradScaler.step without unscale_(): the gradients are still scaled
+            grad_scale = grad_scale / amp_scale
         bound = self._hot_path()
         if bound:  # the bound update launches read these two tensors (see __init__)
             self._found_inf_buf.copy_(found_inf)

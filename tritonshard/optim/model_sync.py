@@ -88,13 +88,41 @@ class WaitForParamsHook(_OptimizerRef):
 
 
 class RootForwardPreHook(_OptimizerRef):
-    """Forward pre-hook on the attached model: everything must be gathered before the model is used, and a
-    ``DistributedDataParallel`` wrapped around it must not reduce the gradients a second time."""
+    """Forward pre-hook on the attached model (registered ``with_kwargs=True``): a ``DistributedDataParallel``
+    wrapped around it must not reduce the gradients a second time, and with ``cast_to`` set, the floating-point
+    tensors among the inputs are cast to the parameters' dtype (as FSDP2's ``cast_forward_inputs``): the model
+    holds bf16 (or fp16) weights from construction on, and fp32 inputs would fail its first matmul."""
 
-    def __call__(self, module, args):
+    def __init__(self, optimizer, cast_to: Optional[torch.dtype] = None):
+        super().__init__(optimizer)
+        self.cast_to = cast_to
+
+    def __call__(self, module, args, kwargs):
         opt = self.optimizer()
-        if opt is not None:
-            opt._before_model_forward(module)
+        if opt is None:
+            return None
+        opt._before_model_forward(module)
+        if self.cast_to is None:
+            return None
+        dtype = self.cast_to
+        if not any(t.is_floating_point() and t.dtype != dtype for t in iter_tensors((args, kwargs))):
+            return None  # nothing to cast (integer token ids, inputs already in the weights' dtype)
+        return _cast_floating((args, kwargs), dtype)
+
+
+def _cast_floating(obj, dtype: torch.dtype, _depth: int = 0):
+    """``obj`` with every floating-point tensor in it (through tuples, lists and dicts) cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if _depth > 8:
+        return obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _cast_floating(v, dtype, _depth + 1)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_cast_floating(v, dtype, _depth + 1) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(v, dtype, _depth + 1) for v in obj)
+    return obj
 
 
 class RootForwardHook(_OptimizerRef):
@@ -210,6 +238,10 @@ class ShardedGrad(torch.Tensor):
             for i, t in enumerate(args[0]):
                 _mul(t, scalars[i] if isinstance(scalars, (list, tuple)) else scalars)
             return None
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:  # torch.amp.GradScaler
+            grads, found_inf, inv_scale = (list(args) + [kwargs.get(k) for k in ("found_inf", "inv_scale")])[:3]
+            _amp_unscale(grads, found_inf, inv_scale)
+            return None
         if func is torch.Tensor.zero_:
             opt, param = args[0]._owner()
             opt._discard_grad(param)
@@ -255,6 +287,21 @@ def _mul(t, coef) -> None:
         return
     opt, param = t._owner()
     opt._fold_grad_multiplier(param, coef)
+
+
+def _amp_unscale(grads, found_inf, inv_scale) -> None:
+    """GradScaler's check-and-unscale over a mix of placeholders (each optimizer handles its own) and tensors."""
+    plain = [g for g in grads if not isinstance(g, ShardedGrad)]
+    if plain:
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
+    by_opt: dict = {}
+    for g in grads:
+        if isinstance(g, ShardedGrad):
+            opt, param = g._owner()
+            by_opt.setdefault(id(opt), (opt, []))[1].append(param)
+    for opt, params in by_opt.values():
+        opt._amp_unscale(params, found_inf, inv_scale)
 
 
 def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bool = False) -> RuntimeError:

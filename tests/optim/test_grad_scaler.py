@@ -1,0 +1,91 @@
+"""torch.amp.GradScaler's recipe on a sharded optimizer (issue 22.2): ``scaler.scale(loss).backward();
+scaler.unscale_(opt); clip; scaler.step(opt); scaler.update()`` works as on torch's fused optimizers
+(``_step_supports_amp_scaling``), or raises an error that names the fix.
+
+The reference is the same loop without the scaler. The scale is a power of two and bf16 has fp32's exponent range,
+so scaled gradients, the unscale and the clip coefficient are exact: the two runs must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.helpers import assert_bitwise_equal
+from tests.optim.training import MAX_NORM, batch, loss_fn, make_model
+from tritonshard import ShardedAdamW
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def _train(rank: int, scaler, unscale: bool, clip: bool, steps: int = 3, poison_step: int = -1, **opt_kwargs):
+    model = make_model(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **opt_kwargs)
+    norms = []
+    for step in range(steps):
+        loss = loss_fn(model, batch(rank, step, 0, poison=step == poison_step and rank == 0))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None and unscale:
+            scaler.unscale_(opt)
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    return model, opt, norms
+
+
+def _recipe(rank, world_size, unscale, clip):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    model, opt, norms = _train(rank, scaler, unscale, clip)
+    ref_model, _, ref_norms = _train(rank, None, unscale, clip)
+    assert_bitwise_equal(_weights(model), _weights(ref_model), "weights, GradScaler recipe vs no scaling")
+    for n, r in zip(norms, ref_norms):  # torch's clip after unscale_ sees the unscaled global norm
+        assert_bitwise_equal(n, r, "clip_grad_norm_ after scaler.unscale_")
+    assert scaler.get_scale() == 2.0 ** 12 and int(opt.skipped_steps) == 0
+
+
+@pytest.mark.parametrize("unscale, clip", [(True, True), (False, False)], ids=["unscale+clip", "step only"])
+def test_the_grad_scaler_recipe_trains_as_without_scaling(unscale, clip):
+    """Before: with bf16 weights, scaler.unscale_(opt) raised from clip_grad_norm_'s placeholder ("use
+    opt.clip_grad_norm_"), and scaler.step(opt) without unscale_ ran torch's inf check on placeholders."""
+    run_on_ranks(_recipe, 2, unscale, clip)
+
+
+def _inf_on_one_rank(rank, world_size):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    model, opt, _ = _train(rank, scaler, True, True, steps=1, poison_step=0)
+    fresh = make_model(0)
+    ShardedAdamW(fresh.parameters(), lr=1e-2)  # the weights as construction leaves them
+    assert_bitwise_equal(_weights(model), _weights(fresh), "weights after a skipped step")
+    assert int(opt.skipped_steps) == 1  # on every rank, though only rank 0 saw the inf
+    assert scaler.get_scale() == 2.0 ** 11  # the scaler backed off: it got the global flag
+
+
+def test_an_inf_on_one_rank_skips_the_step_everywhere_and_the_scaler_backs_off():
+    run_on_ranks(_inf_on_one_rank, 2)
+
+
+def test_fp16_weights_with_the_built_in_scaler_and_grad_scaler_is_a_clear_error():
+    """fp16 weights turn tritonshard's own loss scaling on; GradScaler would unscale a second time."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    with pytest.raises(RuntimeError, match=r"opt\.scale_loss\(loss\).*loss_scale=False"):
+        _train(0, scaler, unscale=False, clip=False, steps=1, param_dtype=torch.float16)
+
+
+def test_fp16_weights_with_loss_scale_false_train_under_grad_scaler():
+    """loss_scale=False hands the scaling to GradScaler; scaler.step(opt) without unscale_ (torch's unscale_ refuses
+    fp16 gradients for every optimizer: "Attempting to unscale FP16 gradients")."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    model, opt, _ = _train(0, scaler, unscale=False, clip=False, param_dtype=torch.float16, loss_scale=False)
+    ref_model, _, _ = _train(0, None, unscale=False, clip=False, param_dtype=torch.float16, loss_scale=False)
+    assert opt.loss_scale is None
+    # fp16's range is narrow: 2^12 times the gradients stays exact unless one underflows unscaled (then the scaled
+    # run is the more accurate one); the weights of this model agree to the last fp16 bit
+    assert_bitwise_equal(_weights(model), _weights(ref_model), "fp16 weights, GradScaler vs no scaling")
