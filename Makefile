@@ -9,19 +9,24 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: test train train-hf install clean
+.PHONY: test train train-hf figures install clean
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS)
 
 # The main job: a small GPT trained with ShardedAdamW on 2 processes (gloo on CPU, NCCL on GPUs).
 # `make train TRAIN_ARGS="--optimizer torch"` runs the fp32 torch.optim.AdamW baseline on the same data and seed.
+# (torchrun --standalone through examples/launch.py: Ctrl-C stops the workers cleanly, without torchrun's traceback)
 train: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py $(TRAIN_ARGS)
+	$(PY) examples/launch.py --nproc-per-node $(NPROC) examples/train_gpt.py $(TRAIN_ARGS)
 
 # The same training idioms as Hugging Face code: a LlamaForCausalLM from a tiny config, torch's clipping, save_pretrained.
 train-hf: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_hf.py $(TRAIN_ARGS)
+	$(PY) examples/launch.py --nproc-per-node $(NPROC) examples/train_hf.py $(TRAIN_ARGS)
+
+# Every figure the README quotes from CPU runs, regenerated (docs/figures.json + the loss-curve PNGs; ~12 min).
+figures: $(VENV)/.installed
+	$(PY) -m benchmarks.figures
 
 install: $(VENV)/.installed
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The project's GPU check: ONE device call of at most 5 minutes on a cold machine (torch 2.11 and its Triton there,
 # no package registry, 16 CPU cores, an empty Triton cache). Every stage runs under its own timeout, and the
-# timeouts add up to 280 s, so the call ends in time even when a stage hangs; a stage that times out or fails is
+# timeouts add up to 300 s, so the call ends in time even when a stage hangs; a stage that times out or fails is
 # reported and the next one still runs.
 #
-#   device run:  OUT=$OUT bash benchmarks/gpu_check.sh          (timeout_s 330 leaves room for the packing)
+#   device run:  OUT=$OUT bash benchmarks/gpu_check.sh          (timeout_s 350 leaves room for the packing)
 #
 # The stages (budget, in seconds):
 #   1. the COMPILED kernels against the PyTorch references: pytest -n 16 tests/kernels (26 s measured on an H200
@@ -15,7 +15,10 @@
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure)                                     50
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP, FSDP2 (bf16
 #      MixedPrecisionPolicy), ShardedAdamW with and without overlap, ShardedMuon, at 85M; AMP and ShardedAdamW
-#      at 302M                                                                                              100
+#      at 302M                                                                                               80
+#   6. one traced training iteration (torch.profiler, host and device timelines) of the example at 302M, with and
+#      without overlap_comm + attach: where the ~27 ms per iteration that overlap cost on the H200 went
+#      (issue 20). The chrome traces are packed; the top ops by host and by device time go to results.md      40
 #   train. (not in the default set) the example's 300 steps, loss and tokens/s                              120
 #
 # What comes back: a device call returns at most 8 files from $OUT. The script leaves exactly three: results.md
@@ -26,7 +29,8 @@
 # the GPU image has python3), TESTS (pytest targets), XDIST (pytest's -n value, empty for none), BENCH_ARGS (extra
 # benchmarks.run arguments), MODELS (benchmarks.step models), STEP_ARGS (extra benchmarks.step arguments),
 # BUCKET_CAPS (the sweep), E2E_RUNS ("model:nproc:steps:configs" items, configs comma-separated), TRAIN_STEPS,
-# TRAIN_ARGS, STAGES (which of 1 2 3 4 5 train to run), T1..T5, TTRAIN (the stage timeouts).
+# TRAIN_ARGS, PROFILE_ARGS (the traced model), PROFILE_STEPS (the traced step, the last), PROFILE_MODES (overlap
+# no-overlap), STAGES (which of 1 2 3 4 5 6 train to run), T1..T6, TTRAIN (the stage timeouts).
 # Where a machine lacks pytest/hypothesis: pip install --target .gpu_deps pytest hypothesis, and carry .gpu_deps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,8 +49,11 @@ BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
 E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,fsdp2,sharded,sharded-overlap,muon 302M:1:15:amp,sharded,sharded-overlap}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 TRAIN_ARGS=${TRAIN_ARGS:-}
-STAGES=" ${STAGES:-1 2 3 4 5} "
-T1=${T1:-60} T2=${T2:-30} T3=${T3:-40} T4=${T4:-50} T5=${T5:-100} TTRAIN=${TTRAIN:-120}
+PROFILE_ARGS=${PROFILE_ARGS:---n-layer 24 --n-head 16 --n-embd 1024 --block-size 256 --batch-size 16 --grad-accum 2}
+PROFILE_STEPS=${PROFILE_STEPS:-6}
+PROFILE_MODES=${PROFILE_MODES:-overlap no-overlap}
+STAGES=" ${STAGES:-1 2 3 4 5 6} "
+T1=${T1:-60} T2=${T2:-30} T3=${T3:-40} T4=${T4:-50} T5=${T5:-80} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 status=0
 note() { echo "$1" | tee -a "$OUT/results.md"; }
@@ -102,6 +109,21 @@ if stage 5; then
     ran "5 ($model)" $?
   done
   tail -n 20 "$WORK/e2e.log"
+fi
+if stage 6; then
+  echo "== 6. one traced iteration, with and without overlap_comm (timeout ${T6}s for both)"
+  deadline=$((SECONDS + T6))
+  for mode in $PROFILE_MODES; do
+    left=$((deadline - SECONDS)); [ "$left" -gt 0 ] || { ran "6 ($mode)" 124; continue; }
+    timeout "$left" $PY -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py --no-progress \
+      --no-save --steps "$PROFILE_STEPS" --profile-step "$PROFILE_STEPS" --"$mode" --out-dir "$WORK/profile-$mode" \
+      $PROFILE_ARGS >> "$WORK/profile.log" 2>&1
+    ran "6 ($mode)" $?
+    { echo; echo "## Traced iteration (step $PROFILE_STEPS), --$mode"; echo; echo '```'
+      cat "$WORK/profile-$mode/tritonshard/profile_step$PROFILE_STEPS.txt" 2>/dev/null || echo "no trace"; echo '```'
+    } >> "$OUT/results.md"
+  done
+  tail -n 5 "$WORK/profile.log"
 fi
 if stage train; then
   echo "== train. examples/train_gpt.py, 1 GPU (NCCL), $TRAIN_STEPS steps (timeout ${TTRAIN}s)"

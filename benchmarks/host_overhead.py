@@ -61,6 +61,29 @@ def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwarg
     return min(times), min(comm)
 
 
+def _measure_flatten(num_tensors: int, numel: int, reps: int) -> tuple[float, float]:
+    """(seconds per tensor, repeating; seconds per tensor, fresh tensors each call) of the optimizer's flatten
+    launches (``launch_unchecked`` with a per-bucket launch cache): the host cost per gradient of every backward.
+    Repeating = the same gradient tensors at the same addresses every step, as the caching allocator gives."""
+    from tritonshard.kernels.flatten import launch_unchecked
+    out = torch.empty(num_tensors * numel, dtype=torch.bfloat16)
+    offsets = [i * numel for i in range(num_tensors)]
+    same = [torch.randn(numel).to(torch.bfloat16) for _ in range(num_tensors)]
+    launches: dict = {}
+    for _ in range(3):
+        launch_unchecked(out, same, offsets, False, 1.0, launches)
+    repeating, fresh = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        launch_unchecked(out, same, offsets, False, 1.0, launches)
+        repeating.append(time.perf_counter() - t0)
+        new = [t.clone() for t in same]  # other addresses
+        t0 = time.perf_counter()
+        launch_unchecked(out, new, offsets, False, 1.0, launches)
+        fresh.append(time.perf_counter() - t0)
+    return min(repeating) / num_tensors, min(fresh) / num_tensors
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--buckets", type=int, nargs=2, default=[16, 128], help="two bucket counts (the slope's ends)")
@@ -70,6 +93,7 @@ def main(argv=None) -> dict:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--no-bound-launches", action="store_true",
                    help="every launch through Triton's own dispatch (what bound launches save, issue 20)")
+    p.add_argument("--flatten-tensors", type=int, default=4096, help="tensors of the flatten measurement")
     p.add_argument("--out", help="write the row as JSON to this file")
     args = p.parse_args(argv)
 
@@ -94,6 +118,8 @@ def main(argv=None) -> dict:
             step_hi, comm_hi = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, {})
             launches_before = dry.launches
             _measure(lo, args.tensors_per_bucket, args.numel, 1, {})
+            launches_at_lo = dry.launches - launches_before
+            flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
     finally:
         driver._active = previous
         if own_group:
@@ -107,7 +133,9 @@ def main(argv=None) -> dict:
         "host_us_per_tensor": per_bucket * 1e6 / args.tensors_per_bucket,
         "gloo_collectives_us_per_bucket": comm_per_bucket * 1e6,
         "host_us_per_bucket_without_gloo": (per_bucket - comm_per_bucket) * 1e6,
-        "launches_per_step_at_lo": (dry.launches - launches_before) / 4,  # 3 warm-up steps + 1 timed
+        "launches_per_step_at_lo": launches_at_lo / 4,  # 3 warm-up steps + 1 timed
+        "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
+        "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
         "bound_launches": not args.no_bound_launches,
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
@@ -118,6 +146,8 @@ def main(argv=None) -> dict:
     print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), of which "
           f"gloo's reduce-scatter + all-gather {row['gloo_collectives_us_per_bucket']:.0f} us; "
           f"without them {row['host_us_per_bucket_without_gloo']:.0f} us")
+    print(f"  flatten of {args.flatten_tensors} gradients: {row['flatten_host_us_per_tensor_repeating']:.2f} us per "
+          f"tensor at repeating addresses, {row['flatten_host_us_per_tensor_fresh']:.2f} us at new ones")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)

@@ -216,7 +216,41 @@ def parse_args(argv=None):
     p.add_argument("--stop-after", type=int, default=0,
                    help="checkpoint and exit after this step, as on Ctrl-C (for time-boxed jobs); 0: never")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="trace this step with torch.profiler (host and device): rank 0 writes "
+                        "profile_step<N>.json (chrome trace) and .txt (top ops) to the run directory; 0: off")
     return p.parse_args(argv)
+
+
+def start_profile(device):
+    """torch.profiler over one training iteration (forward, backward, clipping, step, zero_grad), host and device."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def end_profile(profiler, device, out_dir, step: int) -> None:
+    """Close the trace once the device has finished the step; ``out_dir`` (rank 0): write the chrome trace and the
+    top ops by host time and by device time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.__exit__(None, None, None)
+    if out_dir is None:
+        return
+    profiler.export_chrome_trace(os.path.join(out_dir, f"profile_step{step}.json"))
+    averages = profiler.key_averages()
+    tables = [f"step {step}, top ops by host (self CPU) time\n"
+              + averages.table(sort_by="self_cpu_time_total", row_limit=25),
+              f"step {step}, top ranges by inclusive host time (the optimizer's: Optimizer.step, tritonshard.*)\n"
+              + averages.table(sort_by="cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        tables.append(f"step {step}, top ops by device time\n"
+                      + averages.table(sort_by="self_device_time_total", row_limit=25))
+    with open(os.path.join(out_dir, f"profile_step{step}.txt"), "w") as f:
+        f.write("\n\n".join(tables))
 
 
 def setup_distributed():
@@ -312,6 +346,7 @@ def main(argv=None):
 
     step = start
     while step < args.steps:
+        profiler = start_profile(device) if step + 1 == args.profile_step else None
         t0 = time.perf_counter()
         lr = lr_at(step, args)
         for g in opt.param_groups:  # every group follows the schedule relative to its own peak
@@ -333,6 +368,8 @@ def main(argv=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        if profiler is not None:
+            end_profile(profiler, device, out_dir if rank == 0 else None, step)
 
         if world > 1:  # the mean loss over ranks, and whether any rank was asked to stop
             flag = torch.tensor([loss_sum.item(), float(stop["requested"])], device=device)

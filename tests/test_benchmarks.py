@@ -118,8 +118,10 @@ def test_sync_check_configurations_run(capsys):
 
 def _gpu_check(tmp_path, **knobs):
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "XDIST": "", "OMP_NUM_THREADS": "1",
-           # CPU stage timeouts: generous (the harness is under test, not the speed); the GPU defaults sum to 280 s
-           "T1": "300", "T2": "300", "T3": "300", "T4": "300", "T5": "300", **knobs}
+           # CPU stage timeouts: generous (the harness is under test, not the speed); the GPU defaults sum to 300 s
+           "T1": "300", "T2": "300", "T3": "300", "T4": "300", "T5": "300", "T6": "300",
+           "PROFILE_ARGS": "--n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 2 --grad-accum 1",
+           "PROFILE_STEPS": "2", "PROFILE_MODES": "overlap", **knobs}
     # stage 1's pytest turns the interpreter on itself (tests/conftest.py); the other stages run as a CPU user's
     # code does, on the PyTorch reference kernels (the interpreter would cost ~1 s per optimizer step)
     env.pop("TRITON_INTERPRET", None)
@@ -151,6 +153,10 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         row = next(line for line in results.splitlines() if line.startswith(f"| {config} |"))
         assert "did not run" not in row, row
     assert "gpu_check/e2e/e2e-tiny-loss.png" in members
+    # stage 6, the traced iteration (one of its two modes here, for time): its tables in results.md
+    assert "## Traced iteration (step 2), --overlap" in results
+    assert "gpu_check/profile-overlap/tritonshard/profile_step2.json" in members
+    assert "tritonshard.update[bucket 0]" in results
     assert "failed" not in results and "timed out" not in results
 
 
@@ -159,7 +165,7 @@ def test_gpu_check_runs_only_the_stages_asked_for(tmp_path):
     results, members, _ = _gpu_check(tmp_path, STAGES="2")
     assert "gpu_check/sync_check.log" in members
     assert not any(f"gpu_check/{name}" in members for name in ("kernel_tests.log", "bench.log", "step.log",
-                                                               "e2e.log", "train.log"))
+                                                               "e2e.log", "train.log", "profile.log"))
     assert "## Sync check" in results
 
 

@@ -189,6 +189,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     ``extra``: small picklable-free data (numbers, strings, tensors, lists, dicts) stored in the metadata by rank 0,
     e.g. the training step and RNG states.
     """
+    opt._entry("save")
     opt.sync_from_model()
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
@@ -374,6 +375,8 @@ def load_sharded(opt, path: str) -> dict:
     Returns the ``extra`` dict saved with it. Raises :class:`CheckpointMismatchError` naming the difference when
     the checkpoint does not fit the optimizer, and ``FileNotFoundError`` when ``path`` is not a checkpoint.
     """
+    opt._entry("load")
+    opt._prepared_state = None
     meta_path = os.path.join(path, "meta.pt")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path} is not a tritonshard sharded checkpoint (no meta.pt)")
@@ -391,6 +394,7 @@ def load_sharded(opt, path: str) -> dict:
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     _check_signature(opt, meta)
+    opt._entry("save")
     opt.sync_from_model()
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
@@ -456,6 +460,7 @@ def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = N
     timeline that ``latest`` must never point back to). Returns the checkpoint's path. The pointer moves only
     after the checkpoint is complete on every rank.
     """
+    opt._entry("save")
     if _is_lead(opt):
         os.makedirs(directory, exist_ok=True)
     _barrier(opt)

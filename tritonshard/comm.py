@@ -8,14 +8,18 @@ warns.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import logging
 import os
+import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "all_gather_text", "local_device",
-           "group_size", "group_rank", "is_initialized"]
+           "group_size", "group_rank", "is_initialized", "CollectiveMismatchError", "EntryCheck"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -81,3 +85,111 @@ def all_gather_text(text: str, group, world_size: int, device: torch.device) -> 
     all_gather_single(everyone, padded, group=group)
     rows = everyone.view(world_size, -1).cpu()
     return [bytes(row[:n].tolist()).decode() for row, n in zip(rows, lengths)]
+
+
+# ---------------------------------------------------------------------------------------------- entry handshakes
+class CollectiveMismatchError(RuntimeError):
+    """The ranks entered different tritonshard collectives (e.g. ``state_dict()`` on rank 0 only while the others
+    went on training). Raised on every rank involved, as soon as they meet, instead of a hang or a foreign error."""
+
+
+#: the entry points that run collectives, as the handshake names them to the user
+ENTRIES = {
+    "reduce": "the gradient reduction (the last backward with overlap_comm, clip_grad_norm_, grad_norm, a norm of "
+              "param.grad as in torch's clip_grad_norm_, GradScaler's unscale_, or step())",
+    "param_norms": "the per-parameter gradient norms (torch's clip_grad_norm_ on param.grad, or clip_grad_norm_ "
+                   "with norm_type != 2)",
+    "step": "step()'s updates and parameter all-gathers",
+    "state_dict": "state_dict()",
+    "load_state_dict": "load_state_dict()",
+    "save": "a checkpoint save (save_sharded / save_checkpoint)",
+    "load": "a checkpoint load (load_sharded)",
+}
+
+
+def _code(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
+
+
+_DESCRIBE = {_code(k): v for k, v in ENTRIES.items()}
+_COLD = frozenset({"state_dict", "load_state_dict", "save", "load"})  # off the training loop's path
+#: a rank waiting this long in a handshake of a cold entry (state_dict, loads, saves) logs what it waits for
+WARN_AFTER_S = 10.0
+_log = logging.getLogger("tritonshard")
+
+
+class _SideGroup:
+    """A gloo group over the ranks of a process group, for the handshakes: CPU tensors (no device sync with NCCL)
+    and no collision with the data collectives in flight on the main group. One per main group and process."""
+
+    def __init__(self, group, size: int):
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.size = size
+        self.seq = 0  # handshakes on this group so far: the same on every rank while the ranks agree
+
+
+_SIDE_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _side_group(group, size: int) -> _SideGroup:
+    key = group if group is not None else dist.group.WORLD
+    side = _SIDE_GROUPS.get(key)
+    if side is None:
+        side = _SIDE_GROUPS[key] = _SideGroup(group, size)
+    return side
+
+
+class EntryCheck:
+    """The handshake at the start of every tritonshard entry point that runs collectives.
+
+    A collective called on some ranks only (the Hugging Face Trainer calls ``optimizer.state_dict()`` on the main
+    process only) pairs its first collective with whatever the other ranks do next: gloo aborts with "Received
+    data size doesn't match expected size", NCCL hangs. So every entry (the gradient reduction, the per-parameter
+    norms, step()'s update and all-gathers, state_dict, load_state_dict, checkpoint saves and loads) first
+    all-gathers (what it is, a sequence number) over a gloo side group of the same ranks: the first call of every
+    entry is this one, so entries always meet entries, and when the ranks are in different ones every rank
+    raises :class:`CollectiveMismatchError` naming each rank's call, as soon as the others reach any entry.
+
+    Cost: one all-gather of 16 bytes per rank on CPU per entry (two per training step: the reduction and the
+    step), no device sync; nothing at world size 1.
+    """
+
+    def __init__(self, groups: list):
+        """``groups``: (process group, size) pairs; those of size 1 need no handshake."""
+        self._groups = [_side_group(g, n) for g, n in groups if n > 1] if is_initialized() else []
+
+    def __call__(self, entry: str) -> None:
+        """Handshake for ``entry`` (a key of :data:`ENTRIES`)."""
+        if not self._groups or torch.compiler.is_compiling():
+            return
+        code = _code(entry)
+        for side in self._groups:
+            side.seq += 1
+            mine = torch.tensor([code, side.seq], dtype=torch.int64)
+            everyone = torch.empty(2 * side.size, dtype=torch.int64)
+            work = all_gather_single(everyone, mine, group=side.group, async_op=True)
+            if entry in _COLD and WARN_AFTER_S > 0:
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=WARN_AFTER_S))
+                except RuntimeError:  # timed out: say what this rank waits for, then wait on (gloo re-waits fine)
+                    _log.warning(
+                        "tritonshard: rank %d has waited %g s in %s for the other ranks. It is a collective: if "
+                        "they are not calling it (the Hugging Face Trainer saves the optimizer on the main process "
+                        "only; use tritonshard.integrations.hf.ShardedOptimizerCallback, or prepare_state_dict() on "
+                        "every rank), this waits until the process group's timeout", dist.get_rank(), WARN_AFTER_S,
+                        ENTRIES[entry])
+            work.wait()
+            rows = everyone.view(side.size, 2).tolist()
+            if all(r == rows[0] for r in rows):
+                continue
+            side.seq = max(r[1] for r in rows)  # (the group is unusable for training anyway; keep it consistent)
+            calls = "; ".join(f"rank {r}: {_DESCRIBE.get(c, 'another tritonshard version')} (its entry {n})"
+                              for r, (c, n) in enumerate(rows))
+            raise CollectiveMismatchError(
+                f"tritonshard: the ranks are in different collective calls ({calls}). Every rank must make the same "
+                "tritonshard calls in the same order: the gradient reduction (backward with overlap_comm, "
+                "clip_grad_norm_, grad_norm, torch's clip_grad_norm_ on param.grad, GradScaler.unscale_), step(), "
+                "state_dict(), load_state_dict() and checkpoint saves and loads are collectives. A framework that "
+                "saves the optimizer on one rank only (the Hugging Face Trainer) must have every rank call "
+                "opt.prepare_state_dict() first (tritonshard.integrations.hf.ShardedOptimizerCallback does it)")

@@ -93,7 +93,27 @@ def main() -> None:
         out["no_clip"] = [step(clip=False), step(clip=False), step(clip=False)]  # grad_scale becomes a number
         _launch.set_bound_launches(False)
         out["no_clip_triton_dispatch"] = [step(clip=False)]
+        _launch.set_bound_launches(True)
+        out["transposed"] = _transposed(rec)
     json.dump(out, sys.stdout)
+
+
+def _transposed(rec) -> dict:
+    """The flatten's plan is found by the gradients' addresses: a gradient at the same address that is not
+    contiguous (a square matrix's transpose set by hand) must not reuse it. Records the pointer table the flatten
+    launch reads (the source addresses) per step."""
+    from tritonshard import ShardedAdamW
+    square = torch.nn.Parameter(torch.randn(64, 64))
+    opt = ShardedAdamW([square], lr=1e-3)
+    g = torch.randn(64, 64).to(torch.bfloat16)
+    tables = []
+    for grad in (g, g, g, g.t(), g):
+        square.grad = grad
+        opt.step()
+        opt.zero_grad()
+        calls, rec.calls = rec.calls, []
+        tables.append([args[9].tolist() for name, args in calls if name == "_flatten_kernel"])
+    return {"grad_address": g.data_ptr(), "tables": tables}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ what lands in ``out``); contiguous ones are read in place.
 from __future__ import annotations
 
 import collections
+import functools
 import numbers
 from typing import Sequence
 
@@ -202,22 +203,38 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
     construction (ShardedOptimizer: its own buffer and offsets, and gradients that autograd gave the parameters'
     dtype and device). With ``launches`` (a dict the caller keeps, e.g. per bucket), each launch is bound once and
     replayed while its pointer tables are the cached ones (:mod:`._launch`)."""
+    if launches is not None:
+        # The tensors repeat step after step at the same addresses (the caching allocator hands backward the same
+        # blocks): then the whole plan (groups, pointer tables, bound launches) is the last one, found by the
+        # addresses alone, ~0.2 us per tensor instead of the loop's ~2 (issue 20.5). A tensor's address fixes its
+        # numel and dtype (a parameter's gradient has the parameter's); contiguity is checked, as the loop does.
+        ptrs = tuple(map(_data_ptr, tensors))
+        plan_key = ("plan", accumulate, float(scale))
+        plan = launches.get(plan_key)
+        if plan is not None and plan[0] == ptrs and plan[1] is out and all(map(_is_contiguous, tensors)):
+            for key, spec, first in plan[2]:
+                _launch.launch(launches, key, spec, first)
+            return
+        steps: list = []
     # one launch per (source dtype, aligned): aligned = source address and destination byte offset both multiples
     # of 16 bytes (what a Buffer's 64-element alignment and the caching allocator give), so the kernel may use
     # 16-byte vector accesses; anything else takes the element-wise path
     base_misaligned = out.data_ptr() % 16
     groups: dict[tuple[torch.dtype, bool], list[tuple[torch.Tensor, int]]] = {}
+    copied = False  # a non-contiguous tensor went through a copy: its table entry is not its own address
     for t, off in zip(tensors, offsets):
         if t.numel():
-            t = t if t.is_contiguous() else t.contiguous()
+            if not t.is_contiguous():
+                t, copied = t.contiguous(), True
             aligned = not base_misaligned and t.data_ptr() % 16 == 0 and (int(off) * out.element_size()) % 16 == 0
             groups.setdefault((t.dtype, aligned), []).append((t, int(off)))
     for (dtype, aligned), items in groups.items():
         srcs = [t for t, _ in items]
-        ptrs = tuple(t.data_ptr() for t in srcs)
+        group_ptrs = tuple(t.data_ptr() for t in srcs)
         offs = tuple(off for _, off in items)
         numels = tuple(t.numel() for t in srcs)
-        ptr_tab, off_tab, numel_tab, block_tensor, block_start = _schedules.get(out.device, ptrs, offs, numels, BLOCK)
+        ptr_tab, off_tab, numel_tab, block_tensor, block_start = _schedules.get(out.device, group_ptrs, offs, numels,
+                                                                                BLOCK)
         # no FMA contraction: scale * x + acc must round like the reference's separate multiply and add
         grid = (block_tensor.numel(),)
         args = (ptr_tab, off_tab, numel_tab, block_tensor, block_start, out, float(scale))
@@ -226,5 +243,16 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
         if launches is None:
             _flatten_kernel[grid](*args, **kwargs)
         else:
-            _launch.launch(launches, (dtype, aligned, accumulate), (_flatten_kernel, grid, args, kwargs),
-                           lambda: _flatten_kernel[grid](*args, **kwargs))
+            spec = (_flatten_kernel, grid, args, kwargs)
+            first = functools.partial(_launch_checked, grid, args, kwargs)
+            _launch.launch(launches, (dtype, aligned, accumulate), spec, first)
+            steps.append(((dtype, aligned, accumulate), spec, first))
+    if launches is not None and not copied:
+        launches[plan_key] = (ptrs, out, steps)
+
+
+_data_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
+
+
+def _launch_checked(grid, args, kwargs) -> None:
+    _flatten_kernel[grid](*args, **kwargs)

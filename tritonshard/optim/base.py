@@ -74,6 +74,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -271,6 +272,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"])})
+        # the handshake at every entry point that runs collectives (comm.EntryCheck): ranks in different calls get
+        # a CollectiveMismatchError on every rank instead of a hang or gloo's "Received data size doesn't match"
+        self._entry = comm.EntryCheck([(self.process_group, self.world_size),
+                                       (self.replica_group, self.replica_size)])
         #: gradients are averaged over every data-parallel rank (shard group x replicas); the shards hold the SUM
         self._grad_average = 1.0 / (self.world_size * self.replica_size)
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
@@ -353,6 +358,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.last_step_skipped = torch.zeros((), dtype=torch.bool, device=self.device)
         self._reduced: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (global sum_sq, found_inf) this step
+        self._prepared_state = None  # (param versions, state dict) from prepare_state_dict(), until step()/loads
+        self._look_for_trainer = self.world_size * self.replica_size > 1
         self._clip_coef: Optional[torch.Tensor] = None
         self._no_sync_depth = 0
         self._flush_queued = False
@@ -609,6 +616,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         while (self._next_launch < len(self.buckets)
                and self.buckets[self._launch_order[self._next_launch]].launch_wanted):
             b = self.buckets[self._launch_order[self._next_launch]]
+            if self._next_launch == 0:
+                self._entry("reduce")
             if not b.has_grads:  # no gradient since zero_grad(): the buffer still holds the previous step's
                 self._after_last_step_readers()
                 b.grad_buffer.zero_()
@@ -919,6 +928,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_loss_scale_floor()
+        if self._look_for_trainer:  # once: a transformers.Trainer saves the optimizer on one rank only
+            self._look_for_trainer = False
+            if "transformers" in sys.modules and not torch.compiler.is_compiling():
+                from ..integrations import hf
+                hf.adopt_trainer(self)
         # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
         # a bad value in group 1 must not leave group 0 updated and the step counters advanced
         for gi, group in self._trained_groups:
@@ -955,6 +969,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # Per bucket, its update and at once its all-gather, in the order the next forward needs the buckets (the
         # first module's first): on NCCL one group's collectives run in issue order, so the gather of the
         # embedding's bucket must not queue behind every other bucket's update and gather.
+        self._entry("step")
+        self._prepared_state = None
         not_skipped = 1.0 - found_inf
         for step in self._group_steps.values():  # skipped steps do not count
             step.add_(not_skipped)

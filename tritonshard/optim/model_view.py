@@ -200,6 +200,7 @@ class ModelViewMixin:
             else:
                 acc.index_add_(0, idx, torch.stack(values))
         if comm.is_initialized() and self.world_size > 1:
+            self._entry("param_norms")
             dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
         norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
         norms = (norms * self._grad_average).float()  # the shards hold the SUM over ranks

@@ -46,6 +46,22 @@ class StateDictMixin:
         tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
         use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
         """
+        prepared, self._prepared_state = self._prepared_state, None
+        if prepared is not None and prepared[0] == self._param_version_key():
+            return self._with_groups(prepared[1])  # gathered by prepare_state_dict() on every rank; unchanged since
+        return self._with_groups(self._gather_state())
+
+    def _with_groups(self, gathered: dict) -> dict:
+        """torch.optim's ``param_groups`` (hyper-parameters as they are now, e.g. after a scheduler) around the
+        gathered ``state``."""
+        groups, indexed = [], self._indexed_params()
+        for gi, g in enumerate(self.param_groups):
+            ids = [i for i, gj, _ in indexed if gj == gi]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        return {"state": gathered["state"], "param_groups": groups, "tritonshard": gathered["tritonshard"]}
+
+    def _gather_state(self) -> dict:
+        self._entry("state_dict")
         self.sync_from_model()
         self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
@@ -57,17 +73,31 @@ class StateDictMixin:
                 for name in (*b.state, "master"):
                     entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
                 full[p] = entry
-        state, groups = {}, []
-        indexed = self._indexed_params()
-        for gi, g in enumerate(self.param_groups):
-            ids = [i for i, gj, _ in indexed if gj == gi]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-        for i, _, p in indexed:
-            if p in full:
-                state[i] = full[p]
-        return {"state": state, "param_groups": groups,
+        state = {i: full[p] for i, _, p in self._indexed_params() if p in full}
+        return {"state": state,
                 "tritonshard": {"format": 1, "skipped_steps": self.skipped_steps.detach().clone(),
                                 **self._scaler_state(), **self._rounding_state()}}
+
+    def prepare_state_dict(self, keep: bool = True) -> None:
+        """Gather :meth:`state_dict` now, on every rank (a collective), so that one later call of ``state_dict()``
+        on any single rank returns it without communicating, as long as nothing changed in between (no
+        ``step()``, no load, no write to the parameters; otherwise that call is a collective again, and alone on
+        one rank it raises :class:`~tritonshard.comm.CollectiveMismatchError` once the others reach their next
+        tritonshard call).
+
+        For frameworks that save the optimizer from the main process only, as the Hugging Face Trainer does
+        (``tritonshard.integrations.hf.ShardedOptimizerCallback`` calls this on every rank before each save).
+        ``keep=False`` takes part in the gather and drops the result (a rank that will not save). Memory: the
+        full state (12 B/param for AdamW) is held until that call or the next ``step()``.
+        """
+        self._prepared_state = None
+        gathered = self._gather_state()
+        if keep:
+            self._prepared_state = (self._param_version_key(), gathered)
+
+    def _param_version_key(self) -> tuple:
+        """What tells that the weights are as they were (step() and loads drop the prepared state themselves)."""
+        return tuple(p._version for p in self._param_list), tuple(p.data_ptr() for p in self._param_list)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
@@ -81,6 +111,8 @@ class StateDictMixin:
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
                 or unknown parameter, differing steps inside one param group, which shares one step counter).
         """
+        self._entry("load_state_dict")
+        self._prepared_state = None
         self.sync_from_model()
         self.wait_for_params()
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:

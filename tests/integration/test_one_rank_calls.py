@@ -1,0 +1,139 @@
+"""A collective called on one rank only (issue 22.3). The Hugging Face Trainer calls ``optimizer.state_dict()`` on
+the main process only; before, rank 1 died of gloo's "Received data size doesn't match expected size" and rank 0
+of "Connection reset by peer" (NCCL would have hung). Now every entry point that runs collectives shakes hands
+first, so every rank raises CollectiveMismatchError naming both calls, within seconds; the Trainer saves and
+resumes on 2 ranks with ShardedOptimizerCallback; and the one-rank call that pairs with the same collectives on
+the others (a norm logged on rank 0 before everyone steps) keeps working."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.helpers import assert_bitwise_equal
+from tests.integration.hf import flat_weights, lm_loss, tiny_llama, tokens
+from tritonshard import ShardedAdamW
+from tritonshard.checkpoint import load_sharded, save_checkpoint
+from tritonshard.comm import CollectiveMismatchError
+
+SECONDS = 20  # "within seconds": the handshake pairs as soon as the other rank reaches its next call (gloo's
+#               default timeout, 30 min, is what a hang would take)
+
+
+def _step(model, opt, rank, step, overlap=False):
+    lm_loss(model, tokens(step, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+CALLS = [("state_dict", False), ("state_dict", True), ("load_state_dict", False), ("save_checkpoint", False),
+         ("load_sharded", False), ("torch clip", False)]
+
+
+def _one_rank_calls(rank, world_size, tmp):
+    """Each case in turn, in one pair of processes (a mismatch leaves no collective in flight: both ranks raised
+    at the handshake, before any data collective, so the group goes on to the next case)."""
+    for case, (call, overlap) in enumerate(CALLS):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3, overlap_comm=overlap)
+        opt.attach(model)
+        _step(model, opt, rank, 0)
+        saved = opt.state_dict()  # both ranks: fine
+        ckpt = save_checkpoint(opt, os.path.join(tmp, str(case)), 1)
+        start = time.monotonic()
+        with pytest.raises(CollectiveMismatchError) as err:
+            if rank == 0:
+                if call == "state_dict":
+                    opt.state_dict()
+                elif call == "load_state_dict":
+                    opt.load_state_dict(saved)
+                elif call == "save_checkpoint":
+                    save_checkpoint(opt, os.path.join(tmp, str(case)), 2)
+                elif call == "load_sharded":
+                    load_sharded(opt, ckpt)
+                elif call == "torch clip":
+                    lm_loss(model, tokens(1, rank)).backward()
+                    opt.grad_norm()  # the reduction: pairs with rank 1's
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # per-parameter norms: rank 1 steps
+            else:
+                _step(model, opt, rank, 1)  # rank 1 goes on training
+        elapsed = time.monotonic() - start
+        message = str(err.value)
+        assert "rank 0:" in message and "rank 1:" in message and "prepare_state_dict" in message, (call, message)
+        assert elapsed < SECONDS, f"{call}: the mismatch took {elapsed:.1f} s to surface"
+
+
+def test_a_collective_called_on_one_rank_is_an_error_on_every_rank(tmp_path):
+    """state_dict (with and without overlap_comm), load_state_dict, a checkpoint save and load, torch's clipping on
+    rank 0 while rank 1 trains on."""
+    run_on_ranks(_one_rank_calls, 2, str(tmp_path))
+
+
+def _logged_norm_on_rank_0(rank, world_size):
+    """The reduction on rank 0 (grad_norm() for a log line) pairs with rank 1's in step(): this keeps working, and
+    trains exactly as when every rank asks."""
+    runs = []
+    for who in ((0,), (0, 1)):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        for step in range(2):
+            lm_loss(model, tokens(step, rank)).backward()
+            if rank in who:
+                opt.grad_norm()
+            opt.step()
+            opt.zero_grad()
+        runs.append(flat_weights(model))
+    assert_bitwise_equal(runs[0], runs[1], "weights with grad_norm() on rank 0 only vs on every rank")
+
+
+def test_a_norm_logged_on_rank_0_only_still_trains():
+    run_on_ranks(_logged_norm_on_rank_0, 2)
+
+
+# ---------------------------------------------------------------------------------------------- the HF Trainer
+def _trainer(rank, world_size, out, resume, callback):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(
+        world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29998")  # the process group exists already
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    from tritonshard.integrations.hf import ShardedOptimizerCallback
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    data = [{"input_ids": ids, "labels": ids} for step in range(4) for ids in tokens(step, batch=4)]
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    opt.attach(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=4, save_steps=2,
+                             save_strategy="steps", learning_rate=3e-3, report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    trainer = InOrder(model=model, args=args, train_dataset=data, optimizers=(opt, sched),
+                      callbacks=[ShardedOptimizerCallback()] if callback else [])
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2") if resume else None)
+    # without one passed, the optimizer's first step() added it (the first save deadlocked in accelerate's gather)
+    assert sum(isinstance(cb, ShardedOptimizerCallback) for cb in trainer.callback_handler.callbacks) == 1
+    weights = flat_weights(model)
+    if resume:
+        want = torch.load(os.path.join(out, f"weights-{rank}.pt"))
+        assert_bitwise_equal(weights, want, "weights after resuming the Trainer from checkpoint-2")
+        assert_bitwise_equal(torch.tensor(float(sched.get_last_lr()[0])), torch.tensor(3e-3 / 5), "lr")
+    else:
+        torch.save(weights, os.path.join(out, f"weights-{rank}.pt"))
+        assert os.path.isfile(os.path.join(out, "checkpoint-2", "optimizer.pt"))
+
+
+def test_the_hf_trainer_saves_and_resumes_on_two_ranks(tmp_path):
+    """4 steps with a checkpoint every 2 (the callback passed), then a fresh run resumed from checkpoint-2 (the
+    callback adopted at the first step()): the same weights bit for bit (the saved optimizer state is the gathered,
+    full one). Before: rank 1 died of gloo's "Received data size doesn't match expected size" at the first save;
+    without a callback now, the save would deadlock (rank 1 in accelerate's gather, rank 0 in state_dict())."""
+    run_on_ranks(_trainer, 2, str(tmp_path), False, True)
+    run_on_ranks(_trainer, 2, str(tmp_path), True, False)
