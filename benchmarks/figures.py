@@ -92,7 +92,7 @@ def run_training(name: str, out: str, steps: int) -> dict:
 def count_specializations() -> int:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_check", "--arch", "90"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True)
-    found = re.search(r"^(\d+) specializations,", proc.stdout, flags=re.M)
+    found = re.search(r"^(\d+) specializations,", proc.stdout + proc.stderr, flags=re.M)  # (a stderr line)
     if proc.returncode != 0 or not found:
         raise SystemExit(f"compile_check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return int(found.group(1))
@@ -102,7 +102,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "figures.json"))
     p.add_argument("--steps", type=int, default=300, help="training steps of every run (the README's: 300)")
-    p.add_argument("--only", nargs="*", choices=sorted(RUNS), help="rerun these runs only, keep the others' figures")
+    p.add_argument("--only", nargs="*", choices=sorted(RUNS),
+                   help="rerun these runs only (none: just the count), keep the others' figures")
     p.add_argument("--no-compile-check", action="store_true", help="keep the recorded specialization count")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -113,8 +114,10 @@ def main(argv=None) -> None:
                "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}; 2 gloo ranks",
                "runs": dict(old.get("runs", {})),
                "compile_check_specializations": old.get("compile_check_specializations")}
+    if not args.no_compile_check:  # first: a minute, and a failure here should not cost the runs
+        figures["compile_check_specializations"] = count_specializations()
     with tempfile.TemporaryDirectory() as out:
-        for name in args.only or RUNS:
+        for name in RUNS if args.only is None else args.only:
             print(f"{name}: {' '.join(RUNS[name][1])}", flush=True)
             figures["runs"][name] = run_training(name, out, args.steps)
             print(f"  {json.dumps({k: v for k, v in figures['runs'][name].items() if k != 'metrics'})}", flush=True)
@@ -126,8 +129,6 @@ def main(argv=None) -> None:
                 print(f"{png}: {', '.join(labels)}")
     for run in figures["runs"].values():
         run.pop("metrics", None)
-    if not args.no_compile_check:
-        figures["compile_check_specializations"] = count_specializations()
     with open(args.out, "w") as f:
         json.dump(figures, f, indent=1)
         f.write("\n")
