@@ -13,7 +13,7 @@ import pytest
 from benchmarks import figures
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = " ".join((ROOT / "README.md").read_text().split())  # phrases may wrap across lines
 FIGS = json.loads((ROOT / "docs" / "figures.json").read_text())
 RUNS = FIGS["runs"]
 
