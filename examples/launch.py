@@ -18,10 +18,19 @@ import sys
 
 
 def _children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (torchrun's workers), from /proc or ``pgrep``."""
-    path = f"/proc/{pid}/task/{pid}/children"
-    if os.path.exists(path):
-        return [int(c) for c in open(path).read().split()]
+    """The direct children of ``pid`` (torchrun's workers): from every thread's /proc children list (torchrun may
+    start the workers from another thread than its main one, and each thread lists only its own), else ``pgrep``."""
+    tasks = f"/proc/{pid}/task"
+    if os.path.isdir(tasks):
+        found = set()
+        for tid in os.listdir(tasks):
+            try:
+                with open(os.path.join(tasks, tid, "children")) as f:
+                    found.update(int(c) for c in f.read().split())
+            except OSError:  # the thread ended meanwhile, or a kernel without children lists
+                continue
+        if found:
+            return sorted(found)
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(c) for c in out.stdout.split()]
 

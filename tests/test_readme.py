@@ -61,11 +61,15 @@ def test_the_buffer_quickstart_runs_under_torchrun(tmp_path):
     script = tmp_path / "buffer_quickstart.py"
     script.write_text(block)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = tmp_path / "logs"  # each rank's stdout in a file of its own (on a shared pipe, lines interleave)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+                           "--log-dir", str(logs), "--redirects", "1", str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # both ranks printed their pieces (the two processes' lines may interleave on the shared pipe)
-    assert set(re.findall(r"([01]) ShardPiece\(", proc.stdout)) == {"0", "1"}, proc.stdout
+    for rank in (0, 1):  # every rank printed its pieces
+        (out,) = logs.glob(f"*/attempt_0/{rank}/stdout.log")
+        lines = out.read_text().splitlines()
+        assert lines and all(line.startswith(f"{rank} ShardPiece(") for line in lines), (rank, lines)
 
 
 # ---------------------------------------------------------------------------------------------- commands

@@ -77,9 +77,9 @@ def _logged_norm_on_rank_0(rank, world_size):
     """The reduction on rank 0 (grad_norm() for a log line) pairs with rank 1's in step(): this keeps working, and
     trains exactly as when every rank asks."""
     runs = []
-    for who in ((0,), (0, 1)):
+    for who, check in (((0,), True), ((0, 1), True), ((0, 1), False)):  # last: handshakes off (check_collectives)
         model = tiny_llama(0)
-        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3, check_collectives=check)
         for step in range(2):
             lm_loss(model, tokens(step, rank)).backward()
             if rank in who:
@@ -88,6 +88,9 @@ def _logged_norm_on_rank_0(rank, world_size):
             opt.zero_grad()
         runs.append(flat_weights(model))
     assert_bitwise_equal(runs[0], runs[1], "weights with grad_norm() on rank 0 only vs on every rank")
+    assert_bitwise_equal(runs[2], runs[1], "weights with check_collectives=False")
+    with pytest.raises(TypeError, match="check_collectives"):
+        ShardedAdamW(tiny_llama(0).parameters(), check_collectives="yes")
 
 
 def test_a_norm_logged_on_rank_0_only_still_trains():

@@ -68,19 +68,7 @@ def main() -> None:
                            lr=1e-3, bucket_cap_mb=5000 * 2 / 2 ** 20, state_dtype=torch.bfloat16)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         grads = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
-
-        def step(clip=True):
-            before = _launch.replays
-            for p, g in zip(params, grads):
-                p.grad = g
-            if clip:
-                opt.clip_grad_norm_(1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            calls, rec.calls = rec.calls, []
-            return {"launches": _launches(calls), "replays": _launch.replays - before}
-
+        step = _stepper(rec, opt, sched, params, grads)
         _launch.set_bound_launches(False)
         out["buckets"] = len(opt.buckets)
         out["triton_dispatch"] = [step(), step()]   # every launch through Triton's own dispatch
@@ -95,7 +83,44 @@ def main() -> None:
         out["no_clip_triton_dispatch"] = [step(clip=False)]
         _launch.set_bound_launches(True)
         out["transposed"] = _transposed(rec)
+        out["sgd"] = _other_optimizer(rec, "ShardedSGD", dict(momentum=0.9, weight_decay=1e-2, nesterov=True))
+        out["lion"] = _other_optimizer(rec, "ShardedLion", dict(weight_decay=0.1, state_dtype=torch.bfloat16))
     json.dump(out, sys.stdout)
+
+
+def _other_optimizer(rec, name: str, kwargs: dict) -> dict:
+    """ShardedSGD / ShardedLion steps under an LR schedule (the lr changes every step): through Triton's dispatch,
+    then bound (the checked launch, the recording one, replays)."""
+    import tritonshard
+    from tritonshard.kernels import _launch
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (4099, 199, 12_289)]
+    opt = getattr(tritonshard, name)(params, lr=1e-3, bucket_cap_mb=5000 * 2 / 2 ** 20, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    grads = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
+    step = _stepper(rec, opt, sched, params, grads)
+    _launch.set_bound_launches(False)
+    dispatch = [step(), step()]
+    _launch.set_bound_launches(True)
+    return {"buckets": len(opt.buckets), "dispatch": dispatch, "bound": [step(), step(), step(), step()]}
+
+
+def _stepper(rec, opt, sched, params, grads):
+    """step(clip=True): one recorded optimizer step (gradients set by hand), its launches and how many replayed."""
+    from tritonshard.kernels import _launch
+
+    def step(clip=True):
+        before = _launch.replays
+        for p, g in zip(params, grads):
+            p.grad = g
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        calls, rec.calls = rec.calls, []
+        return {"launches": _launches(calls), "replays": _launch.replays - before}
+    return step
 
 
 def _transposed(rec) -> dict:

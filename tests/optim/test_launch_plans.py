@@ -83,3 +83,17 @@ def test_the_flatten_plan_is_not_reused_for_a_non_contiguous_gradient_at_the_sam
             assert tables[0] != [g], "the transposed gradient was flattened from its own address, in g's order"
         else:
             assert tables == want, f"step {i}: {tables}"
+
+
+@pytest.mark.parametrize("name, kernel", [("sgd", "_sgd_kernel"), ("lion", "_lion_kernel")])
+def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
+    """ShardedSGD's and ShardedLion's updates replay like AdamW's (they went through the checked launcher every
+    step), with the lr a scheduler changes every step read from a per-group tensor: the replayed steps hand the
+    launcher what Triton's dispatch does, and every launch of a step replays."""
+    rec = record[name]
+    dispatch = rec["dispatch"][-1]["launches"]
+    per_step = 3 * rec["buckets"] + 1  # flatten, norm, update per bucket; one finalize
+    assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == rec["buckets"]
+    *_, replayed = rec["bound"]
+    assert replayed["replays"] == per_step - 1, "every launch but the finalize must replay"
+    assert replayed["launches"] == dispatch, _diff(dispatch, replayed["launches"])

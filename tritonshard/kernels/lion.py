@@ -96,14 +96,28 @@ def lion_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *
     if n == 0:
         return
     coef, values = _coefficients(lr, weight_decay, param.device)
+    kernel, grid, args, kwargs = launch_spec(
+        param, grad, exp_avg, coef, values, grad_scale, found_inf, param_out,
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else None, beta1, beta2, maximize,
+        remainders)
+    kernel[grid](*args, **kwargs)
+
+
+def lion_coefficients(lr, weight_decay, device):
+    """[1 - lr*wd, -lr] (float64 math, fp32), as a device tensor when lr is one (see pack_coefficients)."""
+    return _coefficients(lr, weight_decay, device)
+
+
+def launch_spec(param, grad, exp_avg, coef, values, grad_scale, found_inf, param_out, seed, beta1, beta2, maximize,
+                remainders) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`lion_step_` launch, unchecked (see adamw.launch_spec)."""
     decay, neg_lr = values if values is not None else (1.0, 0.0)
     gs = isinstance(grad_scale, torch.Tensor)
-    _lion_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, param_out if param_out is not None else param, n,
-        coef if coef is not None else param, float(decay), float(neg_lr),
-        grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
-        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param,
-        float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
-        COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
-        HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
-        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK, enable_fp_fusion=True)
+    args = (param, grad, exp_avg, param_out if param_out is not None else param, param.numel(),
+            coef if coef is not None else param, float(decay), float(neg_lr),
+            grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
+            seed if seed is not None else param, float(beta1), float(1 - beta1), float(beta2), float(1 - beta2))
+    kwargs = dict(COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
+                  HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
+                  STOCHASTIC=seed is not None, BLOCK=BLOCK, enable_fp_fusion=True)
+    return _lion_kernel, (triton.cdiv(param.numel(), BLOCK),), args, kwargs

@@ -115,17 +115,32 @@ def sgd_step_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Te
     n = param.numel()
     if n == 0:
         return
-    coef, values = pack_coefficients([-(lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr)], param.device)
+    coef, values = sgd_coefficients(lr, param.device)
+    kernel, grid, args, kwargs = launch_spec(
+        param, grad, momentum_buffer, coef, values, step, grad_scale, found_inf, param_out,
+        seed_tensor(seed, param.device) if state_rounding == "stochastic" else None, momentum, dampening,
+        weight_decay, nesterov, maximize, remainders)
+    kernel[grid](*args, **kwargs)
+
+
+def sgd_coefficients(lr, device):
+    """(fp32 device tensor [-lr], None) for a tensor lr, else (None, (-lr,)): see pack_coefficients."""
+    return pack_coefficients([-(lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr)], device)
+
+
+def launch_spec(param, grad, momentum_buffer, coef, values, step, grad_scale, found_inf, param_out, seed, momentum,
+                dampening, weight_decay, nesterov, maximize, remainders) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`sgd_step_` launch, unchecked (see adamw.launch_spec): ``coef``
+    the [-lr] tensor of :func:`sgd_coefficients` or None (then ``values``), ``seed`` a tensor or None."""
     st, gs = isinstance(step, torch.Tensor), isinstance(grad_scale, torch.Tensor)
-    _sgd_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, momentum_buffer if momentum != 0 else param, param_out if param_out is not None else param, n,
-        coef if coef is not None else param, values[0] if values else 0.0,
-        step if st else param, 0.0 if st else float(step), grad_scale if gs else param,
-        1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
-        seed_tensor(seed, param.device) if state_rounding == "stochastic" else param,
-        float(momentum), float(1 - dampening), float(weight_decay),
-        COEF_IS_TENSOR=coef is not None, STEP_IS_TENSOR=st, GRAD_SCALE_IS_TENSOR=gs,
-        HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
-        HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
-        MAXIMIZE=bool(maximize), REMAINDER=remainders,
-        STOCHASTIC=state_rounding == "stochastic", BLOCK=BLOCK, enable_fp_fusion=True)
+    args = (param, grad, momentum_buffer if momentum != 0 else param, param_out if param_out is not None else param,
+            param.numel(), coef if coef is not None else param, values[0] if values else 0.0,
+            step if st else param, 0.0 if st else float(step), grad_scale if gs else param,
+            1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
+            seed if seed is not None else param, float(momentum), float(1 - dampening), float(weight_decay))
+    kwargs = dict(COEF_IS_TENSOR=coef is not None, STEP_IS_TENSOR=st, GRAD_SCALE_IS_TENSOR=gs,
+                  HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
+                  HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
+                  MAXIMIZE=bool(maximize), REMAINDER=remainders, STOCHASTIC=seed is not None, BLOCK=BLOCK,
+                  enable_fp_fusion=True)
+    return _sgd_kernel, (triton.cdiv(param.numel(), BLOCK),), args, kwargs

@@ -211,6 +211,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             Off by default until a GPU run measures it. With 1 or 2 ranks the collective is already exact (one
             correctly rounded add): this changes nothing there.
         align: view alignment inside buckets, in elements (see :data:`tritonshard.buffer.DEFAULT_ALIGN`).
+        check_collectives: shake hands before every collective entry point (:class:`tritonshard.comm.EntryCheck`),
+            so ranks in different calls get a CollectiveMismatchError instead of a hang. Costs two 16-byte gloo
+            all-gathers per step with more than one rank; False saves them (every rank must pass the same).
     """
 
     _state_names: tuple[str, ...] = ()
@@ -226,7 +229,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
                  loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False,
                  state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic",
-                 ordered_reduce: bool = False):
+                 ordered_reduce: bool = False, check_collectives: bool = True):
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
@@ -269,13 +272,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             "optimizer": type(self).__name__, "overlap_comm": bool(overlap_comm), "grad_dtype": str(grad_dtype),
             "param_dtype": str(param_dtype), "ordered_reduce": bool(ordered_reduce), "state_dtype": str(state_dtype),
             "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None and loss_scale is not False,
+            "check_collectives": bool(check_collectives),
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"])})
         # the handshake at every entry point that runs collectives (comm.EntryCheck): ranks in different calls get
         # a CollectiveMismatchError on every rank instead of a hang or gloo's "Received data size doesn't match"
-        self._entry = comm.EntryCheck([(self.process_group, self.world_size),
-                                       (self.replica_group, self.replica_size)])
+        if not isinstance(check_collectives, bool):
+            raise TypeError(f"check_collectives must be a bool, got {type(check_collectives).__name__}")
+        self._entry = comm.EntryCheck([(self.process_group, self.world_size), (self.replica_group, self.replica_size)]
+                                      if check_collectives else [])
         #: gradients are averaged over every data-parallel rank (shard group x replicas); the shards hold the SUM
         self._grad_average = 1.0 / (self.world_size * self.replica_size)
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
@@ -1046,6 +1052,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if t is None:
             t = self._persistent[key] = make()
         return t
+
+    def _lr_tensor(self, group: dict) -> torch.Tensor:
+        """``group["lr"]`` in a float64 device tensor (one per group, kept): what the checked launchers of a bound
+        update get, so that they compile the same specialization as the bound launch (lr read from memory)."""
+        t = self._persistent_tensor(("lr", id(group)),
+                                    lambda: torch.empty((), dtype=torch.float64, device=self.device))
+        return t.fill_(float(group["lr"]))
 
     def _once_per_step(self, key, compute):
         """``compute()`` the first time ``key`` is asked for in this step, the cached value after that: what the

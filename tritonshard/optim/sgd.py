@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import _launch
+from ..kernels.lion import launch_spec as lion_launch_spec
+from ..kernels.sgd import launch_spec as sgd_launch_spec
 from ._hparams import check_betas, check_lr, check_min, check_number, require
 from .base import ShardedOptimizer, kernels
 from .bucket import _Bucket
@@ -35,11 +38,28 @@ class ShardedSGD(ShardedOptimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         param, param_out, remainders = bucket.update_target()
-        kernels().sgd_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state.get("momentum_buffer"),
-                  lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                  weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
-                  grad_scale=grad_scale, found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
-                  remainders=remainders, **bucket.state_kwargs())
+        grad, momentum_buffer, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state.get(
+            "momentum_buffer"), bucket.state_kwargs()
+        bound = self._hot_path()
+
+        def checked_launch():
+            kernels().sgd_step_(param, grad, momentum_buffer, lr=self._lr_tensor(group) if bound else group["lr"],
+                                momentum=group["momentum"], dampening=group["dampening"],
+                                weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
+                                grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
+                                maximize=group["maximize"], remainders=remainders, **state_kwargs)
+        if not bound:
+            checked_launch()
+            return
+        # the lr a scheduler sets reaches the kernel through one tensor per group that keeps its storage ([-lr],
+        # fp32: the bits the checked launcher computes from the same lr), so the bound launch stays valid
+        coef = self._once_per_step(("sgd", bucket.group_index), lambda: self._persistent_tensor(
+            ("sgd", bucket.group_index), lambda: torch.empty(1, dtype=torch.float32, device=self.device)
+        ).fill_(-float(group["lr"])))
+        spec = sgd_launch_spec(param, grad, momentum_buffer, coef, None, bucket.step, grad_scale, found_inf,
+                               param_out, _seed(state_kwargs), group["momentum"], group["dampening"],
+                               group["weight_decay"], group["nesterov"], group["maximize"], remainders)
+        _launch.launch(bucket.launches, "update", spec, checked_launch)
 
 
 class ShardedLion(ShardedOptimizer):
@@ -62,7 +82,31 @@ class ShardedLion(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]
         param, param_out, remainders = bucket.update_target()
-        kernels().lion_step_(param, bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], lr=group["lr"],
-                   beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                   found_inf=found_inf, param_out=param_out, maximize=group["maximize"], remainders=remainders,
-                   **bucket.state_kwargs())
+        grad, exp_avg, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], \
+            bucket.state_kwargs()
+        bound = self._hot_path()
+
+        def checked_launch():
+            kernels().lion_step_(param, grad, exp_avg, lr=self._lr_tensor(group) if bound else group["lr"],
+                                 beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                                 found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
+                                 remainders=remainders, **state_kwargs)
+        if not bound:
+            checked_launch()
+            return
+        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+
+        def coefficients():  # [1 - lr*wd, -lr]: float64 math, rounded to fp32 once, as the checked launcher does
+            coef = self._persistent_tensor(("lion", bucket.group_index),
+                                           lambda: torch.empty(2, dtype=torch.float32, device=self.device))
+            coef[0].fill_(1.0 - lr * weight_decay)
+            coef[1].fill_(-lr)
+            return coef
+        coef = self._once_per_step(("lion", bucket.group_index), coefficients)
+        spec = lion_launch_spec(param, grad, exp_avg, coef, None, grad_scale, found_inf, param_out,
+                                _seed(state_kwargs), beta1, beta2, group["maximize"], remainders)
+        _launch.launch(bucket.launches, "update", spec, checked_launch)
+
+
+def _seed(state_kwargs: dict):
+    return state_kwargs.get("seed") if state_kwargs.get("state_rounding") == "stochastic" else None
