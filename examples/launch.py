@@ -36,6 +36,9 @@ def _children(pid: int) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
+    # Ctrl-C must reach this process as KeyboardInterrupt even where it was started with SIGINT ignored (a
+    # background job of a non-interactive shell inherits SIG_IGN, and so would every process it starts)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", *argv],
                             start_new_session=True)
     interrupts = 0
