@@ -39,7 +39,15 @@ def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwarg
     grads = [torch.randn(numel).to(torch.bfloat16) for _ in params]
     step = sharded_step(opt, params, grads)
 
-    def collectives():  # as step() issues them: every reduce-scatter launched, then waited; the same for gathers
+    def collectives():  # as step() issues them: without overlap_comm one coalesced call for every bucket's
+        # reduce-scatter, then one for the all-gathers (else one call per bucket, all launched, then waited)
+        if opt._coalesce:
+            from tritonshard import comm
+            comm.reduce_scatter_coalesced([b.grad_buffer.get_local_shard() for b in opt.buckets],
+                                          [b.grad_buffer.get_data() for b in opt.buckets]).wait()
+            comm.all_gather_coalesced([b.param_buffer.get_data() for b in opt.buckets],
+                                      [b.param_buffer.get_local_shard() for b in opt.buckets]).wait()
+            return
         for work in [b.grad_buffer.reduce_scatter(async_op=True) for b in opt.buckets]:
             work.wait()
         for work in [b.param_buffer.all_gather(async_op=True) for b in opt.buckets]:

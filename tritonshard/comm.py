@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "all_gather_text", "local_device",
-           "group_size", "group_rank", "is_initialized", "CollectiveMismatchError", "EntryCheck"]
+__all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "reduce_scatter_coalesced",
+           "all_gather_coalesced", "SharedWork", "all_gather_text", "local_device", "group_size", "group_rank",
+           "is_initialized", "CollectiveMismatchError", "EntryCheck"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -41,6 +42,63 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Optional
                       async_op: bool = False):
     """Equal splits: chunk j of ``input`` goes to rank j, and rank i's chunk lands in chunk i of ``output``."""
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+# The coalesced forms, one call for a list of (output, input) pairs: ProcessGroup methods (no Python wrapper, no
+# per-call checks; NCCL runs the list inside one ncclGroupStart/End), renamed like the single ones in torch 2.13,
+# whose old names are still there, without a warning (checked on 2.13); torch 2.11 has only the old ones
+_PG = dist.ProcessGroup if dist.is_available() else None
+_RS_COALESCED = next((n for n in ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
+                      if _PG is not None and hasattr(_PG, n)), None)
+_AG_COALESCED = next((n for n in ("all_gather_single_coalesced", "allgather_into_tensor_coalesced")
+                      if _PG is not None and hasattr(_PG, n)), None)
+
+
+def coalesced_available() -> bool:
+    return _RS_COALESCED is not None and _AG_COALESCED is not None
+
+
+def _group_object(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _set_async(opts) -> None:
+    if hasattr(opts, "asyncOp"):  # (torch >= 2.7; before it every call was asynchronous)
+        opts.asyncOp = True
+
+
+def reduce_scatter_coalesced(outputs: list, inputs: list, group: Optional[dist.ProcessGroup] = None):
+    """``reduce_scatter_single(outputs[i], inputs[i], SUM)`` for every i, as one asynchronous collective call;
+    returns its work handle. The tensors must be right already: one dtype and device, ``inputs[i]`` of
+    ``world_size * outputs[i].numel()`` contiguous elements (no check here: the caller's Buffers are)."""
+    opts = dist.distributed_c10d.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    _set_async(opts)
+    return getattr(_group_object(group), _RS_COALESCED)(outputs, inputs, opts)
+
+
+def all_gather_coalesced(outputs: list, inputs: list, group: Optional[dist.ProcessGroup] = None):
+    """``all_gather_single(outputs[i], inputs[i])`` for every i, as one asynchronous collective call (see
+    :func:`reduce_scatter_coalesced`)."""
+    opts = dist.distributed_c10d.AllgatherOptions()
+    _set_async(opts)
+    return getattr(_group_object(group), _AG_COALESCED)(outputs, inputs, opts)
+
+
+class SharedWork:
+    """One work handle shared by several buckets (a coalesced call): the first ``wait()`` waits, later ones are
+    free. Every bucket keeps its own reference and waits through it, as it would on its own handle."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return True
 
 
 def local_device() -> torch.device:

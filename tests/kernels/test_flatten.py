@@ -155,6 +155,36 @@ def test_many_tensors_one_launch_per_dtype(monkeypatch):
         assert_bitwise_equal(out[off:off + t.numel()], t, "1,000 fp32 tensors")
 
 
+def test_the_optimizers_plan_path_follows_new_addresses_and_structures(monkeypatch):
+    """``launch_unchecked`` with a launch cache (the optimizer's path, issue 20.5) reuses its plan while the gradients
+    come back at the same addresses and rebuilds only the address table when they do not. Every call here checks
+    the result against the reference: the same tensors again, clones at new addresses, a zero-numel tensor among
+    them, a misaligned source (own launch), mixed dtypes, a transposed one, then the first structure again."""
+    launches = _record_launches(monkeypatch)
+    sizes = [4099, 0, 1, 640, 13]
+    layout = Layout(sizes, 1, align=64)
+    out = randn(layout.padded_numel, 7, torch.bfloat16)
+    cache: dict = {}
+    base = [randn(n, 10 + i, torch.float32, scale=3.0).bfloat16() for i, n in enumerate(sizes)]
+    misaligned = randn(641, 20, torch.bfloat16)[1:]  # 2 bytes past a 16-byte boundary
+    mixed = [t.float() if i % 2 else t for i, t in enumerate(base)]
+    transposed = randn(640, 21, torch.bfloat16).view(32, 20).t()
+    def fresh(seed):  # the same sizes at new addresses, with other values (a stale address table must show)
+        return [randn(n, seed + i, torch.float32, scale=3.0).bfloat16() for i, n in enumerate(sizes)]
+
+    calls = [base, base, fresh(30), fresh(40), base[:3] + [misaligned] + base[4:],
+             mixed, base[:3] + [transposed] + base[4:], base]
+    for i, tensors in enumerate(calls):
+        accumulate = i % 3 == 1
+        ref = out.clone()
+        launches.clear()
+        flatten_module.launch_unchecked(out, tensors, list(layout.offsets), accumulate, 1.0, cache)
+        flatten_into_ref(ref, tensors, list(layout.offsets), accumulate=accumulate)
+        assert_bitwise_equal(out, ref, f"call {i}")
+        want = {4: 2, 5: 2}.get(i, 1)  # the misaligned source, and the fp32 ones, take a launch of their own
+        assert len(launches) == want, f"call {i}: {launches}"
+
+
 def test_empty_inputs_launch_nothing():
     out = torch.zeros(4, device=DEVICE)
     flatten_into(out, [], [])

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
+from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
@@ -120,4 +121,4 @@ def launch_spec(param, grad, exp_avg, coef, values, grad_scale, found_inf, param
     kwargs = dict(COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
                   HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
                   STOCHASTIC=seed is not None, BLOCK=BLOCK, enable_fp_fusion=True)
-    return _lion_kernel, (triton.cdiv(param.numel(), BLOCK),), args, kwargs
+    return _lion_kernel, (cdiv(param.numel(), BLOCK),), args, kwargs

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ._common import (check_found_inf, check_no_tensor, check_rounding, check_scalar, host_seed,
                       keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor)
+from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
@@ -151,7 +152,7 @@ def muon_momentum_(grad: torch.Tensor, momentum_buffer: torch.Tensor, update_out
         return
     gs = isinstance(grad_scale, torch.Tensor)
     w_buf, w_nesterov = _weights(1.0 - momentum), _weights(momentum)
-    _muon_momentum_kernel[(triton.cdiv(n, BLOCK),)](
+    _muon_momentum_kernel[(cdiv(n, BLOCK),)](
         grad, momentum_buffer, update_out, n, grad_scale if gs else grad, 1.0 if gs else float(grad_scale),
         found_inf if found_inf is not None else grad, seed_tensor(seed, grad.device) if stochastic else grad,
         *w_buf, *w_nesterov, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
@@ -202,7 +203,7 @@ def muon_update_(param: torch.Tensor, update: torch.Tensor, *, lr, weight_decay:
     if n == 0:
         return
     coef, values = _update_coefficients(lr, weight_decay, lr_ratio, param.device)
-    _muon_update_kernel[(triton.cdiv(n, BLOCK),)](
+    _muon_update_kernel[(cdiv(n, BLOCK),)](
         param, update, param_out if param_out is not None else param, n, coef if coef is not None else param,
         *(values if values else (0.0, 0.0)), found_inf if found_inf is not None else param,
         COEF_IS_TENSOR=coef is not None, HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,

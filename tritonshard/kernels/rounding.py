@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv
 from ._dispatch import Backend, select_backend
 
 __all__ = ["split_bf16_remainder", "combine_bf16_remainder", "to_fp32", "round_to_bf16", "stochastic_round_to_bf16",
@@ -132,7 +133,7 @@ def cast_to_bf16(x: torch.Tensor, *, stochastic: bool = False, seed: int = 0, ou
     n = x.numel()
     if n:
         block = 4096
-        _cast_kernel[(triton.cdiv(n, block),)](x, out, n, seed, STOCHASTIC=stochastic, BLOCK=block,
+        _cast_kernel[(cdiv(n, block),)](x, out, n, seed, STOCHASTIC=stochastic, BLOCK=block,
                                                 enable_fp_fusion=False)
     return out
 

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
@@ -169,7 +170,7 @@ def scale_(x: torch.Tensor, factor, *, backend: str | None = None) -> tuple[torc
 def sum_sq_workspace(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-program partials a :func:`sum_sq_nonfinite` of ``n`` elements needs, to allocate once and pass as
     ``partials=`` (then a launch allocates nothing)."""
-    blocks = triton.cdiv(n, BLOCK)
+    blocks = cdiv(n, BLOCK)
     return (torch.empty(blocks, dtype=torch.float64, device=device),
             torch.empty(blocks, dtype=torch.int32, device=device))
 
@@ -177,7 +178,7 @@ def sum_sq_workspace(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 def shared_sum_sq_workspace(numels, device) -> tuple[tuple[torch.Tensor, torch.Tensor], list]:
     """One workspace for several tensors of ``numels`` elements that share one :func:`finalize_sum_sq_`: returns it
     and, per tensor, the slices of it to pass to :func:`sum_sq_partials_`."""
-    blocks = [triton.cdiv(n, BLOCK) for n in numels]
+    blocks = [cdiv(n, BLOCK) for n in numels]
     workspace = sum_sq_workspace(sum(blocks) * BLOCK, device)
     slices, start = [], 0
     for b in blocks:
@@ -217,7 +218,7 @@ def sum_sq_nonfinite(x: torch.Tensor, factor=1.0, *, out: torch.Tensor | None = 
 
 
 def _check_partials(partials, n: int, device) -> None:
-    want = triton.cdiv(n, BLOCK)
+    want = cdiv(n, BLOCK)
     if (not isinstance(partials, (tuple, list)) or len(partials) != 2
             or not all(isinstance(t, torch.Tensor) for t in partials)
             or partials[0].dtype != torch.float64 or partials[1].dtype != torch.int32
@@ -333,7 +334,7 @@ def finalize_sum_sq_(partials, out: torch.Tensor, *, backend: str | None = None)
 
 def _launch(x: torch.Tensor, factor, write: bool, out=None, partials=None) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
-    num_blocks = triton.cdiv(n, BLOCK)
+    num_blocks = cdiv(n, BLOCK)
     partial_sumsq, partial_nonfinite = partials if partials is not None else sum_sq_workspace(n, x.device)
     if out is not None:  # two 0-d views of the caller's table
         sumsq, nonfinite = out[0], out[1]

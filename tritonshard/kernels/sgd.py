@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
+from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
                           update_mask)
@@ -143,4 +144,4 @@ def launch_spec(param, grad, momentum_buffer, coef, values, step, grad_scale, fo
                   HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
                   MAXIMIZE=bool(maximize), REMAINDER=remainders, STOCHASTIC=seed is not None, BLOCK=BLOCK,
                   enable_fp_fusion=True)
-    return _sgd_kernel, (triton.cdiv(param.numel(), BLOCK),), args, kwargs
+    return _sgd_kernel, (cdiv(param.numel(), BLOCK),), args, kwargs

@@ -380,6 +380,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # collectives straight through comm (no per-call group checks) on the hot path: the Buffers checked the
         # group and the layout across ranks when they were built
         self._direct_collectives = comm.is_initialized()
+        # Without overlap_comm every bucket is reduced at once, in step() (or clip_grad_norm_), on every rank, and
+        # gathered at once after the updates: one coalesced call each instead of one per bucket (issue 20.3: a
+        # collective cost ~67 us of host time per bucket on the H200, the reduce-scatter and the all-gather
+        # alike). With overlap_comm, buckets are launched as backward completes them (how many at once depends on
+        # timing, which differs between ranks: no coalescing there, as gloo pairs calls one to one); ordered_reduce
+        # launches all-to-alls into two scratch buffers in turn
+        self._coalesce = (not self.overlap_comm and not self._ordered and self._direct_collectives
+                          and comm.coalesced_available() and len(self.buckets) > 1)
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -615,7 +623,28 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
         for b in self.buckets:
             b.launch_wanted = True
-        self._launch_in_order()
+        if self._coalesce and self._next_launch == 0 and not torch.compiler.is_compiling():
+            self._launch_coalesced()
+        else:
+            self._launch_in_order()
+
+    def _launch_coalesced(self) -> None:
+        """Every bucket's reduce-scatter in one collective call (``_coalesce``), sharing one work handle."""
+        self._entry("reduce")
+        for b in self.buckets:
+            if not b.has_grads:  # (as in _launch_in_order)
+                self._after_last_step_readers()
+                b.grad_buffer.zero_()
+                b.has_grads = True
+        order = [self.buckets[i] for i in self._launch_order]
+        with _trace("tritonshard.reduce_scatter[coalesced]"):
+            work = comm.SharedWork(comm.reduce_scatter_coalesced(
+                [b.grad_buffer.get_local_shard() for b in order], [b.grad_buffer.get_data() for b in order],
+                group=self.process_group))
+        for b in order:
+            b.rs_work, b.rs_launched = work, True
+        self.reduce_scatters_launched += len(order)
+        self._next_launch = len(order)
 
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
@@ -980,6 +1009,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         not_skipped = 1.0 - found_inf
         for step in self._group_steps.values():  # skipped steps do not count
             step.add_(not_skipped)
+        coalesce = self._coalesce and not torch.compiler.is_compiling()  # then: every update, one gather call
         for i in self._gather_order:
             b = self.buckets[i]
             if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
@@ -987,12 +1017,22 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             with _trace(f"tritonshard.update[bucket {b.index}]"):
                 self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                 self._restore_pieces(kept.get(i, ()))
+            if coalesce:
+                continue
             with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
                 if self._direct_collectives and bound:
                     b.ag_work = comm.all_gather_single(b.param_buffer.get_data(), b.param_buffer.get_local_shard(),
                                                        group=self.process_group, async_op=True)
                 else:
                     b.ag_work = b.param_buffer.all_gather(async_op=True)
+        if coalesce:
+            order = [self.buckets[i] for i in self._gather_order]
+            with _trace("tritonshard.all_gather[coalesced]"):
+                work = comm.SharedWork(comm.all_gather_coalesced(
+                    [b.param_buffer.get_data() for b in order], [b.param_buffer.get_local_shard() for b in order],
+                    group=self.process_group))
+            for b in order:
+                b.ag_work = work
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
             self._grads_consumed_event = torch.cuda.Event()
             self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
