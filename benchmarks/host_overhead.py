@@ -34,7 +34,9 @@ def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwarg
     from benchmarks.step import sharded_step
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(num_buckets * per_bucket)]
     cap_mb = per_bucket * numel * 2 / 2 ** 20  # exactly per_bucket bf16 tensors per bucket
+    coalesce = opt_kwargs.pop("coalesce", True)
     opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=cap_mb, **opt_kwargs)
+    opt._coalesce = opt._coalesce and coalesce
     assert len(opt.buckets) == num_buckets, (len(opt.buckets), num_buckets)
     grads = [torch.randn(numel).to(torch.bfloat16) for _ in params]
     step = sharded_step(opt, params, grads)
@@ -101,6 +103,8 @@ def main(argv=None) -> dict:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--no-bound-launches", action="store_true",
                    help="every launch through Triton's own dispatch (what bound launches save, issue 20)")
+    p.add_argument("--no-coalesce", action="store_true",
+                   help="one reduce-scatter and one all-gather call per bucket, as before issue 20.3's coalescing")
     p.add_argument("--flatten-tensors", type=int, default=4096, help="tensors of the flatten measurement")
     p.add_argument("--out", help="write the row as JSON to this file")
     args = p.parse_args(argv)
@@ -122,10 +126,11 @@ def main(argv=None) -> dict:
     try:
         with _dispatch.compile_for_target():
             lo, hi = args.buckets
-            step_lo, comm_lo = _measure(lo, args.tensors_per_bucket, args.numel, args.reps, {})
-            step_hi, comm_hi = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, {})
+            options = {"coalesce": not args.no_coalesce}
+            step_lo, comm_lo = _measure(lo, args.tensors_per_bucket, args.numel, args.reps, dict(options))
+            step_hi, comm_hi = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, dict(options))
             launches_before = dry.launches
-            _measure(lo, args.tensors_per_bucket, args.numel, 1, {})
+            _measure(lo, args.tensors_per_bucket, args.numel, 1, dict(options))
             launches_at_lo = dry.launches - launches_before
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
     finally:
@@ -144,11 +149,12 @@ def main(argv=None) -> dict:
         "launches_per_step_at_lo": launches_at_lo / 4,  # 3 warm-up steps + 1 timed
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
-        "bound_launches": not args.no_bound_launches,
+        "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce,
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
     print(f"host time of one ShardedAdamW step on the GPU code path (dry-run driver, sm_{args.arch}; 1-rank gloo; "
-          f"bound launches {'off' if args.no_bound_launches else 'on'}):")
+          f"bound launches {'off' if args.no_bound_launches else 'on'}; collectives "
+          f"{'one call per bucket' if args.no_coalesce else 'coalesced'}):")
     print(f"  {lo} buckets: {step_lo * 1e3:.2f} ms, {hi} buckets: {step_hi * 1e3:.2f} ms "
           f"({args.tensors_per_bucket} tensors of {args.numel} per bucket)")
     print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), of which "
