@@ -129,9 +129,12 @@ def main(argv=None) -> dict:
             options = {"coalesce": not args.no_coalesce}
             step_lo, comm_lo = _measure(lo, args.tensors_per_bucket, args.numel, args.reps, dict(options))
             step_hi, comm_hi = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, dict(options))
-            launches_before = dry.launches
-            _measure(lo, args.tensors_per_bucket, args.numel, 1, dict(options))
-            launches_at_lo = dry.launches - launches_before
+            counts = []  # launches of a steady-state step: 3 warm-up steps + 2 timed minus 3 + 1
+            for reps in (1, 2):
+                before = dry.launches
+                _measure(lo, args.tensors_per_bucket, args.numel, reps, dict(options))
+                counts.append(dry.launches - before)
+            launches_at_lo = counts[1] - counts[0]
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
     finally:
         driver._active = previous
@@ -146,7 +149,7 @@ def main(argv=None) -> dict:
         "host_us_per_tensor": per_bucket * 1e6 / args.tensors_per_bucket,
         "gloo_collectives_us_per_bucket": comm_per_bucket * 1e6,
         "host_us_per_bucket_without_gloo": (per_bucket - comm_per_bucket) * 1e6,
-        "launches_per_step_at_lo": launches_at_lo / 4,  # 3 warm-up steps + 1 timed
+        "launches_per_step_at_lo": launches_at_lo,
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
         "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce,

@@ -16,8 +16,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAUNCHES_PER_STEP = 10   # 3 buckets x (flatten, norm partials, update) + 1 finalize
-BOUND_PER_STEP = 9       # all but the finalize (one per step, shared by the buckets)
+# 3 buckets x (flatten, norm partials) + 2 param groups' updates (group 1's two buckets in one segmented launch,
+# issue 20.3) + 1 finalize
+LAUNCHES_PER_STEP = 9
+BOUND_PER_STEP = 8       # all but the finalize (one per step, shared by the buckets)
 BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kernel's beta1
 
 
@@ -55,12 +57,16 @@ def test_replayed_launches_equal_tritons_dispatch(record):
 
 def test_a_changed_hyperparameter_rebinds(record):
     first, second, third = record["new_betas"]
-    # new betas: the 3 updates go through the checked launcher (not a replay of the old launch); the flatten and
-    # norm launches, whose arguments did not change, still replay
-    assert first["replays"] == BOUND_PER_STEP - 3
+    # new betas: the updates go through the checked launcher (not a replay of the old launch), one per bucket, then
+    # the segmented launch of group 1's two buckets is recorded, then replayed; the flatten and norm launches, whose
+    # arguments did not change, still replay
+    assert first["replays"] == BOUND_PER_STEP - 2
+    counts = []
     for step in (first, second, third):
         updates = [args for name, args in step["launches"] if name == "_adamw_kernel"]
-        assert len(updates) == 3 and all(args[BETA1_ARG] == ["float", (0.8).hex()] for args in updates)
+        counts.append(len(updates))
+        assert all(args[BETA1_ARG] == ["float", (0.8).hex()] for args in updates)
+    assert counts == [3, 2, 2]
     assert third["replays"] == BOUND_PER_STEP and third["launches"] == second["launches"]
 
 
@@ -92,8 +98,10 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     launcher what Triton's dispatch does, and every launch of a step replays."""
     rec = record[name]
     dispatch = rec["dispatch"][-1]["launches"]
-    per_step = 3 * rec["buckets"] + 1  # flatten, norm, update per bucket; one finalize
-    assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == rec["buckets"]
+    # flatten and norm per bucket; one update for the group's 2 buckets (a segmented launch); one finalize
+    assert rec["buckets"] == 2
+    per_step = 2 * rec["buckets"] + 2
+    assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == 1
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step - 1, "every launch but the finalize must replay"
     assert replayed["launches"] == dispatch, _diff(dispatch, replayed["launches"])

@@ -1,8 +1,11 @@
-"""The order in which step() issues its work: per bucket, the update and at once its all-gather, in the order the
-next forward needs the buckets. On NCCL one process group's collectives run in issue order, so the first module's
-gather must be issued first, not behind every other bucket's update and gather. Traced with the profiler ranges
-step() opens around each update and each all-gather (what a GPU trace shows too)."""
+"""The order in which step() issues its work. With overlap_comm: per bucket, the update and at once its
+all-gather, in the order the next forward needs the buckets. On NCCL one process group's collectives run in issue
+order, so the first module's gather must be issued first, not behind every other bucket's update and gather.
+Without overlap_comm (every gather is waited for before step() returns): each param group's update in one launch,
+then the gathers, in forward order. Traced with the profiler ranges step() opens around each update and each
+all-gather (what a GPU trace shows too)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,33 +36,42 @@ def _traced_step(opt, model):
 
 
 def _expected(opt, model):
-    order, seen = [], set()
+    order, seen, groups = [], set(), []
     for p in model.parameters():  # forward order
-        i = opt._bucket_of[p][0].index
-        if i not in seen:
-            seen.add(i)
-            order += [f"tritonshard.update[bucket {i}]", f"tritonshard.all_gather[bucket {i}]"]
-    return order
+        b = opt._bucket_of[p][0]
+        if b.index not in seen:
+            seen.add(b.index)
+            order += [f"tritonshard.update[bucket {b.index}]", f"tritonshard.all_gather[bucket {b.index}]"]
+            if b.group_index not in groups:
+                groups.append(b.group_index)
+    if opt.overlap_comm:
+        return order
+    # without overlap: the groups' updates (in the order of their first bucket), then every gather
+    return [f"tritonshard.update[group {g}]" for g in groups] + [n for n in order if "all_gather" in n]
 
 
-def test_each_bucket_is_updated_then_gathered_in_forward_order():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_bucket_is_updated_then_gathered_in_forward_order(overlap):
     torch.manual_seed(0)
     model = Forward()
-    opt = ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=1e-9)  # one parameter per bucket
+    opt = ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=1e-9,  # one parameter per bucket
+                       overlap_comm=overlap)
     # buckets are filled in reverse (the order backward produces gradients): the embedding is in the last one
     assert opt._bucket_of[model.emb.weight][0].index == len(opt.buckets) - 1
     assert _traced_step(opt, model) == _expected(opt, model)
 
 
-def test_with_param_groups_attach_orders_the_gathers_by_the_model():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_with_param_groups_attach_orders_the_gathers_by_the_model(overlap):
     """Weight-decay groups interleave across modules: the model's registration order decides, once attached."""
     torch.manual_seed(0)
     model = Forward()
     decay = [p for p in model.parameters() if p.ndim == 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = ShardedAdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3,
-                       bucket_cap_mb=1e-9)
+                       bucket_cap_mb=1e-9, overlap_comm=overlap)
     opt.attach(model)
     traced = _traced_step(opt, model)
     assert traced == _expected(opt, model)
-    assert traced[1] == f"tritonshard.all_gather[bucket {opt._bucket_of[model.emb.weight][0].index}]"
+    first_gather = next(n for n in traced if "all_gather" in n)
+    assert first_gather == f"tritonshard.all_gather[bucket {opt._bucket_of[model.emb.weight][0].index}]"

@@ -82,12 +82,28 @@ def test_coefficients_are_computed_once_per_param_group():
     assert 0 < extra <= 20, (extra, two_groups - one_group)
 
 
-def test_launches_per_bucket():
-    buckets, _, launchers = _profile_step(3)
-    # per bucket: the flatten at the end of backward, the read-only norm pass (per-program partials into the
-    # bucket's slice of one workspace) and the fused update: 3 launches; per step, one finalize for all buckets
-    assert launchers == {"flatten_into": buckets, "sum_sq_partials_": buckets, "adamw_step_": buckets,
+@pytest.mark.parametrize("groups", [1, 2])
+def test_launches_per_bucket_and_per_group(groups):
+    buckets, _, launchers = _profile_step(3, n_groups=groups)
+    # per bucket: the flatten at the end of backward and the read-only norm pass (per-program partials into the
+    # bucket's slice of one workspace); per param group, one segmented update over all its buckets' shards (issue
+    # 20.3: without overlap_comm); per step, one finalize for all buckets
+    assert launchers == {"flatten_into": buckets, "sum_sq_partials_": buckets, "adamw_step_": groups,
                          "finalize_sum_sq_": 1}, launchers
+
+
+def test_with_overlap_every_bucket_has_its_own_update():
+    # with overlap_comm each bucket's all-gather starts right after its own update, in the order the forward needs
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=1e-9, overlap_comm=True)
+    x = torch.randn(4, 16).bfloat16()
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            opt.step()
+        opt.zero_grad()
+    assert _launchers(prof)["adamw_step_"] == len(opt.buckets) == 6
 
 
 def test_preallocated_norm_table_sums_every_bucket():

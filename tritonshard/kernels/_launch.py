@@ -155,3 +155,55 @@ def _same(a: tuple, b: tuple) -> bool:
         if type(x) is not type(y) or isinstance(x, torch.Tensor) or x != y:
             return False
     return True
+
+
+#: int64 columns per segment in a segmented launch's table (see _update_jit): up to 7 role offsets, then the numel
+SEGMENT_FIELDS = 8
+
+
+def segmented_spec(specs: list, vector: tuple, scalar: tuple, numel: int, tables: int, block: int):
+    """One launch spec for all of ``specs``: launches of one update kernel on several buckets' shards, which differ
+    only in their per-bucket tensors (the argument positions ``vector`` + ``scalar``) and their numel (position
+    ``numel``). The result launches the kernel once with MULTI=True: its arguments are ``specs[0]``'s, with at
+    positions ``tables`` and ``tables + 1`` the schedule (segment, first element per program) and the segment table
+    (each role's element offset from segment 0's tensor, then the numel; see tritonshard.kernels._update_jit).
+
+    None when the launches cannot be merged: other differences between them, a role whose tensors differ in dtype
+    or device, or an offset that is not a whole number of elements or (``vector`` roles, which the kernel reads with
+    16-byte accesses) not a multiple of 16 elements. The caller then launches them one by one."""
+    kernel, _, first_args, kwargs = specs[0]
+    roles = tuple(vector) + tuple(scalar)
+    if len(roles) >= SEGMENT_FIELDS or kwargs.get("MULTI") is not False:
+        return None
+    varying = set(roles) | {numel, tables, tables + 1}  # (the tables: placeholders without MULTI)
+    for other_kernel, _, args, other_kwargs in specs[1:]:
+        if other_kernel is not kernel or other_kwargs != kwargs or len(args) != len(first_args):
+            return None
+        # (an argument the kernel does not read is a placeholder: the launch's first tensor, different per bucket)
+        if not _same(tuple(a for i, a in enumerate(args) if i not in varying and a is not args[0]),
+                     tuple(a for i, a in enumerate(first_args) if i not in varying and a is not first_args[0])):
+            return None
+        if any((a is args[0]) != (b is first_args[0]) for i, (a, b) in enumerate(zip(args, first_args))
+               if i not in varying):
+            return None
+    rows, schedule = [], []
+    for s, (_, _, args, _) in enumerate(specs):
+        n = int(args[numel])
+        row = []
+        for j, i in enumerate(roles if n else ()):  # (an empty segment has no programs, and maybe no address)
+            t, t0 = args[i], first_args[i]
+            if t.dtype != t0.dtype or t.device != t0.device:
+                return None
+            offset, rest = divmod(t.data_ptr() - t0.data_ptr(), t.element_size())
+            if rest or (j < len(vector) and offset % 16):
+                return None
+            row.append(offset)
+        rows.append(row + [0] * (SEGMENT_FIELDS - 1 - len(row)) + [n])
+        schedule.extend((s, start) for start in range(0, n, block))
+    if not schedule:
+        return None
+    device = first_args[roles[0]].device
+    args = list(first_args)
+    args[tables] = torch.tensor(schedule, dtype=torch.int64).to(device)
+    args[tables + 1] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return kernel, (len(schedule),), tuple(args), dict(kwargs, MULTI=True)

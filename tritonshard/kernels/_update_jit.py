@@ -74,14 +74,54 @@ def load_state(ptr, offs, mask):
 
 
 @triton.jit
-def stochastic_bits(seed_ptr, BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """32 random bits per element of this program's block, from the launch's Philox key (an int64 device scalar
-    the optimizer advances each step), or 0 unused. State tensor j rounds with bits 16j..16j+15 of its element's
-    word, so the (at most two) states of one update never share random bits."""
+def stochastic_bits(seed_ptr, start, BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """32 random bits per element of the block at element ``start``, from the launch's Philox key (an int64 device
+    scalar the optimizer advances each step), or 0 unused. State tensor j rounds with bits 16j..16j+15 of its
+    element's word, so the (at most two) states of one update never share random bits."""
     if STOCHASTIC:
-        return block_random_bits(tl.load(seed_ptr), tl.program_id(0).to(tl.int64) * BLOCK, BLOCK)
+        return block_random_bits(tl.load(seed_ptr), start, BLOCK)
     else:
         return 0
+
+
+# ---- segmented launches: one launch of an update kernel over the shards of several buckets (issue 20.3)
+# Without MULTI, program p updates elements [p * BLOCK, (p + 1) * BLOCK) of the tensors it was given. With MULTI,
+# the launch covers several "segments" (one per bucket), each with its own tensors of every per-bucket role
+# (master, gradient shard, states, param shard, Philox key): the arguments are segment 0's tensors, ``segs`` holds
+# per segment the element offset of each role's tensor from segment 0's (SEGMENT_FIELDS int64 per segment, the
+# last one its numel), and ``sched`` per program its (segment, first element). A block of a segment computes what
+# the same block of that bucket's own launch computes, random bits included (they depend on the element's index
+# in its segment and the segment's own key). Offsets of the vectorized roles are multiples of 16 elements (checked
+# on the host, tritonshard.kernels._launch.segmented_spec), so 16-byte accesses stay possible.
+@triton.jit
+def program_block(sched_ptr, BLOCK: tl.constexpr, MULTI: tl.constexpr):
+    """(segment, first element of this program's block in its segment); (0, p * BLOCK) without MULTI."""
+    pid = tl.program_id(0).to(tl.int64)
+    if MULTI:
+        return tl.load(sched_ptr + 2 * pid), tl.multiple_of(tl.load(sched_ptr + 2 * pid + 1), BLOCK)
+    else:
+        return pid * 0, pid * BLOCK
+
+
+@triton.jit
+def segment_ptr(ptr, segs_ptr, seg, FIELD: tl.constexpr, MULTI: tl.constexpr, VECTOR: tl.constexpr = True):
+    """``ptr`` moved to segment ``seg``'s tensor of the role in column FIELD (``ptr`` itself without MULTI)."""
+    if MULTI:
+        off = tl.load(segs_ptr + seg * 8 + FIELD)
+        if VECTOR:
+            off = tl.multiple_of(off, 16)
+        return ptr + off
+    else:
+        return ptr
+
+
+@triton.jit
+def segment_numel(segs_ptr, seg, n, MULTI: tl.constexpr):
+    """The numel of segment ``seg`` (``n`` without MULTI)."""
+    if MULTI:
+        return tl.load(segs_ptr + seg * 8 + 7)
+    else:
+        return n
 
 
 @triton.jit

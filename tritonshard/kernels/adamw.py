@@ -35,8 +35,8 @@ import triton.language as tl
 from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
                       master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend, traced
-from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
-                          update_mask)
+from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
+                          stochastic_bits, store_param, store_state, update_mask)
 
 __all__ = ["adamw_step_", "adamw_step_ref", "adamw_coefficients"]
 
@@ -47,11 +47,19 @@ BLOCK = 2048
 def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_ptr, n,
                   coef_ptr, decay, step_size, bc2_sqrt,
                   grad_scale_ptr, grad_scale_val, found_inf_ptr, seed_ptr,
-                  beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                  beta1, one_minus_beta1, beta2, one_minus_beta2, eps, sched_ptr, segs_ptr,
                   COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                   HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr, LERP_FROM_END: tl.constexpr,
-                  REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                  REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, MULTI: tl.constexpr, BLOCK: tl.constexpr):
+    seg, start = program_block(sched_ptr, BLOCK, MULTI)  # (see _update_jit: segmented launches)
+    param_ptr = segment_ptr(param_ptr, segs_ptr, seg, 0, MULTI)
+    grad_ptr = segment_ptr(grad_ptr, segs_ptr, seg, 1, MULTI)
+    exp_avg_ptr = segment_ptr(exp_avg_ptr, segs_ptr, seg, 2, MULTI)
+    exp_avg_sq_ptr = segment_ptr(exp_avg_sq_ptr, segs_ptr, seg, 3, MULTI)
+    param_out_ptr = segment_ptr(param_out_ptr, segs_ptr, seg, 4, MULTI)
+    seed_ptr = segment_ptr(seed_ptr, segs_ptr, seg, 5, MULTI, False)
+    n = segment_numel(segs_ptr, seg, n, MULTI)
+    offs = start + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
         decay = tl.load(coef_ptr)
@@ -61,7 +69,7 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_out_pt
     p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     m = load_state(exp_avg_ptr, offs, mask)
     v = load_state(exp_avg_sq_ptr, offs, mask)
-    bits = stochastic_bits(seed_ptr, BLOCK, STOCHASTIC)
+    bits = stochastic_bits(seed_ptr, start, BLOCK, STOCHASTIC)
 
     p = p * decay
     if LERP_FROM_END:  # torch.lerp's formula for weight >= 0.5
@@ -193,6 +201,11 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     kernel[grid](*args, **kwargs)
 
 
+#: how a segmented launch (_launch.segmented_spec) finds each bucket's tensors among launch_spec's arguments:
+#: the vectorized roles (param, grad, exp_avg, exp_avg_sq, param_out), the Philox key, the numel, the two tables
+SEGMENTS = dict(vector=(0, 1, 2, 3, 4), scalar=(13,), numel=5, tables=19)
+
+
 def launch_spec(param, grad, exp_avg, exp_avg_sq, coef, values, grad_scale, found_inf, param_out, seed,
                 beta1, beta2, eps, maximize, remainders) -> tuple:
     """(kernel, grid, args, kwargs) of one :func:`adamw_step_` launch, unchecked: for :func:`adamw_step_` after its
@@ -204,9 +217,9 @@ def launch_spec(param, grad, exp_avg, exp_avg_sq, coef, values, grad_scale, foun
             coef if coef is not None else param, float(decay), float(step_size), float(bc2_sqrt),
             grad_scale if gs_is_tensor else param, 1.0 if gs_is_tensor else float(grad_scale),
             found_inf if found_inf is not None else param, seed if seed is not None else param,
-            float(beta1), float(1 - beta1), float(beta2), float(1 - beta2), float(eps))
+            float(beta1), float(1 - beta1), float(beta2), float(1 - beta2), float(eps), param, param)
     kwargs = dict(COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs_is_tensor,
                   HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize),
                   LERP_FROM_END=(1 - beta1) >= 0.5, REMAINDER=remainders, STOCHASTIC=seed is not None,
-                  BLOCK=BLOCK, enable_fp_fusion=True)
+                  MULTI=False, BLOCK=BLOCK, enable_fp_fusion=True)
     return _adamw_kernel, (-(-param.numel() // BLOCK),), args, kwargs

@@ -20,8 +20,8 @@ from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, 
                       master_view, pack_coefficients, seed_tensor, validate_update)
 from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
-from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
-                          update_mask)
+from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
+                          stochastic_bits, store_param, store_state, update_mask)
 
 __all__ = ["lion_step_", "lion_step_ref"]
 
@@ -31,10 +31,18 @@ BLOCK = 2048
 @triton.jit
 def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, decay, neg_lr,
                  grad_scale_ptr, grad_scale_val, found_inf_ptr, seed_ptr, beta1, one_minus_beta1, beta2,
-                 one_minus_beta2, COEF_IS_TENSOR: tl.constexpr, GRAD_SCALE_IS_TENSOR: tl.constexpr,
-                 HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                 one_minus_beta2, sched_ptr, segs_ptr, COEF_IS_TENSOR: tl.constexpr,
+                 GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, MULTI: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    seg, start = program_block(sched_ptr, BLOCK, MULTI)  # (see _update_jit: segmented launches)
+    param_ptr = segment_ptr(param_ptr, segs_ptr, seg, 0, MULTI)
+    grad_ptr = segment_ptr(grad_ptr, segs_ptr, seg, 1, MULTI)
+    exp_avg_ptr = segment_ptr(exp_avg_ptr, segs_ptr, seg, 2, MULTI)
+    param_out_ptr = segment_ptr(param_out_ptr, segs_ptr, seg, 3, MULTI)
+    seed_ptr = segment_ptr(seed_ptr, segs_ptr, seg, 4, MULTI, False)
+    n = segment_numel(segs_ptr, seg, n, MULTI)
+    offs = start + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     if COEF_IS_TENSOR:
         decay = tl.load(coef_ptr)
@@ -42,7 +50,7 @@ def _lion_kernel(param_ptr, grad_ptr, exp_avg_ptr, param_out_ptr, n, coef_ptr, d
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
     p = load_param(param_ptr, param_out_ptr, offs, mask, REMAINDER)
     m = load_state(exp_avg_ptr, offs, mask)
-    bits = stochastic_bits(seed_ptr, BLOCK, STOCHASTIC)
+    bits = stochastic_bits(seed_ptr, start, BLOCK, STOCHASTIC)
     c = m * beta1 + one_minus_beta1 * g
     update = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     p = p * decay + neg_lr * update
@@ -109,6 +117,10 @@ def lion_coefficients(lr, weight_decay, device):
     return _coefficients(lr, weight_decay, device)
 
 
+#: segmented launches (see adamw.SEGMENTS): param, grad, exp_avg, param_out; the Philox key
+SEGMENTS = dict(vector=(0, 1, 2, 3), scalar=(11,), numel=4, tables=16)
+
+
 def launch_spec(param, grad, exp_avg, coef, values, grad_scale, found_inf, param_out, seed, beta1, beta2, maximize,
                 remainders) -> tuple:
     """(kernel, grid, args, kwargs) of one :func:`lion_step_` launch, unchecked (see adamw.launch_spec)."""
@@ -117,8 +129,9 @@ def launch_spec(param, grad, exp_avg, coef, values, grad_scale, found_inf, param
     args = (param, grad, exp_avg, param_out if param_out is not None else param, param.numel(),
             coef if coef is not None else param, float(decay), float(neg_lr),
             grad_scale if gs else param, 1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
-            seed if seed is not None else param, float(beta1), float(1 - beta1), float(beta2), float(1 - beta2))
+            seed if seed is not None else param, float(beta1), float(1 - beta1), float(beta2), float(1 - beta2),
+            param, param)
     kwargs = dict(COEF_IS_TENSOR=coef is not None, GRAD_SCALE_IS_TENSOR=gs, HAS_FOUND_INF=found_inf is not None,
                   HAS_PARAM_OUT=param_out is not None, MAXIMIZE=bool(maximize), REMAINDER=remainders,
-                  STOCHASTIC=seed is not None, BLOCK=BLOCK, enable_fp_fusion=True)
+                  STOCHASTIC=seed is not None, MULTI=False, BLOCK=BLOCK, enable_fp_fusion=True)
     return _lion_kernel, (cdiv(param.numel(), BLOCK),), args, kwargs

@@ -63,7 +63,8 @@ def _muon_momentum_kernel(grad_ptr, buf_ptr, out_ptr, n, grad_scale_ptr, grad_sc
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), False)
     b = _lerp(load_state(buf_ptr, offs, mask), g, w_buf, one_minus_w_buf)
-    store_state(buf_ptr, offs, mask, b, stochastic_bits(seed_ptr, BLOCK, STOCHASTIC), 0, STOCHASTIC)
+    store_state(buf_ptr, offs, mask, b, stochastic_bits(seed_ptr, tl.program_id(0).to(tl.int64) * BLOCK, BLOCK,
+                                                        STOCHASTIC), 0, STOCHASTIC)
     if NESTEROV:
         u = _lerp(g, b, w_nesterov, one_minus_w_nesterov)
     else:

@@ -23,8 +23,8 @@ from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, 
                       master_view, pack_coefficients, seed_tensor, validate_update)
 from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
-from ._update_jit import (load_grad, load_param, load_state, scalar_arg, stochastic_bits, store_param, store_state,
-                          update_mask)
+from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
+                          stochastic_bits, store_param, store_state, update_mask)
 
 __all__ = ["sgd_step_", "sgd_step_ref"]
 
@@ -34,11 +34,19 @@ BLOCK = 2048
 @triton.jit
 def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr, step_ptr, step_val,
                 grad_scale_ptr, grad_scale_val, found_inf_ptr, seed_ptr, momentum, one_minus_dampening,
-                weight_decay, COEF_IS_TENSOR: tl.constexpr, STEP_IS_TENSOR: tl.constexpr,
+                weight_decay, sched_ptr, segs_ptr, COEF_IS_TENSOR: tl.constexpr, STEP_IS_TENSOR: tl.constexpr,
                 GRAD_SCALE_IS_TENSOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_PARAM_OUT: tl.constexpr,
                 HAS_WEIGHT_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                MAXIMIZE: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, MULTI: tl.constexpr,
+                BLOCK: tl.constexpr):
+    seg, start = program_block(sched_ptr, BLOCK, MULTI)  # (see _update_jit: segmented launches)
+    param_ptr = segment_ptr(param_ptr, segs_ptr, seg, 0, MULTI)
+    grad_ptr = segment_ptr(grad_ptr, segs_ptr, seg, 1, MULTI)
+    buf_ptr = segment_ptr(buf_ptr, segs_ptr, seg, 2, MULTI)
+    param_out_ptr = segment_ptr(param_out_ptr, segs_ptr, seg, 3, MULTI)
+    seed_ptr = segment_ptr(seed_ptr, segs_ptr, seg, 4, MULTI, False)
+    n = segment_numel(segs_ptr, seg, n, MULTI)
+    offs = start + tl.arange(0, BLOCK)
     mask = update_mask(offs, n, found_inf_ptr, HAS_FOUND_INF)
     neg_lr = scalar_arg(coef_ptr, neg_lr, COEF_IS_TENSOR)
     g = load_grad(grad_ptr, offs, mask, scalar_arg(grad_scale_ptr, grad_scale_val, GRAD_SCALE_IS_TENSOR), MAXIMIZE)
@@ -48,7 +56,7 @@ def _sgd_kernel(param_ptr, grad_ptr, buf_ptr, param_out_ptr, n, coef_ptr, neg_lr
         d = d + weight_decay * p
     if HAS_MOMENTUM:
         first = scalar_arg(step_ptr, step_val, STEP_IS_TENSOR) == 1.0
-        bits = stochastic_bits(seed_ptr, BLOCK, STOCHASTIC)
+        bits = stochastic_bits(seed_ptr, start, BLOCK, STOCHASTIC)
         b = load_state(buf_ptr, offs, mask)
         b = tl.where(first, d, b * momentum + one_minus_dampening * d)
         store_state(buf_ptr, offs, mask, b, bits, 0, STOCHASTIC)
@@ -129,6 +137,10 @@ def sgd_coefficients(lr, device):
     return pack_coefficients([-(lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr)], device)
 
 
+#: segmented launches (see adamw.SEGMENTS): param, grad, momentum_buffer, param_out; the Philox key
+SEGMENTS = dict(vector=(0, 1, 2, 3), scalar=(12,), numel=4, tables=16)
+
+
 def launch_spec(param, grad, momentum_buffer, coef, values, step, grad_scale, found_inf, param_out, seed, momentum,
                 dampening, weight_decay, nesterov, maximize, remainders) -> tuple:
     """(kernel, grid, args, kwargs) of one :func:`sgd_step_` launch, unchecked (see adamw.launch_spec): ``coef``
@@ -138,10 +150,11 @@ def launch_spec(param, grad, momentum_buffer, coef, values, step, grad_scale, fo
             param.numel(), coef if coef is not None else param, values[0] if values else 0.0,
             step if st else param, 0.0 if st else float(step), grad_scale if gs else param,
             1.0 if gs else float(grad_scale), found_inf if found_inf is not None else param,
-            seed if seed is not None else param, float(momentum), float(1 - dampening), float(weight_decay))
+            seed if seed is not None else param, float(momentum), float(1 - dampening), float(weight_decay), param,
+            param)
     kwargs = dict(COEF_IS_TENSOR=coef is not None, STEP_IS_TENSOR=st, GRAD_SCALE_IS_TENSOR=gs,
                   HAS_FOUND_INF=found_inf is not None, HAS_PARAM_OUT=param_out is not None,
                   HAS_WEIGHT_DECAY=weight_decay != 0, HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
-                  MAXIMIZE=bool(maximize), REMAINDER=remainders, STOCHASTIC=seed is not None, BLOCK=BLOCK,
-                  enable_fp_fusion=True)
+                  MAXIMIZE=bool(maximize), REMAINDER=remainders, STOCHASTIC=seed is not None, MULTI=False,
+                  BLOCK=BLOCK, enable_fp_fusion=True)
     return _sgd_kernel, (cdiv(param.numel(), BLOCK),), args, kwargs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 from ..kernels import _launch
 from ..kernels.adamw import adamw_coefficients
+from ..kernels.adamw import SEGMENTS as ADAMW_SEGMENTS
 from ..kernels.adamw import launch_spec as adamw_launch_spec
 from ._hparams import check_betas, check_lr, check_min
 from .base import ShardedOptimizer, kernels
@@ -52,6 +54,12 @@ class ShardedAdamW(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         adamw_update(self, bucket, group, grad_scale, found_inf, maximize=group["maximize"])
 
+    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        launch = functools.partial(adamw_launch, self, group=group, grad_scale=grad_scale, found_inf=found_inf,
+                                   maximize=group["maximize"])
+        if not self._launch_segmented(buckets, launch, ADAMW_SEGMENTS, "adamw_step_"):
+            super()._update_buckets(buckets, group, grad_scale, found_inf)
+
 
 def check_adamw_group(g: dict, where: str) -> None:
     """An AdamW group's hyper-parameters (ShardedAdamW's groups, and ShardedMuon's ``use_muon=False`` ones)."""
@@ -65,13 +73,26 @@ def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
                  maximize: bool = False) -> None:
     """One bucket's fused AdamW update. The coefficients (float64 device math from lr and the group's step) are
     computed once per param group and step and shared by the group's buckets."""
+    spec, checked_launch = adamw_launch(opt, bucket, group, grad_scale, found_inf, maximize)
+    if spec is None:
+        checked_launch()
+        return
+    # the first launch with these arguments (and any change of them: new betas, a grad_scale that became a tensor)
+    # goes through the checked launcher; then the bound launch replays it
+    _launch.launch(bucket.launches, "update", spec, checked_launch)
+
+
+def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor,
+                 maximize: bool = False) -> tuple:
+    """(launch spec or None, checked launch) of one bucket's AdamW update: the spec (kernel, grid, args, kwargs)
+    where launches are bound or segmented (``opt._persistent_args()``), the checked launcher always."""
     beta1, beta2 = group["betas"]
-    bound = opt._hot_path()
+    persistent = opt._persistent_args()
     gi = bucket.group_index
 
     def coefficients_now():
         coef = adamw_coefficients(group["lr"], bucket.step, beta1, beta2, group["weight_decay"])
-        if not bound:
+        if not persistent:
             return coef
         # a bound launch reads the group's coefficients from one tensor that keeps its storage
         return opt._persistent_tensor(("adamw", gi), lambda: torch.empty_like(coef)).copy_(coef)
@@ -84,13 +105,10 @@ def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
                               beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                               step=bucket.step, grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
                               maximize=maximize, remainders=remainders, coefficients=coefficients, **state_kwargs)
-    if not bound:
-        checked_launch()
-        return
+    if not persistent:
+        return None, checked_launch
     spec = adamw_launch_spec(param, grad, bucket.state["exp_avg"], bucket.state["exp_avg_sq"], coefficients, None,
                              grad_scale, found_inf, param_out,
                              state_kwargs.get("seed") if state_kwargs.get("state_rounding") == "stochastic" else None,
                              beta1, beta2, group["eps"], maximize, remainders)
-    # the first launch with these arguments (and any change of them: new betas, a grad_scale that became a tensor)
-    # goes through the checked launcher; then the bound launch replays it
-    _launch.launch(bucket.launches, "update", spec, checked_launch)
+    return spec, checked_launch

@@ -85,7 +85,7 @@ from ..buffer import DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import _launch
 from ..kernels import ops as _op_kernels
-from ..kernels._dispatch import compiled_path
+from ..kernels._dispatch import compiled_path, interpreter_enabled
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
 from ..kernels.scale import fold_rows_launch_spec, partials_launch_spec, shared_sum_sq_workspace
 from . import model_sync
@@ -155,6 +155,11 @@ def _reject_duplicates(params: list) -> None:
             if id(p) in seen:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is passed twice (param_groups[{gi}])")
             seen.add(id(p))
+
+
+def _same_spec(a: tuple, b: tuple) -> bool:
+    """Two launch specs (kernel, grid, args, kwargs) launch the same: tensors by identity, the rest by value."""
+    return a[0] is b[0] and a[1] == b[1] and a[3] == b[3] and _launch._same(a[2], b[2])
 
 
 def kernels():
@@ -388,6 +393,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # launches all-to-alls into two scratch buffers in turn
         self._coalesce = (not self.overlap_comm and not self._ordered and self._direct_collectives
                           and comm.coalesced_available() and len(self.buckets) > 1)
+        # Without overlap_comm nothing waits for one bucket's gather before the others' (they are all waited for at
+        # the end of step()): each param group's buckets are updated together (_update_buckets: one segmented launch
+        # for ShardedAdamW, SGD and Lion), groups in the order of their first bucket in the gather order, and the
+        # gathers follow; the merged launches are kept per group (_launch_segmented)
+        self._update_together = not self.overlap_comm and len(self.buckets) > 1
+        self._segmented: dict = {}
+        self._segmented_launches: dict = {}
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -874,6 +886,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             position.setdefault(p, i)
         first_use = [min((position.get(p, len(position)) for p in b.params), default=0) for b in self.buckets]
         self._gather_order = sorted(range(len(self.buckets)), key=lambda i: (first_use[i], i))
+        by_group: dict = {}
+        for i in self._gather_order:
+            by_group.setdefault(self.buckets[i].group_index, []).append(self.buckets[i])
+        #: (group index, its buckets in gather order), groups in the order of their first bucket
+        self._buckets_by_group = list(by_group.items())
 
     def _before_model_forward(self, module: torch.nn.Module) -> None:
         """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
@@ -991,7 +1008,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if amp_scale is not None:  # GradScaler.step without unscale_(): the gradients are still scaled
             grad_scale = grad_scale / amp_scale
         bound = self._hot_path()
-        if bound:  # the bound update launches read these two tensors (see __init__)
+        if self._persistent_args():  # the bound (or segmented) update launches read these two tensors (__init__)
             self._found_inf_buf.copy_(found_inf)
             found_inf = self._found_inf_buf
             if isinstance(grad_scale, torch.Tensor):
@@ -1001,38 +1018,54 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # their weights and state must come out of the flat update unchanged
         frozen = self._frozen_since_build()
         kept = self._snapshot_pieces(frozen) if frozen else {}
-        # Per bucket, its update and at once its all-gather, in the order the next forward needs the buckets (the
-        # first module's first): on NCCL one group's collectives run in issue order, so the gather of the
-        # embedding's bucket must not queue behind every other bucket's update and gather.
+        # With overlap_comm: per bucket, its update and at once its all-gather, in the order the next forward needs
+        # the buckets (the first module's first): on NCCL one group's collectives run in issue order, so the gather
+        # of the embedding's bucket must not queue behind every other bucket's update and gather. Without it, every
+        # gather is waited for before step() returns: all updates (one launch per param group), then the gathers.
         self._entry("step")
         self._prepared_state = None
         not_skipped = 1.0 - found_inf
         for step in self._group_steps.values():  # skipped steps do not count
             step.add_(not_skipped)
-        coalesce = self._coalesce and not torch.compiler.is_compiling()  # then: every update, one gather call
-        for i in self._gather_order:
-            b = self.buckets[i]
-            if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
-                b.sr_seed.add_(1)
-            with _trace(f"tritonshard.update[bucket {b.index}]"):
-                self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
-                self._restore_pieces(kept.get(i, ()))
-            if coalesce:
-                continue
-            with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
-                if self._direct_collectives and bound:
-                    b.ag_work = comm.all_gather_single(b.param_buffer.get_data(), b.param_buffer.get_local_shard(),
-                                                       group=self.process_group, async_op=True)
-                else:
-                    b.ag_work = b.param_buffer.all_gather(async_op=True)
-        if coalesce:
+        compiling = torch.compiler.is_compiling()
+        together = self._update_together and not compiling  # every update first, then the gathers
+        coalesce = self._coalesce and not compiling  # ... in one call
+        if together:  # each param group's buckets in one call (ShardedAdamW, SGD, Lion: one segmented launch)
+            for b in self.buckets:
+                if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
+                    b.sr_seed.add_(1)
+            for gi, buckets in self._buckets_by_group:
+                with _trace(f"tritonshard.update[group {gi}]"):
+                    self._update_buckets(buckets, self.param_groups[gi], grad_scale, found_inf)
+            for pieces in kept.values():
+                self._restore_pieces(pieces)
             order = [self.buckets[i] for i in self._gather_order]
-            with _trace("tritonshard.all_gather[coalesced]"):
-                work = comm.SharedWork(comm.all_gather_coalesced(
-                    [b.param_buffer.get_data() for b in order], [b.param_buffer.get_local_shard() for b in order],
-                    group=self.process_group))
-            for b in order:
-                b.ag_work = work
+            if coalesce:
+                with _trace("tritonshard.all_gather[coalesced]"):
+                    work = comm.SharedWork(comm.all_gather_coalesced(
+                        [b.param_buffer.get_data() for b in order], [b.param_buffer.get_local_shard() for b in order],
+                        group=self.process_group))
+                for b in order:
+                    b.ag_work = work
+            else:
+                for b in order:
+                    with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
+                        b.ag_work = b.param_buffer.all_gather(async_op=True)
+        else:  # with overlap_comm: per bucket, its update and at once its all-gather (see above)
+            for i in self._gather_order:
+                b = self.buckets[i]
+                if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
+                    b.sr_seed.add_(1)
+                with _trace(f"tritonshard.update[bucket {b.index}]"):
+                    self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
+                    self._restore_pieces(kept.get(i, ()))
+                with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
+                    if self._direct_collectives and bound:
+                        b.ag_work = comm.all_gather_single(b.param_buffer.get_data(),
+                                                           b.param_buffer.get_local_shard(),
+                                                           group=self.process_group, async_op=True)
+                    else:
+                        b.ag_work = b.param_buffer.all_gather(async_op=True)
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
             self._grads_consumed_event = torch.cuda.Event()
             self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
@@ -1060,6 +1093,41 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        """The updates of ``buckets``, all of one param group (without overlap_comm, where nothing waits for a
+        single bucket's): one by one here; an update rule with a segmented kernel launches them at once."""
+        for b in buckets:
+            self._update(b, group, grad_scale, found_inf)
+
+    def _launch_segmented(self, buckets: list, launch, segments: dict, op: str) -> bool:
+        """One segmented launch (kernels/_launch.segmented_spec) for the updates of ``buckets`` (one param group),
+        where ``launch(bucket)`` gives a bucket's (spec, checked launch). False when they cannot go together (the
+        caller then updates bucket by bucket): one bucket, no segmented path here, or launches that do not merge.
+
+        The merged launch is built once and kept while the first bucket's spec stays the same (the other buckets'
+        tensors never change, and everything else their launches take is the first one's: the group's scalars
+        and coefficients, grad_scale, found_inf), so a step builds one spec and compares it, whatever the number
+        of buckets. A new merged launch (new betas, a grad_scale that became a tensor) first goes through every
+        bucket's checked launcher, which validates and launches, as a new bound launch does. ``op``: the kernel's
+        launcher, whose name the launch's profiler range carries (``tritonshard.kernel.<op>``, as the launcher's)."""
+        if len(buckets) < 2 or not self._segmented_path():
+            return False
+        first, _ = launch(buckets[0])
+        key = buckets[0].index
+        kept = self._segmented.get(key)
+        if kept is None or not _same_spec(kept[0], first):
+            specs = [first] + [launch(b)[0] for b in buckets[1:]]
+            kept = self._segmented[key] = (first, _launch.segmented_spec(specs, block=first[3]["BLOCK"], **segments))
+        if kept[1] is None:
+            return False
+
+        def checked_launches():
+            for b in buckets:
+                launch(b)[1]()
+        with _trace(f"tritonshard.kernel.{op}"):
+            _launch.launch(self._segmented_launches, key, kept[1], checked_launches)
+        return True
+
     def _check_loss_scale_floor(self) -> None:
         """Raise when the last steps all overflowed with the loss scale at its floor (LossScaleConfig). On a GPU the
         count is read from its asynchronous copy once that has landed (at most a step late), never with a sync."""
@@ -1085,6 +1153,17 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         ``_launch.set_bound_launches(False)`` sends the same launches through Triton's dispatch instead), the
         per-step scalars live in persistent tensors, and collectives and the flatten skip the per-call checks."""
         return compiled_path(self.device) and not torch.compiler.is_compiling()
+
+    def _segmented_path(self) -> bool:
+        """Whether each param group's updates go in one segmented launch: without overlap_comm (``_update_together``), on
+        the Triton kernels (compiled, or the interpreter, where the CPU tests run them), outside torch.compile."""
+        return self._update_together and (compiled_path(self.device) or interpreter_enabled()) \
+            and not torch.compiler.is_compiling()
+
+    def _persistent_args(self) -> bool:
+        """Whether the update launches take their per-step values from tensors that keep their storage (found_inf,
+        grad_scale, coefficients, the lr): so that a bound or segmented launch stays valid from step to step."""
+        return self._hot_path() or self._segmented_path()
 
     def _persistent_tensor(self, key, make):
         """A tensor made once and kept (a bound launch's per-step input, rewritten in place every step)."""

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..kernels import _launch
+from ..kernels.lion import SEGMENTS as LION_SEGMENTS
 from ..kernels.lion import launch_spec as lion_launch_spec
+from ..kernels.sgd import SEGMENTS as SGD_SEGMENTS
 from ..kernels.sgd import launch_spec as sgd_launch_spec
 from ._hparams import check_betas, check_lr, check_min, check_number, require
 from .base import ShardedOptimizer, kernels
@@ -37,20 +41,28 @@ class ShardedSGD(ShardedOptimizer):
                 "nesterov=True requires momentum > 0 and dampening == 0", where)
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
+
+    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
+        if not self._launch_segmented(buckets, launch, SGD_SEGMENTS, "sgd_step_"):
+            super()._update_buckets(buckets, group, grad_scale, found_inf)
+
+    def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
+        """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
         param, param_out, remainders = bucket.update_target()
         grad, momentum_buffer, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state.get(
             "momentum_buffer"), bucket.state_kwargs()
-        bound = self._hot_path()
+        persistent = self._persistent_args()
 
         def checked_launch():
-            kernels().sgd_step_(param, grad, momentum_buffer, lr=self._lr_tensor(group) if bound else group["lr"],
+            kernels().sgd_step_(param, grad, momentum_buffer, lr=self._lr_tensor(group) if persistent else group["lr"],
                                 momentum=group["momentum"], dampening=group["dampening"],
                                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
                                 grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
                                 maximize=group["maximize"], remainders=remainders, **state_kwargs)
-        if not bound:
-            checked_launch()
-            return
+        if not persistent:
+            return None, checked_launch
         # the lr a scheduler sets reaches the kernel through one tensor per group that keeps its storage ([-lr],
         # fp32: the bits the checked launcher computes from the same lr), so the bound launch stays valid
         coef = self._once_per_step(("sgd", bucket.group_index), lambda: self._persistent_tensor(
@@ -59,7 +71,7 @@ class ShardedSGD(ShardedOptimizer):
         spec = sgd_launch_spec(param, grad, momentum_buffer, coef, None, bucket.step, grad_scale, found_inf,
                                param_out, _seed(state_kwargs), group["momentum"], group["dampening"],
                                group["weight_decay"], group["nesterov"], group["maximize"], remainders)
-        _launch.launch(bucket.launches, "update", spec, checked_launch)
+        return spec, checked_launch
 
 
 class ShardedLion(ShardedOptimizer):
@@ -80,20 +92,28 @@ class ShardedLion(ShardedOptimizer):
         check_min("weight_decay", g["weight_decay"], where)
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
+
+    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
+        launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
+        if not self._launch_segmented(buckets, launch, LION_SEGMENTS, "lion_step_"):
+            super()._update_buckets(buckets, group, grad_scale, found_inf)
+
+    def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
+        """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
         beta1, beta2 = group["betas"]
         param, param_out, remainders = bucket.update_target()
         grad, exp_avg, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state["exp_avg"], \
             bucket.state_kwargs()
-        bound = self._hot_path()
+        persistent = self._persistent_args()
 
         def checked_launch():
-            kernels().lion_step_(param, grad, exp_avg, lr=self._lr_tensor(group) if bound else group["lr"],
+            kernels().lion_step_(param, grad, exp_avg, lr=self._lr_tensor(group) if persistent else group["lr"],
                                  beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
                                  found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
                                  remainders=remainders, **state_kwargs)
-        if not bound:
-            checked_launch()
-            return
+        if not persistent:
+            return None, checked_launch
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
 
         def coefficients():  # [1 - lr*wd, -lr]: float64 math, rounded to fp32 once, as the checked launcher does
@@ -105,6 +125,14 @@ class ShardedLion(ShardedOptimizer):
         coef = self._once_per_step(("lion", bucket.group_index), coefficients)
         spec = lion_launch_spec(param, grad, exp_avg, coef, None, grad_scale, found_inf, param_out,
                                 _seed(state_kwargs), beta1, beta2, group["maximize"], remainders)
+        return spec, checked_launch
+
+
+def _launch_one(bucket: _Bucket, spec, checked_launch) -> None:
+    """One bucket's update: bound (replayed from the second launch on) where there is a spec, else checked."""
+    if spec is None:
+        checked_launch()
+    else:
         _launch.launch(bucket.launches, "update", spec, checked_launch)
 
 
