@@ -961,8 +961,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._check_no_own_loss_scale("torch.amp.GradScaler")
         _, ours = self._reduce_grads()
         found_inf.copy_(torch.maximum(found_inf, ours.to(found_inf.dtype)))
+        # _fold_grad_multiplier's work, once for the list (it was ~1 us per parameter per step, each call
+        # re-entering the cached reduction and clearing the norm cache)
+        multipliers = self._grad_multipliers
         for p in params:
-            self._fold_grad_multiplier(p, inv_scale)
+            multipliers.setdefault(p, []).append(inv_scale)
+        self._norm_cache.clear()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (``loss`` itself without loss scaling): call ``.backward()`` on this."""
@@ -1155,8 +1159,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         return compiled_path(self.device) and not torch.compiler.is_compiling()
 
     def _segmented_path(self) -> bool:
-        """Whether each param group's updates go in one segmented launch: without overlap_comm (``_update_together``), on
-        the Triton kernels (compiled, or the interpreter, where the CPU tests run them), outside torch.compile."""
+        """Whether each param group's updates go in one segmented launch: without overlap_comm
+        (``_update_together``), on the Triton kernels (compiled, or the interpreter, where the CPU tests run them),
+        outside torch.compile."""
         return self._update_together and (compiled_path(self.device) or interpreter_enabled()) \
             and not torch.compiler.is_compiling()
 
@@ -1172,10 +1177,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             t = self._persistent[key] = make()
         return t
 
-    def _lr_tensor(self, group: dict) -> torch.Tensor:
+    def _lr_tensor(self, group: dict, group_index: int) -> torch.Tensor:
         """``group["lr"]`` in a float64 device tensor (one per group, kept): what the checked launchers of a bound
-        update get, so that they compile the same specialization as the bound launch (lr read from memory)."""
-        t = self._persistent_tensor(("lr", id(group)),
+        update get, so that they compile the same specialization as the bound launch (lr read from memory). Kept
+        by the group's index (a load_state_dict that replaced the group dicts would leave a tensor behind if it
+        were kept by the dict's id)."""
+        t = self._persistent_tensor(("lr", group_index),
                                     lambda: torch.empty((), dtype=torch.float64, device=self.device))
         return t.fill_(float(group["lr"]))
 

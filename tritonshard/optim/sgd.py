@@ -55,8 +55,9 @@ class ShardedSGD(ShardedOptimizer):
             "momentum_buffer"), bucket.state_kwargs()
         persistent = self._persistent_args()
 
-        def checked_launch():
-            kernels().sgd_step_(param, grad, momentum_buffer, lr=self._lr_tensor(group) if persistent else group["lr"],
+        def checked_launch():  # (the lr tensor is written here, when the checked launcher runs: not every step)
+            lr = self._lr_tensor(group, bucket.group_index) if persistent else group["lr"]
+            kernels().sgd_step_(param, grad, momentum_buffer, lr=lr,
                                 momentum=group["momentum"], dampening=group["dampening"],
                                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], step=bucket.step,
                                 grad_scale=grad_scale, found_inf=found_inf, param_out=param_out,
@@ -107,8 +108,9 @@ class ShardedLion(ShardedOptimizer):
             bucket.state_kwargs()
         persistent = self._persistent_args()
 
-        def checked_launch():
-            kernels().lion_step_(param, grad, exp_avg, lr=self._lr_tensor(group) if persistent else group["lr"],
+        def checked_launch():  # (the lr tensor is written here, when the checked launcher runs: not every step)
+            lr = self._lr_tensor(group, bucket.group_index) if persistent else group["lr"]
+            kernels().lion_step_(param, grad, exp_avg, lr=lr,
                                  beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], grad_scale=grad_scale,
                                  found_inf=found_inf, param_out=param_out, maximize=group["maximize"],
                                  remainders=remainders, **state_kwargs)
