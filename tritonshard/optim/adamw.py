@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import _launch
-from ..kernels.adamw import adamw_coefficients
+from ..kernels.adamw import adamw_coefficients, adamw_coefficients_into
 from ..kernels.adamw import SEGMENTS as ADAMW_SEGMENTS
 from ..kernels.adamw import launch_spec as adamw_launch_spec
 from ._hparams import check_betas, check_lr, check_min
@@ -91,11 +91,19 @@ def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
     gi = bucket.group_index
 
     def coefficients_now():
-        coef = adamw_coefficients(group["lr"], bucket.step, beta1, beta2, group["weight_decay"])
-        if not persistent:
-            return coef
-        # a bound launch reads the group's coefficients from one tensor that keeps its storage
-        return opt._persistent_tensor(("adamw", gi), lambda: torch.empty_like(coef)).copy_(coef)
+        lr = group["lr"]
+        if not persistent or isinstance(lr, torch.Tensor):
+            coef = adamw_coefficients(lr, bucket.step, beta1, beta2, group["weight_decay"])
+            if not persistent:
+                return coef
+        # a bound launch reads the group's coefficients from one tensor that keeps its storage, computed in place
+        out = opt._persistent_tensor(("adamw", gi), lambda: torch.empty(3, dtype=torch.float32, device=opt.device))
+        if isinstance(lr, torch.Tensor):
+            return out.copy_(coef)
+        views, scratch = opt._persistent_tensor(("adamw views", gi), lambda: (
+            tuple(out.unbind()), tuple(torch.empty((), dtype=torch.float64, device=opt.device) for _ in range(3))))
+        adamw_coefficients_into(views, scratch, float(lr), bucket.step, beta1, beta2, group["weight_decay"])
+        return out
     coefficients = opt._once_per_step(("adamw", gi), coefficients_now)
     param, param_out, remainders = bucket.update_target()
     grad, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state_kwargs()

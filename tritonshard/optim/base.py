@@ -72,6 +72,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import sys
@@ -155,6 +156,20 @@ def _reject_duplicates(params: list) -> None:
             if id(p) in seen:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is passed twice (param_groups[{gi}])")
             seen.add(id(p))
+
+
+def _scale_in_place(grad_scale, factor, buf: torch.Tensor, op):
+    """``grad_scale * factor`` or ``grad_scale / factor`` (``op``: torch.mul or torch.div) with the ops Python's
+    operators run, into ``buf`` when the result is a tensor: ``grad_scale`` is ``buf`` already, or a number and
+    ``factor`` a tensor (``number / t`` is ``t.reciprocal() * number`` in torch, ``number * t`` is
+    ``t.mul(number)``), or both numbers (Python arithmetic, as before)."""
+    if isinstance(grad_scale, torch.Tensor):
+        return op(grad_scale, factor, out=buf)
+    if isinstance(factor, torch.Tensor):
+        if op is torch.div:
+            return torch.reciprocal(factor, out=buf).mul_(grad_scale)
+        return torch.mul(factor, grad_scale, out=buf)
+    return grad_scale / factor if op is torch.div else grad_scale * factor
 
 
 def _same_spec(a: tuple, b: tuple) -> bool:
@@ -381,6 +396,17 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # coefficients are copied into these each step (one small op per step, not per bucket)
         self._found_inf_buf = torch.zeros((), dtype=torch.float32, device=self.device)
         self._grad_scale_buf = torch.zeros((), dtype=torch.float32, device=self.device)
+        # ... and every other per-step value lives in a tensor of its own, written in place: after the first step a
+        # step allocates nothing on the device but what it hands the user (clip_grad_norm_'s norm) and copies
+        # nothing from the host (issue 20.6: what capturing the step in a CUDA graph needs;
+        # tests/optim/test_steady_state.py)
+        scalar = functools.partial(torch.zeros, (), device=self.device)
+        self._reduced_bufs = (scalar(dtype=torch.float32), scalar(dtype=torch.float32))  # (sum_sq, found_inf)
+        self._nonfinite_buf = scalar(dtype=torch.bool)
+        self._clip_buf = scalar(dtype=torch.float32)
+        self._not_skipped_buf = scalar(dtype=torch.float32)
+        self._found_long_buf = scalar(dtype=torch.int64)
+        self._pinned_buf = scalar(dtype=torch.bool)
         self._persistent: dict = {}
         # collectives straight through comm (no per-call group checks) on the hot path: the Buffers checked the
         # group and the layout across ranks when they were built
@@ -724,7 +750,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
         # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout
-        sum_sq, found_inf = totals[0].float(), (totals[1] > 0).float()
+        sum_sq, found_inf = self._reduced_bufs
+        sum_sq.copy_(totals[0])
+        found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
         self._reduced = (sum_sq, found_inf)
         return self._reduced
 
@@ -930,8 +958,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         multiplier = self._common_multiplier()
         if multiplier is not None:  # torch code already scaled the gradients (e.g. torch's clip_grad_norm_)
             total = total * multiplier
-        # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device: clamp(max_norm / (total + 1e-6), max=1),
+        # with the same ops (Python's max_norm / t is t.reciprocal() * max_norm), in place
+        coef = torch.add(total, 1e-6, out=self._clip_buf)
+        self._clip_coef = coef.reciprocal_().mul_(max_norm).clamp_(max=1.0)
         return total
 
     def grad_norm(self) -> torch.Tensor:
@@ -999,25 +1029,25 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
         if amp_scale is not None or amp_found_inf is not None:
             self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
-        if amp_found_inf is not None:
+        if amp_found_inf is not None:  # (the flag of the step, not the reduction's: _found_inf_buf, below)
             found_inf = torch.maximum(found_inf, (amp_found_inf > 0).to(found_inf.dtype))
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no rounding)
-        grad_scale = self._grad_average if self._clip_coef is None else self._clip_coef * self._grad_average
+        # (each factor a tensor op into _grad_scale_buf, in place, in the order and with the ops of
+        # coef * average / scale * multiplier / amp_scale; a plain number while there is no tensor factor)
+        grad_scale = self._grad_average
+        if self._clip_coef is not None:
+            grad_scale = torch.mul(self._clip_coef, grad_scale, out=self._grad_scale_buf)
         if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
-            grad_scale = grad_scale / self._scale
+            grad_scale = _scale_in_place(grad_scale, self._scale, self._grad_scale_buf, torch.div)
         multiplier = self._common_multiplier()
         if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
-            grad_scale = grad_scale * multiplier
+            grad_scale = _scale_in_place(grad_scale, multiplier, self._grad_scale_buf, torch.mul)
         if amp_scale is not None:  # GradScaler.step without unscale_(): the gradients are still scaled
-            grad_scale = grad_scale / amp_scale
+            grad_scale = _scale_in_place(grad_scale, amp_scale, self._grad_scale_buf, torch.div)
         bound = self._hot_path()
-        if self._persistent_args():  # the bound (or segmented) update launches read these two tensors (__init__)
-            self._found_inf_buf.copy_(found_inf)
-            found_inf = self._found_inf_buf
-            if isinstance(grad_scale, torch.Tensor):
-                self._grad_scale_buf.copy_(grad_scale)
-                grad_scale = self._grad_scale_buf
+        # the bound (or segmented) update launches read found_inf and grad_scale from these tensors (__init__)
+        found_inf = self._found_inf_buf.copy_(found_inf)
         # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
         # their weights and state must come out of the flat update unchanged
         frozen = self._frozen_since_build()
@@ -1028,7 +1058,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # gather is waited for before step() returns: all updates (one launch per param group), then the gathers.
         self._entry("step")
         self._prepared_state = None
-        not_skipped = 1.0 - found_inf
+        not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
         for step in self._group_steps.values():  # skipped steps do not count
             step.add_(not_skipped)
         compiling = torch.compiler.is_compiling()
@@ -1073,15 +1103,17 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
             self._grads_consumed_event = torch.cuda.Event()
             self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
-        self.skipped_steps.add_(found_inf.long())
-        self.last_step_skipped.copy_(found_inf > 0)
+        self.skipped_steps.add_(self._found_long_buf.copy_(found_inf))
+        torch.gt(found_inf, 0, out=self.last_step_skipped)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
             cfg = self.loss_scale_config
-            pinned = (found_inf > 0) & (self._scale <= cfg.min_scale)  # overflowed although at the floor
+            # overflowed although at the floor: (found_inf > 0) & (scale <= min_scale)
+            pinned = torch.le(self._scale, cfg.min_scale, out=self._pinned_buf).logical_and_(self.last_step_skipped)
             torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
             self._scale.clamp_(min=cfg.min_scale)
-            self._overflows_at_min.copy_(torch.where(pinned, self._overflows_at_min + 1, 0))
+            # where(pinned, count + 1, 0) = (count + 1) * pinned
+            self._overflows_at_min.add_(1).mul_(pinned)
             if self._overflows_at_min_host is not None and not torch.compiler.is_compiling():
                 # to the host without a sync: the next step() reads it if the copy has landed by then
                 self._overflows_at_min_host.copy_(self._overflows_at_min, non_blocking=True)
