@@ -27,9 +27,15 @@ Ownership and aliasing (world size d, this rank r):
 One step (no host-device synchronization anywhere in it)::
 
     flatten (end of backward) -> reduce-scatter(SUM) -> read-only pass: sum of squares of the average (1/d in
-    fp32) + non-finite flag -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> per bucket,
-    fused update with grad_scale = 1/d x clip x 1/loss scale (skips itself when the flag is set), then its
-    param all-gather
+    fp32) + non-finite flag -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> fused
+    update with grad_scale = 1/d x clip x 1/loss scale (skips itself when the flag is set) -> param all-gather
+
+With ``overlap_comm`` each bucket's collectives and update are issued on their own (as backward completes the
+bucket; the update and at once the gather, in the forward's order). Without it, every bucket is reduced in one
+coalesced reduce-scatter call, each param group's buckets are updated by one segmented launch (the update kernels'
+MULTI mode), and every bucket is gathered in one coalesced all-gather call. After the first steps a step allocates
+no device memory (but the norm it returns to the user) and copies nothing from the host: every per-step value lives
+in a tensor made once, written in place.
 
 The grad shard keeps the SUM over ranks after the reduce-scatter: the average is applied in fp32 inside the update,
 so a gradient is rounded to bf16 once (by the flatten, plus the reduction's own adds) and never again.
