@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_compiled_record(module: str, timeout: int = 600):
+    """``python -m module`` with TRITON_INTERPRET unset (the compiled path through the dry-run driver, which this
+    suite's own process, interpreter on, cannot take); returns the JSON it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
 
 
 def _where(mask: torch.Tensor, limit: int = 5) -> str:

@@ -8,14 +8,9 @@ address, dtype and shape; floats by their bits). The replayed steps must equal t
 dispatch, launch by launch, and must really be replays.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import run_compiled_record
 # 3 buckets x (flatten, norm partials) + 2 param groups' updates (group 1's two buckets in one segmented launch,
 # issue 20.3) + 1 finalize
 LAUNCHES_PER_STEP = 9
@@ -25,11 +20,7 @@ BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kerne
 
 @pytest.fixture(scope="module")
 def record():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.optim.launch_record"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return run_compiled_record("tests.optim.launch_record")
 
 
 def _diff(a, b) -> str:

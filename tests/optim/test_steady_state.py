@@ -8,24 +8,16 @@ The GPU code path on a CPU (dry-run driver, in a subprocess: tests/optim/steady_
 two steady-state steps recorded by a TorchDispatchMode. Before this, a ShardedAdamW step allocated 23 tensors.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import run_compiled_record
+
 CONFIGS = ["adamw", "adamw, bf16 states", "adamw, overlap_comm", "sgd", "lion", "adamw, fp16 with loss scaling"]
 
 
 @pytest.fixture(scope="module")
 def record():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.optim.steady_state_record"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["name"]: r for r in json.loads(proc.stdout)}
+    return {r["name"]: r for r in run_compiled_record("tests.optim.steady_state_record")}
 
 
 @pytest.mark.parametrize("name", CONFIGS)

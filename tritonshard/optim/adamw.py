@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -54,11 +53,10 @@ class ShardedAdamW(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         adamw_update(self, bucket, group, grad_scale, found_inf, maximize=group["maximize"])
 
-    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
-        launch = functools.partial(adamw_launch, self, group=group, grad_scale=grad_scale, found_inf=found_inf,
-                                   maximize=group["maximize"])
-        if not self._launch_segmented(buckets, launch, ADAMW_SEGMENTS, "adamw_step_"):
-            super()._update_buckets(buckets, group, grad_scale, found_inf)
+    _segments = (ADAMW_SEGMENTS, "adamw_step_")
+
+    def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
+        return adamw_launch(self, bucket, group, grad_scale, found_inf, maximize=group["maximize"])
 
 
 def check_adamw_group(g: dict, where: str) -> None:

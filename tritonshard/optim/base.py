@@ -1135,9 +1135,17 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
 
+    #: an update rule whose kernel has a segmented (MULTI) mode: (its kernel module's SEGMENTS, its launcher's
+    #: name), with ``_launch(bucket, group, grad_scale, found_inf) -> (spec or None, checked launch)``
+    _segments: Optional[tuple[dict, str]] = None
+
     def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         """The updates of ``buckets``, all of one param group (without overlap_comm, where nothing waits for a
-        single bucket's): one by one here; an update rule with a segmented kernel launches them at once."""
+        single bucket's): one segmented launch where the update rule has one (``_segments``), else one by one."""
+        if self._segments is not None:
+            launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
+            if self._launch_segmented(buckets, launch, *self._segments):
+                return
         for b in buckets:
             self._update(b, group, grad_scale, found_inf)
 

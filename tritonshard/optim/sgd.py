@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..kernels import _launch
@@ -22,6 +20,8 @@ class ShardedSGD(ShardedOptimizer):
     """SGD with momentum, dampening, Nesterov and (coupled, L2) weight decay, as ``torch.optim.SGD``, on sharded
     fp32 master weights with bf16 weights and gradients. State: ``momentum_buffer`` (only if some group has
     momentum), 4/d B per parameter. Keywords after ``maximize``: see :class:`ShardedOptimizer`."""
+
+    _segments = (SGD_SEGMENTS, "sgd_step_")
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, **pipeline):
@@ -43,10 +43,6 @@ class ShardedSGD(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
 
-    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
-        launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
-        if not self._launch_segmented(buckets, launch, SGD_SEGMENTS, "sgd_step_"):
-            super()._update_buckets(buckets, group, grad_scale, found_inf)
 
     def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
         """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
@@ -81,6 +77,7 @@ class ShardedLion(ShardedOptimizer):
     ``maximize``: see :class:`ShardedOptimizer`."""
 
     _state_names = ("exp_avg",)
+    _segments = (LION_SEGMENTS, "lion_step_")
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **pipeline):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
@@ -95,10 +92,6 @@ class ShardedLion(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
 
-    def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
-        launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
-        if not self._launch_segmented(buckets, launch, LION_SEGMENTS, "lion_step_"):
-            super()._update_buckets(buckets, group, grad_scale, found_inf)
 
     def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
         """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
