@@ -204,6 +204,7 @@ def segmented_spec(specs: list, vector: tuple, scalar: tuple, numel: int, tables
         return None
     device = first_args[roles[0]].device
     args = list(first_args)
-    args[tables] = torch.tensor(schedule, dtype=torch.int64).to(device)
-    args[tables + 1] = torch.tensor(rows, dtype=torch.int64).to(device)
+    # (non_blocking: no host sync, as the flatten's tables; the host tensors are staged before the call returns)
+    args[tables] = torch.tensor(schedule, dtype=torch.int64).to(device, non_blocking=True)
+    args[tables + 1] = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     return kernel, (len(schedule),), tuple(args), dict(kwargs, MULTI=True)
