@@ -676,10 +676,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         """Every bucket's reduce-scatter in one collective call (``_coalesce``), sharing one work handle."""
         self._entry("reduce")
         for b in self.buckets:
-            if not b.has_grads:  # (as in _launch_in_order)
-                self._after_last_step_readers()
-                b.grad_buffer.zero_()
-                b.has_grads = True
+            self._zero_if_no_grads(b)
         order = [self.buckets[i] for i in self._launch_order]
         with _trace("tritonshard.reduce_scatter[coalesced]"):
             work = comm.SharedWork(comm.reduce_scatter_coalesced(
@@ -690,6 +687,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self.reduce_scatters_launched += len(order)
         self._next_launch = len(order)
 
+    def _zero_if_no_grads(self, b: _Bucket) -> None:
+        """Before ``b``'s reduction: no gradient since zero_grad() means the buffer still holds the previous
+        step's, so it contributes zeros instead."""
+        if not b.has_grads:
+            self._after_last_step_readers()
+            b.grad_buffer.zero_()
+            b.has_grads = True
+
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
         while (self._next_launch < len(self.buckets)
@@ -697,10 +702,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             b = self.buckets[self._launch_order[self._next_launch]]
             if self._next_launch == 0:
                 self._entry("reduce")
-            if not b.has_grads:  # no gradient since zero_grad(): the buffer still holds the previous step's
-                self._after_last_step_readers()
-                b.grad_buffer.zero_()
-                b.has_grads = True
+            self._zero_if_no_grads(b)
             with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
                 if self._direct_collectives and not self._ordered and self._hot_path():
                     # the hot path: the group was checked when the Buffer was built (layout check included)
