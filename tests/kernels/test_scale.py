@@ -154,6 +154,45 @@ def test_partials_of_several_tensors_share_one_finalize(backend):
     assert float(out[1]) == 1.0, "one NaN in one tensor flags the whole step"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_one_launch_writes_every_tensors_partials(dtype, aligned):
+    # ShardedOptimizer's norm pass over every bucket's shard in one launch (issue 20.3): the workspace must hold
+    # what one sum_sq_partials_ per tensor writes, bit for bit (the same slots, the same per-block arithmetic)
+    from tritonshard.kernels import sum_sq_partials_
+    from tritonshard.kernels.scale import partials_multi_launch_spec, shared_sum_sq_workspace
+    sizes = [4099, 0, 1, 3 * 4096 + 5, 199]
+    # misaligned: every tensor starts one element into its storage (2 or 4 bytes: the element-wise path)
+    xs = [randn(n + 1, 40 + i, dtype, scale=1e3)[0 if aligned else 1:][:n] for i, n in enumerate(sizes)]
+    xs[3][5000] = float("nan")
+    xs[0][4098] = float("inf")  # in the last, partial block
+    for factor, order in ((0.25, 1), (1 / 3, -1)):  # (reversed: no program writes the slot of its own index)
+        per_tensor, slices = shared_sum_sq_workspace(sizes, DEVICE)
+        for x, part in zip(xs, slices):
+            sum_sq_partials_(x, factor, part)
+        together, slices = shared_sum_sq_workspace(sizes, DEVICE)
+        for t in together:
+            t.fill_(-7)  # (a slot the launch leaves alone would show)
+        kernel, grid, args, kwargs = partials_multi_launch_spec(xs[::order], factor, slices[::order])
+        assert kwargs["ALIGNED"] is aligned
+        kernel[grid](*args, **kwargs)
+        assert_bitwise_equal(together[0], per_tensor[0], "partial sums of squares")
+        assert_bitwise_equal(together[1], per_tensor[1], "non-finite flags")
+        # slots: tensor 0 has 0-1 (the inf in 1), the empty one none, then 2, then 3-6 (the NaN in its block 1), 7
+        assert together[1].tolist() == [0, 1, 0, 0, 1, 0, 0, 0]
+
+
+def test_one_launch_over_several_tensors_declines_what_it_cannot_take():
+    from tritonshard.kernels.scale import partials_multi_launch_spec, shared_sum_sq_workspace
+    xs = [randn(10, 1, torch.bfloat16), randn(10, 2, torch.float32)]
+    _, slices = shared_sum_sq_workspace([10, 10], DEVICE)
+    assert partials_multi_launch_spec(xs, 1.0, slices) is None  # two dtypes
+    assert partials_multi_launch_spec([xs[0], xs[0]], 1.0, slices[::-1]) is not None
+    assert partials_multi_launch_spec([randn(0, 1)], 1.0, shared_sum_sq_workspace([0], DEVICE)[1]) is None
+    _, other = shared_sum_sq_workspace([10, 10], DEVICE)
+    assert partials_multi_launch_spec([xs[0], xs[0]], 1.0, [slices[0], other[1]]) is None  # two workspaces
+
+
 def test_partials_reject_a_wrong_workspace():
     from tritonshard.kernels import sum_sq_partials_, sum_sq_workspace
     with pytest.raises(ValueError, match=r"partials must be sum_sq_workspace\(5000\)"):

@@ -11,10 +11,10 @@ dispatch, launch by launch, and must really be replays.
 import pytest
 
 from tests.helpers import run_compiled_record
-# 3 buckets x (flatten, norm partials) + 2 param groups' updates (group 1's two buckets in one segmented launch,
-# issue 20.3) + 1 finalize
-LAUNCHES_PER_STEP = 9
-BOUND_PER_STEP = 8       # all but the finalize (one per step, shared by the buckets)
+# 1 flatten of every bucket's gradients + 1 norm pass over every bucket's shard + 2 param groups' updates (group
+# 1's two buckets in one segmented launch) + 1 finalize (issue 20.3)
+LAUNCHES_PER_STEP = 5
+BOUND_PER_STEP = 4       # all but the finalize (one per step)
 BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kernel's beta1
 
 
@@ -89,9 +89,9 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     launcher what Triton's dispatch does, and every launch of a step replays."""
     rec = record[name]
     dispatch = rec["dispatch"][-1]["launches"]
-    # flatten and norm per bucket; one update for the group's 2 buckets (a segmented launch); one finalize
+    # for both buckets: one flatten, one norm pass, one update (a segmented launch), one finalize
     assert rec["buckets"] == 2
-    per_step = 2 * rec["buckets"] + 2
+    per_step = 4
     assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == 1
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step - 1, "every launch but the finalize must replay"

@@ -29,6 +29,7 @@ writes the sum into the shard and takes the same statistics in the same pass.
 from __future__ import annotations
 
 import numbers
+from typing import Optional
 
 import torch
 import triton
@@ -43,6 +44,7 @@ __all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "s
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
+_X_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -81,6 +83,34 @@ def _store_stats(y, mask, partial_sumsq, partial_nonfinite, pid):
     y64 = y.to(tl.float64)
     tl.store(partial_sumsq + pid, tl.sum(y64 * y64, axis=0))
     tl.store(partial_nonfinite + pid, tl.max(_is_nonfinite(y).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _partials_multi_kernel(x_ptrs, numels, slots, block_tensor, block_start, factor, partial_sumsq,
+                           partial_nonfinite, X_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_scale_kernel`'s read-only pass (WRITE=False, a number factor) over several tensors in one launch:
+    program p reads block ``block_start[p] / BLOCK`` of tensor ``block_tensor[p]`` (at address ``x_ptrs[t]``,
+    ``numels[t]`` elements) and writes its statistics to slot ``slots[t] + block``, the slot that tensor's own
+    launch gives that block. The same arithmetic per block, so the same partials."""
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    start = tl.load(block_start + pid)
+    n = tl.load(numels + t)
+    addr = tl.load(x_ptrs + t)
+    slot = tl.load(slots + t) + start // BLOCK
+    if ALIGNED:  # the host checked: every address a multiple of 16 bytes (see flatten's kernel for the hints)
+        addr = tl.multiple_of(addr, 16)
+        start = tl.multiple_of(start, BLOCK)
+    x = addr.to(tl.pointer_type(X_DTYPE)) + start
+    if ALIGNED:
+        x = tl.multiple_of(x, 16)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - start
+    if ALIGNED and start + BLOCK <= n:
+        y = to_fp32(tl.load(x + offs)) * factor  # a full block: unmasked, 16-byte loads
+    else:
+        y = to_fp32(tl.load(x + offs, mask=mask)) * factor
+    _store_stats(y, mask, partial_sumsq, partial_nonfinite, slot)
 
 
 @triton.jit
@@ -254,6 +284,42 @@ def partials_launch_spec(x: torch.Tensor, factor, partials) -> tuple:
             (x, x.numel(), factor if is_tensor else x, 0.0 if is_tensor else float(factor), partials[0], partials[1]),
             dict(FACTOR_IS_TENSOR=is_tensor, X_IS_BF16=x.dtype == torch.bfloat16, WRITE=False, BLOCK=BLOCK,
                  enable_fp_fusion=False))
+
+
+def partials_multi_launch_spec(xs: list, factor: float, partials: list) -> Optional[tuple]:
+    """(kernel, grid, args, kwargs) of one launch that writes what :func:`sum_sq_partials_` writes for every
+    ``(xs[i], factor, partials[i])``, unchecked, the tables built now (on the host, copied without a sync): for a
+    caller that launches it every step on the same tensors (ShardedOptimizer: every bucket's grad shard into its
+    slice of one workspace). ``partials`` must be slices of one workspace; ``factor`` a Python number. None when
+    the tensors differ in dtype or device, or there is nothing to read."""
+    if not xs or len({(x.dtype, x.device) for x in xs}) != 1 or xs[0].dtype not in _X_DTYPES:
+        return None
+    sums, flags = partials[0]
+    base_sums, base_flags = sums.data_ptr(), flags.data_ptr()
+    ptrs, numels, slots, block_tensor, block_start = [], [], [], [], []
+    for x, (p_sums, p_flags) in zip(xs, partials):
+        if p_sums.numel() != cdiv(x.numel(), BLOCK) or p_flags.numel() != p_sums.numel():
+            return None
+        if not x.numel():  # (no slot: an empty slice's data_ptr() is 0)
+            continue
+        slot, rest = divmod(p_sums.data_ptr() - base_sums, 8)
+        if rest or (p_flags.data_ptr() - base_flags) != 4 * slot:
+            return None  # (not slices of one workspace at matching places)
+        t = len(ptrs)
+        ptrs.append(x.data_ptr())
+        numels.append(x.numel())
+        slots.append(slot)
+        for start in range(0, x.numel(), BLOCK):
+            block_tensor.append(t)
+            block_start.append(start)
+    if not ptrs:
+        return None
+    device = xs[0].device
+    tables = [torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
+              for v in (ptrs, numels, slots, block_tensor, block_start)]
+    aligned = not any(p % 16 for p in ptrs)
+    return (_partials_multi_kernel, (len(block_tensor),), (*tables, float(factor), sums, flags),
+            dict(X_DTYPE=_X_DTYPES[xs[0].dtype], ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False))
 
 
 def _partials_ref(y: torch.Tensor, partials) -> None:

@@ -94,7 +94,8 @@ from ..kernels import _launch
 from ..kernels import ops as _op_kernels
 from ..kernels._dispatch import compiled_path, interpreter_enabled
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
-from ..kernels.scale import fold_rows_launch_spec, partials_launch_spec, shared_sum_sq_workspace
+from ..kernels.scale import (fold_rows_launch_spec, partials_launch_spec, partials_multi_launch_spec,
+                             shared_sum_sq_workspace)
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
@@ -432,6 +433,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._update_together = not self.overlap_comm and len(self.buckets) > 1
         self._segmented: dict = {}
         self._segmented_launches: dict = {}
+        self._flush_launches: dict = {}  # the flatten launches of _flush_buckets (several buckets' gradients)
+        self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
+        self._norm_launches: dict = {}
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -565,8 +569,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _end_of_backward(self) -> None:
         self._flush_queued = False
         got_grads, self._grads_this_backward = self._grads_this_backward, False
+        self._flush_buckets(self.buckets)  # buckets some of whose parameters got no gradient in this backward
         for b in self.buckets:
-            self._flush_bucket(b)  # buckets some of whose parameters got no gradient in this backward
             b.ready.clear()
         # a backward that reached none of our parameters (torch.autograd.grad through the model's outputs, or a
         # rank whose loss did not use them) launches nothing here; step() launches what is left on every rank
@@ -578,18 +582,87 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _flush_bucket(self, b: _Bucket) -> None:
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
         overwrites (parameters without a gradient get zeros), later ones accumulate."""
-        if b.placed:
-            self._take_back_cleared(b)
-        pending = [(p, p.grad, off) for p, off in zip(b.params, b.grad_buffer.offsets)
-                   if p.grad is not None and p not in b.placed]
-        if not pending:
+        pending = self._take_pending(b)
+        if pending is None:
             return
+        grads, offsets = pending
+        # the unchecked flatten only for gradients of the buffer's device and a source dtype the kernel reads (a
+        # model moved or converted after construction goes through the checked launcher, which names the problem)
+        if self._hot_path() and self._flattenable(grads):
+            _flatten_unchecked(b.grad_buffer.get_data(), grads, offsets, b.has_grads, launches=b.launches)
+        else:
+            kernels().flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=b.has_grads)
+        self._place_placeholders(b)
+
+    def _flush_buckets(self, buckets) -> None:
+        """:meth:`_flush_bucket` for each of ``buckets``, with one flatten launch for all of them (per accumulate
+        mode) instead of one per bucket where the Triton kernels run, outside torch.compile (issue 20.3: the end of
+        backward without overlap_comm flushes every bucket at once; ~4 us of host time per launch saved per bucket).
+
+        The kernel writes through a destination offset per tensor from its ``out``: bucket 0's grad buffer, and
+        every other bucket's tensors at their buffer's distance from it (in elements; the buffers share the grad
+        dtype and the allocator's alignment, so the distance is exact and keeps the 16-byte classes). Each element
+        gets the same arithmetic as in a per-bucket launch, so the buffers hold the same bits."""
+        if not buckets:
+            return
+        if not self._flatten_together():
+            for b in buckets:
+                self._flush_bucket(b)
+            return
+        out = self.buckets[0].grad_buffer.get_data()
+        base, size = out.data_ptr(), out.element_size()
+        jobs: dict[bool, tuple[list, list]] = {}
+        flushed = []
+        for b in buckets:
+            pending = self._take_pending(b)
+            if pending is None:
+                continue
+            grads, offsets = pending
+            distance, rest = divmod(b.grad_buffer.get_data().data_ptr() - base, size)
+            if rest or not self._flattenable(grads):  # (a moved or converted model: the checked launcher names it)
+                kernels().flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=b.has_grads)
+                self._place_placeholders(b)
+                continue
+            all_grads, all_offsets = jobs.setdefault(b.has_grads, ([], []))
+            all_grads += grads
+            all_offsets += [off + distance for off in offsets] if distance else offsets
+            flushed.append(b)
+        for accumulate, (grads, offsets) in jobs.items():
+            with _trace("tritonshard.kernel.flatten_into"):  # (the launcher's range name, as a profile shows it)
+                _flatten_unchecked(out, grads, offsets, accumulate, launches=self._flush_launches)
+        for b in flushed:
+            self._place_placeholders(b)
+
+    def _flatten_together(self) -> bool:
+        """Whether :meth:`_flush_buckets` flattens several buckets in one launch: on the Triton kernels (compiled,
+        or the interpreter, where the CPU tests run them), outside torch.compile (whose step records each bucket's
+        flatten as a custom op)."""
+        return (compiled_path(self.device) or interpreter_enabled()) and not torch.compiler.is_compiling()
+
+    def _flattenable(self, grads: list) -> bool:
+        """Gradients the unchecked flatten takes: on the buffers' device, of a source dtype the kernel reads."""
+        device = self.device
+        return all(g.device == device and g.dtype in _FLAT_SOURCES for g in grads)
+
+    def _take_pending(self, b: _Bucket) -> Optional[tuple[list, list]]:
+        """The first half of a flush: ``b``'s pending gradients and their offsets in the grad buffer (None when
+        there are none), checked, with the buffer made ready for them (zeros for parameters without a gradient on
+        the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the second half,
+        after the flatten."""
+        placed = b.placed
+        if placed:
+            self._take_back_cleared(b)
+            pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets)
+                       if (g := p.grad) is not None and p not in placed]
+        else:
+            pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets) if (g := p.grad) is not None]
+        if not pending:
+            return None
         sparse = next((p for p, g, _ in pending if g.layout != torch.strided), None)
         if sparse is not None:
             raise RuntimeError(
                 f"the gradient of {self._param_names[sparse]} is {sparse.grad.layout}: tritonshard flattens dense "
                 "gradients only (e.g. build nn.Embedding with sparse=False)")
-        grads = [(g, off) for _, g, off in pending]
         if b.rs_launched:
             raise RuntimeError(
                 f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
@@ -599,33 +672,33 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
                                "call step() (or zero_grad()) first")
         self._after_last_step_readers()
-        if not b.has_grads:
+        if not b.has_grads and len(pending) < len(b.params):
             for p, view in zip(b.params, b.grad_buffer.get_views()):
                 if p.grad is None:
                     view.zero_()  # no gradient this time: contributes zeros
+        grads = [g for _, g, _ in pending]
         if self.device.type == "cuda" and not torch.compiler.is_compiling():
             stream = torch.cuda.current_stream(self.device)
-            for g, _ in grads:  # streams, rule 4
+            for g in grads:  # streams, rule 4
                 g.record_stream(stream)
-        # the unchecked flatten only for gradients of the buffer's device and a source dtype the kernel reads (a
-        # model moved or converted after construction goes through the checked launcher, which names the problem)
-        if self._hot_path() and all(g.device == self.device and g.dtype in _FLAT_SOURCES for g, _ in grads):
-            _flatten_unchecked(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads], b.has_grads,
-                               launches=b.launches)
-        else:
-            kernels().flatten_into(b.grad_buffer.get_data(), [g for g, _ in grads], [o for _, o in grads],
-                                   accumulate=b.has_grads)
+        b.pending = pending
+        return grads, [off for _, _, off in pending]
+
+    def _place_placeholders(self, b: _Bucket) -> None:
+        """The second half of a flush, once its gradients are in the buffer: ``param.grad`` lets them go."""
+        pending, b.pending = b.pending, None
         if torch.compiler.is_compiling():
             for p in b.params:
                 p.grad = None
         else:  # param.grad says "there is a gradient, in tritonshard's buffer" (see ShardedGrad)
-            for p in b.params:
-                if p.grad is not None and p not in b.placed:
-                    if p.dtype == self.param_dtype and p.device == self.device:
-                        p.grad = self._placeholders[p]
-                        b.placed[p] = True
-                    else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
-                        p.grad = None
+            placed, placeholders = b.placed, self._placeholders
+            param_dtype, device = self.param_dtype, self.device
+            for p, _, _ in pending:
+                if p.dtype == param_dtype and p.device == device:
+                    p.grad = placeholders[p]
+                    placed[p] = True
+                else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
+                    p.grad = None
         b.has_grads = True
 
     def _after_last_step_readers(self) -> None:
@@ -747,12 +820,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
         self.sync_from_model()
         if not torch.compiler.is_compiling():  # (a compiled step takes the gradients its backward flushed)
-            for b in self.buckets:
-                self._flush_bucket(b)  # gradients set by hand, without a backward
+            self._flush_buckets(self.buckets)  # gradients set by hand, without a backward
         self._launch_all()
         self._adopt_observed_order()
-        for i in self._launch_order:
-            self._consume_reduced(self.buckets[i])
+        if not self._consume_all_reduced():
+            for i in self._launch_order:
+                self._consume_reduced(self.buckets[i])
         totals = self._norm_totals
         kernels().finalize_sum_sq_(self._norm_workspace, totals)  # one launch for every bucket
         if comm.is_initialized() and self.world_size > 1:
@@ -763,6 +836,33 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
         self._reduced = (sum_sq, found_inf)
         return self._reduced
+
+    def _consume_all_reduced(self) -> bool:
+        """:meth:`_consume_reduced` for every bucket, the norm passes in one launch (each grad shard's partials into
+        its slice of the workspace, the same values as per bucket), where the kernels allow (see
+        :meth:`_flatten_together`). False, having done nothing, where each bucket takes its own steps: with
+        ``ordered_reduce`` (a fold per bucket) or a replica group (an all-reduce per bucket), or one bucket."""
+        if self._ordered or self.replica_size > 1 or len(self.buckets) < 2 or not self._flatten_together():
+            return False
+        shards = [b.grad_buffer.get_local_shard() for b in self.buckets]
+        if self._norm_spec is None:  # built once: the shards and the workspace never move, the factor is 1/d
+            self._norm_spec = partials_multi_launch_spec(
+                shards, self._grad_average, [b.norm_partials for b in self.buckets]) or False
+        if self._norm_spec is False:
+            return False
+        for i in self._launch_order:
+            b = self.buckets[i]
+            if b.rs_work is not None:
+                with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
+                    b.rs_work.wait()
+                b.rs_work = None
+
+        def checked_launches():
+            for b, shard in zip(self.buckets, shards):
+                kernels().sum_sq_partials_(shard, self._grad_average, b.norm_partials)
+        with _trace("tritonshard.kernel.sum_sq_partials_"):
+            _launch.launch(self._norm_launches, "norm", self._norm_spec, checked_launches)
+        return True
 
     def _consume_reduced(self, b: _Bucket) -> None:
         """Wait for ``b``'s reduction and run its norm pass (partials into its slice of the shared workspace);
