@@ -394,8 +394,16 @@ def finalize_sum_sq_(partials, out: torch.Tensor, *, backend: str | None = None)
         out[0].copy_(partials[0].sum())
         out[1].copy_((partials[1] > 0).any())
         return
-    _finalize_kernel[(1,)](partials[0], partials[1], partials[0].numel(), out, out[1:], BLOCK=_FINALIZE_BLOCK,
-                           enable_fp_fusion=False)
+    kernel, grid, args, kwargs = finalize_launch_spec(partials, out)
+    kernel[grid](*args, **kwargs)
+
+
+def finalize_launch_spec(partials, out: torch.Tensor) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`finalize_sum_sq_` launch, unchecked (see :mod:`._launch`).
+    ``out[1:]`` is a new view at every call: a caller that replays the launch passes the same ``out`` and keeps
+    the spec it got."""
+    return (_finalize_kernel, (1,), (partials[0], partials[1], partials[0].numel(), out, out[1:]),
+            dict(BLOCK=_FINALIZE_BLOCK, enable_fp_fusion=False))
 
 
 def _launch(x: torch.Tensor, factor, write: bool, out=None, partials=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,9 @@ Ownership and aliasing (world size d, this rank r):
 
 * every trainable parameter is a ``param_dtype`` view into one bucket's param :class:`~tritonshard.Buffer`; the
   model reads its weights from there, and the all-gather at the end of ``step()`` writes them;
-* every bucket has a grad Buffer with the same layout; gradients are flattened into it (one launch per dtype)
-  at the end of each backward, and ``param.grad`` is released;
+* every bucket has a grad Buffer with the same layout; gradients are flattened into it at the end of each
+  backward (one launch per source dtype for all buckets; see :meth:`ShardedOptimizer._flush_buckets`), and
+  ``param.grad`` is released;
 * rank r keeps, per bucket, fp32 shards of ``shard_numel`` elements: the master weights and the optimizer
   state. Master shard element i belongs to buffer element ``r * shard_numel + i``; padding positions hold zero
   and stay zero (zero grad, zero decay target);
@@ -30,10 +31,11 @@ One step (no host-device synchronization anywhere in it)::
     fp32) + non-finite flag -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> fused
     update with grad_scale = 1/d x clip x 1/loss scale (skips itself when the flag is set) -> param all-gather
 
-With ``overlap_comm`` each bucket's collectives and update are issued on their own (as backward completes the
-bucket; the update and at once the gather, in the forward's order). Without it, every bucket is reduced in one
-coalesced reduce-scatter call, each param group's buckets are updated by one segmented launch (the update kernels'
-MULTI mode), and every bucket is gathered in one coalesced all-gather call. After the first steps a step allocates
+With ``overlap_comm`` each bucket's flatten, collectives and update are issued on their own (as backward completes
+the bucket; the update and at once the gather, in the forward's order). Without it, no launch or collective is per
+bucket: every bucket's gradients are flattened by one launch (per source dtype and accumulate mode), reduced in one
+coalesced reduce-scatter call, read by one norm-pass launch, each param group's buckets are updated by one
+segmented launch (the update kernels' MULTI mode), and every bucket is gathered in one coalesced all-gather call. After the first steps a step allocates
 no device memory (but the norm it returns to the user) and copies nothing from the host: every per-step value lives
 in a tensor made once, written in place.
 
@@ -94,8 +96,8 @@ from ..kernels import _launch
 from ..kernels import ops as _op_kernels
 from ..kernels._dispatch import compiled_path, interpreter_enabled
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
-from ..kernels.scale import (fold_rows_launch_spec, partials_launch_spec, partials_multi_launch_spec,
-                             shared_sum_sq_workspace)
+from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partials_launch_spec,
+                             partials_multi_launch_spec, shared_sum_sq_workspace)
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
@@ -436,6 +438,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._flush_launches: dict = {}  # the flatten launches of _flush_buckets (several buckets' gradients)
         self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
         self._norm_launches: dict = {}
+        self._finalize_spec = None  # its finalize, bound on the hot path
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -827,7 +830,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             for i in self._launch_order:
                 self._consume_reduced(self.buckets[i])
         totals = self._norm_totals
-        kernels().finalize_sum_sq_(self._norm_workspace, totals)  # one launch for every bucket
+        if self._hot_path():  # one launch for every bucket, bound (the same tensors every step)
+            if self._finalize_spec is None:
+                self._finalize_spec = finalize_launch_spec(self._norm_workspace, totals)
+            _launch.launch(self._norm_launches, "finalize", self._finalize_spec,
+                           lambda: kernels().finalize_sum_sq_(self._norm_workspace, totals))
+        else:
+            kernels().finalize_sum_sq_(self._norm_workspace, totals)
         if comm.is_initialized() and self.world_size > 1:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
         # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout
