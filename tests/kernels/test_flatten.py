@@ -185,6 +185,25 @@ def test_the_optimizers_plan_path_follows_new_addresses_and_structures(monkeypat
         assert len(launches) == want, f"call {i}: {launches}"
 
 
+def test_the_plan_path_follows_the_offsets_when_the_addresses_repeat():
+    """The same gradient addresses for other parameters: when the set of parameters that get a gradient changes
+    (an unused expert, a branch not taken), the caching allocator hands parameter C's gradient the block parameter
+    A's had. A plan found by the addresses alone wrote C's gradient into A's place (a silent wrong result)."""
+    sizes = [640, 640, 640, 13]
+    layout = Layout(sizes, 1, align=64)
+    offsets = list(layout.offsets)
+    out = randn(layout.padded_numel, 7, torch.bfloat16)
+    cache: dict = {}
+    grads = [randn(640, 50 + i, torch.float32, scale=3.0).bfloat16() for i in range(2)]
+    for i, which in enumerate([(0, 1), (0, 1), (1, 2), (0, 2), (0, 1)]):
+        for g in grads:  # new values at the same addresses
+            g.copy_(torch.randn(640, generator=torch.Generator().manual_seed(100 + i)).to(g.device))
+        ref = out.clone()
+        flatten_module.launch_unchecked(out, grads, [offsets[j] for j in which], False, 1.0, cache)
+        flatten_into_ref(ref, grads, [offsets[j] for j in which])
+        assert_bitwise_equal(out, ref, f"call {i}: gradients for parameters {which}")
+
+
 def test_empty_inputs_launch_nothing():
     out = torch.zeros(4, device=DEVICE)
     flatten_into(out, [], [])

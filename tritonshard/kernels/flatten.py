@@ -215,12 +215,16 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
     if launches is not None:
         # The tensors repeat step after step at the same addresses (the caching allocator hands backward the same
         # blocks): then the whole plan (groups, pointer tables, bound launches) is the last one, found by the
-        # addresses alone, ~0.2 us per tensor instead of the loop's ~2 (issue 20.5). A tensor's address fixes its
-        # numel and dtype (a parameter's gradient has the parameter's); contiguity is checked, as the loop does.
+        # addresses and the offsets, ~0.2 us per tensor instead of the loop's ~2 (issue 20.5). An offset names a
+        # parameter, which fixes the gradient's numel and dtype (torch checks them when param.grad is set); the
+        # address alone does not: when other parameters get gradients (an unused expert, a branch not taken), the
+        # allocator hands one of them the block another one had. Contiguity is checked, as the loop does.
         ptrs = tuple(map(_data_ptr, tensors))
+        offsets = tuple(offsets)
         plan_key = ("plan", accumulate, float(scale))
         plan = launches.get(plan_key)
-        if plan is not None and plan[0] == ptrs and plan[1] is out and all(map(_is_contiguous, tensors)):
+        if (plan is not None and plan[0] == ptrs and plan[3] == offsets and plan[1] is out
+                and all(map(_is_contiguous, tensors))):
             for key, spec, first in plan[2]:
                 _launch.launch(launches, key, spec, first)
             return
@@ -275,7 +279,7 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
             _launch.launch(launches, (dtype, aligned, accumulate), spec, first)
             steps.append(((dtype, aligned, accumulate), spec, first))
     if launches is not None and not copied:
-        launches[plan_key] = (ptrs, out, steps)
+        launches[plan_key] = (ptrs, out, steps, offsets)
 
 
 _data_ptr, _is_contiguous, _numel = torch.Tensor.data_ptr, torch.Tensor.is_contiguous, torch.Tensor.numel
