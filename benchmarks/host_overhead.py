@@ -42,17 +42,21 @@ def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwarg
     step = sharded_step(opt, params, grads)
 
     def collectives():  # as step() issues them: without overlap_comm one coalesced call for every bucket's
-        # reduce-scatter, then one for the all-gathers (else one call per bucket, all launched, then waited)
+        # reduce-scatter, then one for the all-gathers (else one call per bucket, all launched, then waited,
+        # through the ProcessGroup methods as the step's hot path calls them)
+        from tritonshard import comm
         if opt._coalesce:
-            from tritonshard import comm
             comm.reduce_scatter_coalesced([b.grad_buffer.get_local_shard() for b in opt.buckets],
                                           [b.grad_buffer.get_data() for b in opt.buckets]).wait()
             comm.all_gather_coalesced([b.param_buffer.get_data() for b in opt.buckets],
                                       [b.param_buffer.get_local_shard() for b in opt.buckets]).wait()
             return
-        for work in [b.grad_buffer.reduce_scatter(async_op=True) for b in opt.buckets]:
+        pg = comm.group_object(None)
+        for work in [comm.reduce_scatter_async(b.grad_buffer.get_local_shard(), b.grad_buffer.get_data(), pg)
+                     for b in opt.buckets]:
             work.wait()
-        for work in [b.param_buffer.all_gather(async_op=True) for b in opt.buckets]:
+        for work in [comm.all_gather_async(b.param_buffer.get_data(), b.param_buffer.get_local_shard(), pg)
+                     for b in opt.buckets]:
             work.wait()
 
     for _ in range(3):  # compile every specialization, fill the caches
@@ -103,6 +107,9 @@ def main(argv=None) -> dict:
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--no-bound-launches", action="store_true",
                    help="every launch through Triton's own dispatch (what bound launches save, issue 20)")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap_comm=True: per bucket its reduce-scatter call, its update and its all-gather call "
+                        "(the gradients are set by hand, so the backward hooks' own cost is not in it)")
     p.add_argument("--no-coalesce", action="store_true",
                    help="one reduce-scatter and one all-gather call per bucket, as before issue 20.3's coalescing")
     p.add_argument("--flatten-tensors", type=int, default=4096, help="tensors of the flatten measurement")
@@ -126,7 +133,7 @@ def main(argv=None) -> dict:
     try:
         with _dispatch.compile_for_target():
             lo, hi = args.buckets
-            options = {"coalesce": not args.no_coalesce}
+            options = {"coalesce": not args.no_coalesce, "overlap_comm": args.overlap}
             step_lo, comm_lo = _measure(lo, args.tensors_per_bucket, args.numel, args.reps, dict(options))
             step_hi, comm_hi = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, dict(options))
             counts = []  # launches of a steady-state step: 3 warm-up steps + 2 timed minus 3 + 1
@@ -152,12 +159,14 @@ def main(argv=None) -> dict:
         "launches_per_step_at_lo": launches_at_lo,
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
-        "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce,
+        "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce and not args.overlap,
+        "overlap_comm": args.overlap,
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
     print(f"host time of one ShardedAdamW step on the GPU code path (dry-run driver, sm_{args.arch}; 1-rank gloo; "
           f"bound launches {'off' if args.no_bound_launches else 'on'}; collectives "
-          f"{'one call per bucket' if args.no_coalesce else 'coalesced'}):")
+          f"{'one call per bucket' if args.no_coalesce or args.overlap else 'coalesced'}"
+          f"{'; overlap_comm' if args.overlap else ''}):")
     print(f"  {lo} buckets: {step_lo * 1e3:.2f} ms, {hi} buckets: {step_hi * 1e3:.2f} ms "
           f"({args.tensors_per_bucket} tensors of {args.numel} per bucket)")
     print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), of which "

@@ -110,6 +110,19 @@ def _subgroups(rank, world_size):
         assert_bitwise_equal(buf.get_data(), reduced, "subgroup all-gather")
     with pytest.raises(ValueError, match="group has 2 ranks"):
         Buffer([torch.empty(3)], rank, world_size, device="cpu").reduce_scatter(group=group)
+    # the optimizer's per-bucket calls straight through the ProcessGroup methods (comm.*_async): the same results as
+    # torch's wrappers, on a subgroup and on the default group
+    from tritonshard import comm
+    for g, g_rank, g_size, seed in ((group, sub_rank, sub_size, 200 + rank % 2), (None, rank, world_size, 300)):
+        for dtype in (torch.bfloat16, torch.float32):
+            buf = _filled_buffer(g_rank, g_size, dtype, 64, seed, group=g)
+            comm.reduce_scatter_async(buf.get_local_shard(), buf.get_data(), comm.group_object(g)).wait()
+            lo, hi = g_rank * buf.shard_numel, (g_rank + 1) * buf.shard_numel
+            reduced = _expected_full(g_size, dtype, 64, seed, "sum").to(dtype)
+            assert_bitwise_equal(buf.get_local_shard(), reduced[lo:hi], "reduce_scatter_async")
+            buf.get_data().zero_()[lo:hi] = reduced[lo:hi]
+            comm.all_gather_async(buf.get_data(), buf.get_local_shard(), comm.group_object(g)).wait()
+            assert_bitwise_equal(buf.get_data(), reduced, "all_gather_async")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

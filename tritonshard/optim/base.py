@@ -420,6 +420,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # collectives straight through comm (no per-call group checks) on the hot path: the Buffers checked the
         # group and the layout across ranks when they were built
         self._direct_collectives = comm.is_initialized()
+        #: ... straight through the ProcessGroup's methods (comm.reduce_scatter_async: not even torch's wrapper)
+        self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
         # Without overlap_comm every bucket is reduced at once, in step() (or clip_grad_norm_), on every rank, and
         # gathered at once after the updates: one coalesced call each instead of one per bucket (issue 20.3: a
         # collective cost ~67 us of host time per bucket on the H200, the reduce-scatter and the all-gather
@@ -757,7 +759,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         with _trace("tritonshard.reduce_scatter[coalesced]"):
             work = comm.SharedWork(comm.reduce_scatter_coalesced(
                 [b.grad_buffer.get_local_shard() for b in order], [b.grad_buffer.get_data() for b in order],
-                group=self.process_group))
+                group=self._pg))
         for b in order:
             b.rs_work, b.rs_launched = work, True
         self.reduce_scatters_launched += len(order)
@@ -782,9 +784,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
                 if self._direct_collectives and not self._ordered and self._hot_path():
                     # the hot path: the group was checked when the Buffer was built (layout check included)
-                    b.rs_work = comm.reduce_scatter_single(b.grad_buffer.get_local_shard(), b.grad_buffer.get_data(),
-                                                           op=dist.ReduceOp.SUM, group=self.process_group,
-                                                           async_op=True)
+                    b.rs_work = comm.reduce_scatter_async(b.grad_buffer.get_local_shard(), b.grad_buffer.get_data(),
+                                                          self._pg)
                 elif self._ordered:
                     slot = self._next_launch % 2
                     if self._scratch_user[slot] is not None:
@@ -1195,14 +1196,16 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 with _trace("tritonshard.all_gather[coalesced]"):
                     work = comm.SharedWork(comm.all_gather_coalesced(
                         [b.param_buffer.get_data() for b in order], [b.param_buffer.get_local_shard() for b in order],
-                        group=self.process_group))
+                        group=self._pg))
                 for b in order:
                     b.ag_work = work
             else:
+                direct = self._direct_collectives and bound
                 for b in order:
                     with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
-                        b.ag_work = b.param_buffer.all_gather(async_op=True)
+                        b.ag_work = self._all_gather(b, direct)
         else:  # with overlap_comm: per bucket, its update and at once its all-gather (see above)
+            direct = self._direct_collectives and bound
             for i in self._gather_order:
                 b = self.buckets[i]
                 if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
@@ -1211,12 +1214,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                     self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                     self._restore_pieces(kept.get(i, ()))
                 with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
-                    if self._direct_collectives and bound:
-                        b.ag_work = comm.all_gather_single(b.param_buffer.get_data(),
-                                                           b.param_buffer.get_local_shard(),
-                                                           group=self.process_group, async_op=True)
-                    else:
-                        b.ag_work = b.param_buffer.all_gather(async_op=True)
+                    b.ag_work = self._all_gather(b, direct)
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
             self._grads_consumed_event = torch.cuda.Event()
             self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
@@ -1242,6 +1240,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if not self._state_exposed and not torch.compiler.is_compiling():
             self._expose_state()
         return loss
+
+    def _all_gather(self, b: _Bucket, direct: bool):
+        """Launch ``b``'s param all-gather; returns its work handle. ``direct``: on the hot path, straight through
+        the ProcessGroup method (the Buffer checked the group and the layout when it was built)."""
+        if direct:
+            return comm.all_gather_async(b.param_buffer.get_data(), b.param_buffer.get_local_shard(), self._pg)
+        return b.param_buffer.all_gather(async_op=True)
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         raise NotImplementedError
