@@ -450,8 +450,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # what step() checks against: the view each parameter must alias, and its version counter (bumped by
         # every in-place write through the parameter, e.g. model.load_state_dict; not by our buffer writes)
         self._param_views = {p: view for b in self.buckets for p, view in zip(b.params, b.param_buffer.get_views())}
-        self._param_ptrs = {p: view.data_ptr() for p, view in self._param_views.items()}
-        self._param_versions = {p: p._version for p in self._param_list}
+        # (per parameter, in _param_list's order)
+        self._param_ptrs = [self._param_views[p].data_ptr() for p in self._param_list]
+        self._param_versions = [p._version for p in self._param_list]
         self._frozen_at_build = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._model_params: list = []  # (module, attribute name, parameter), filled by attach()
         self._named_by_model: set = set()

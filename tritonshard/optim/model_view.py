@@ -62,12 +62,16 @@ class ModelViewMixin:
                     "later instead: a parameter frozen after construction is left unchanged by step()), or give the "
                     "unfrozen parameters an optimizer of their own.")
         dirty = set()
-        for p in self._param_list:
-            if p.data_ptr() != self._param_ptrs[p] or p.dtype != self.param_dtype or p.device != self.device:
+        # (lists in _param_list's order, not dicts keyed by the parameters: Tensor.__hash__ is a Python method, and
+        # this loop runs over every parameter every step)
+        ptrs, versions = self._param_ptrs, self._param_versions
+        param_dtype, device = self.param_dtype, self.device
+        for i, p in enumerate(self._param_list):
+            if p.data_ptr() != ptrs[i] or p.dtype != param_dtype or p.device != device:
                 self._readopt(p)
                 dirty.add(self._bucket_of[p][0].index)
-            elif p._version != self._param_versions[p]:
-                self._param_versions[p] = p._version
+            elif p._version != versions[i]:
+                versions[i] = p._version
                 dirty.add(self._bucket_of[p][0].index)
         if dirty:
             self.wait_for_params()
@@ -95,8 +99,9 @@ class ModelViewMixin:
         with torch.no_grad():
             view.copy_(p.detach())
         p.data = view  # the same Parameter object, aliasing the buffer again
-        self._param_versions[p] = p._version
-        self._param_ptrs[p] = view.data_ptr()
+        i = self._param_index[p]
+        self._param_versions[i] = p._version
+        self._param_ptrs[i] = view.data_ptr()
 
     @torch.no_grad()
     def _reconcile_master(self, b: _Bucket) -> None:
