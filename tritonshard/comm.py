@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "reduce_scatter_coalesced",
-           "all_gather_coalesced", "reduce_scatter_async", "all_gather_async", "group_object", "SharedWork", "all_gather_text", "local_device", "group_size", "group_rank",
-           "is_initialized", "CollectiveMismatchError", "EntryCheck"]
+           "all_gather_coalesced", "reduce_scatter_async", "all_gather_async", "group_object", "SharedWork",
+           "all_gather_text", "local_device", "group_size", "group_rank", "is_initialized", "CollectiveMismatchError",
+           "EntryCheck"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -87,7 +88,6 @@ def coalesced_available() -> bool:
 def group_object(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     """The ProcessGroup a collective on ``group`` runs on (None: the default group)."""
     return group if group is not None else dist.distributed_c10d._get_default_group()
-
 
 
 def _set_async(opts) -> None:

@@ -35,9 +35,9 @@ With ``overlap_comm`` each bucket's flatten, collectives and update are issued o
 the bucket; the update and at once the gather, in the forward's order). Without it, no launch or collective is per
 bucket: every bucket's gradients are flattened by one launch (per source dtype and accumulate mode), reduced in one
 coalesced reduce-scatter call, read by one norm-pass launch, each param group's buckets are updated by one
-segmented launch (the update kernels' MULTI mode), and every bucket is gathered in one coalesced all-gather call. After the first steps a step allocates
-no device memory (but the norm it returns to the user) and copies nothing from the host: every per-step value lives
-in a tensor made once, written in place.
+segmented launch (the update kernels' MULTI mode), and every bucket is gathered in one coalesced all-gather call.
+After the first steps a step allocates no device memory (but the norm it returns to the user) and copies nothing
+from the host: every per-step value lives in a tensor made once, written in place.
 
 The grad shard keeps the SUM over ranks after the reduce-scatter: the average is applied in fp32 inside the update,
 so a gradient is rounded to bf16 once (by the flatten, plus the reduction's own adds) and never again.
