@@ -196,12 +196,14 @@ _NO_TRACE = contextlib.nullcontext()
 _FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
-def _trace(label: str):
+def _trace(label: str, *args):
     """A profiler range while a profiler records (visible in traces); nothing otherwise, nor under torch.compile.
-    (``record_function`` costs ~3 us of host time per range even with no profiler on: 6 ranges per bucket.)"""
+    (``record_function`` costs ~3 us of host time per range even with no profiler on: 6 ranges per bucket.) The
+    name is ``label.format(*args)``, formatted only then (an f-string at every call site cost its formatting, per
+    bucket, also without a profiler)."""
     if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
         return _NO_TRACE
-    return torch.profiler.record_function(label)
+    return torch.profiler.record_function(label.format(*args) if args else label)
 
 
 class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
@@ -352,6 +354,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                          if self._ordered else [])
         self._scratch_user: list = [None, None]  # the bucket whose all-to-all output a scratch holds
         self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._bucket_by_id = {id(p): b for b in self.buckets for p in b.params}  # (the optimizer keeps p alive)
         for i, b in enumerate(self.buckets):
             b.index = i
         # the param-group dicts themselves (LR schedulers and load_state_dict update them in place), reached without
@@ -561,9 +564,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._queue_end_of_backward()
         self._grads_this_backward = True
-        if self.overlap_comm:
-            bucket, _ = self._bucket_of[param]
-            bucket.ready.add(param)
+        if self.overlap_comm:  # (keyed by id: Tensor.__hash__ is a Python method, and this runs per parameter)
+            key = id(param)
+            bucket = self._bucket_by_id[key]
+            bucket.ready.add(key)
             if len(bucket.ready) == len(bucket.params):  # the bucket's last gradient of this backward
                 if self._observed_order is not None and bucket.index not in self._observed_order:
                     self._observed_order.append(bucket.index)
@@ -776,14 +780,17 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
+        direct = None  # (decided once per call, when there is something to launch)
         while (self._next_launch < len(self.buckets)
                and self.buckets[self._launch_order[self._next_launch]].launch_wanted):
             b = self.buckets[self._launch_order[self._next_launch]]
             if self._next_launch == 0:
                 self._entry("reduce")
+            if direct is None:
+                direct = self._direct_collectives and not self._ordered and self._hot_path()
             self._zero_if_no_grads(b)
-            with _trace(f"tritonshard.reduce_scatter[bucket {b.index}]"):
-                if self._direct_collectives and not self._ordered and self._hot_path():
+            with _trace("tritonshard.reduce_scatter[bucket {}]", b.index):
+                if direct:
                     # the hot path: the group was checked when the Buffer was built (layout check included)
                     b.rs_work = comm.reduce_scatter_async(b.grad_buffer.get_local_shard(), b.grad_buffer.get_data(),
                                                           self._pg)
@@ -864,7 +871,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         for i in self._launch_order:
             b = self.buckets[i]
             if b.rs_work is not None:
-                with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
+                with _trace("tritonshard.wait_reduce_scatter[bucket {}]", b.index):
                     b.rs_work.wait()
                 b.rs_work = None
 
@@ -880,7 +887,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         with ``ordered_reduce``, that pass also adds the all-to-all's rows into the shard and frees the scratch."""
         if b.rs_work is None:
             return
-        with _trace(f"tritonshard.wait_reduce_scatter[bucket {b.index}]"):
+        with _trace("tritonshard.wait_reduce_scatter[bucket {}]", b.index):
             b.rs_work.wait()
         b.rs_work = None
         shard = b.grad_buffer.get_local_shard()
@@ -952,7 +959,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters."""
         for b in self.buckets if buckets is None else buckets:
             if b.ag_work is not None:
-                with _trace(f"tritonshard.wait_all_gather[bucket {b.index}]"):
+                with _trace("tritonshard.wait_all_gather[bucket {}]", b.index):
                     b.ag_work.wait()
                 b.ag_work = None
 
@@ -1188,7 +1195,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
                     b.sr_seed.add_(1)
             for gi, buckets in self._buckets_by_group:
-                with _trace(f"tritonshard.update[group {gi}]"):
+                with _trace("tritonshard.update[group {}]", gi):
                     self._update_buckets(buckets, self.param_groups[gi], grad_scale, found_inf)
             for pieces in kept.values():
                 self._restore_pieces(pieces)
@@ -1203,7 +1210,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             else:
                 direct = self._direct_collectives and bound
                 for b in order:
-                    with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
+                    with _trace("tritonshard.all_gather[bucket {}]", b.index):
                         b.ag_work = self._all_gather(b, direct)
         else:  # with overlap_comm: per bucket, its update and at once its all-gather (see above)
             direct = self._direct_collectives and bound
@@ -1211,10 +1218,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 b = self.buckets[i]
                 if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
                     b.sr_seed.add_(1)
-                with _trace(f"tritonshard.update[bucket {b.index}]"):
+                with _trace("tritonshard.update[bucket {}]", b.index):
                     self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                     self._restore_pieces(kept.get(i, ()))
-                with _trace(f"tritonshard.all_gather[bucket {b.index}]"):
+                with _trace("tritonshard.all_gather[bucket {}]", b.index):
                     b.ag_work = self._all_gather(b, direct)
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
             self._grads_consumed_event = torch.cuda.Event()
@@ -1291,7 +1298,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         def checked_launches():
             for b in buckets:
                 launch(b)[1]()
-        with _trace(f"tritonshard.kernel.{op}"):
+        with _trace("tritonshard.kernel.{}", op):
             _launch.launch(self._segmented_launches, key, kept[1], checked_launches)
         return True
 

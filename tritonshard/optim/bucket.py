@@ -76,7 +76,7 @@ class _Bucket:
         self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
         # per-step communication state, reset by step() / zero_grad()
         self.has_grads = False      # the grad buffer holds gradients flattened since zero_grad()
-        self.ready: set = set()     # parameters whose gradient arrived in the current backward
+        self.ready: set = set()     # id() of the parameters whose gradient arrived in the current backward
         self.placed: dict = {}     # parameters whose param.grad is our ShardedGrad placeholder (a dict: dynamo
         #                             traces no sets of tensors)
         self.pending = None         # (param, grad, offset) of a flush between its flatten and its placeholders
