@@ -270,3 +270,31 @@ def test_random_layouts_and_alignments_match_reference(data):
                                   0.37, seed)
     assert_bitwise_equal(out, ref, f"sizes={sizes} aligned={aligned} skips={skips} gaps={gaps}")
     _assert_outside_untouched(out, initial, tensors, offsets)
+
+
+def test_the_optimizers_one_launch_flush_of_every_bucket_matches_the_reference():
+    """ShardedAdamW without overlap_comm flattens every bucket's gradients in one launch, each bucket's tensors at
+    their buffer's distance from bucket 0's (negative for a buffer below it), and takes every shard's norm pass in
+    one launch (issue 20.3). Here in tests/kernels so that the GPU check runs it compiled: two backward passes
+    (the second accumulates) must leave each bucket's grad buffer as the reference flatten leaves it, bit for bit,
+    and the norm must be the float64 norm of those buffers."""
+    from tritonshard import ShardedAdamW
+    sizes = (4099, 199, 1, 12_289, 640)
+    params = [torch.nn.Parameter(randn(n, 60 + i)) for i, n in enumerate(sizes)]
+    opt = ShardedAdamW(params, lr=1e-3, bucket_cap_mb=5000 * 2 / 2 ** 20)
+    assert len(opt.buckets) >= 3
+    weights = [[randn(n, 70 + 10 * k + i, scale=2.0) for i, n in enumerate(sizes)] for k in range(2)]
+    for k in range(2):
+        sum((p.float() * w).sum() for p, w in zip(params, weights[k])).backward()  # p.grad = w in bf16
+    expected_norm_sq = 0.0
+    index = {id(p): i for i, p in enumerate(params)}
+    for b in opt.buckets:
+        want = torch.zeros_like(b.grad_buffer.get_data())
+        for k in range(2):
+            grads = [weights[k][index[id(p)]].to(torch.bfloat16) for p in b.params]
+            flatten_into_ref(want, grads, list(b.grad_buffer.offsets), accumulate=k == 1)
+        assert_bitwise_equal(b.grad_buffer.get_data(), want, f"bucket {b.index}'s grad buffer")
+        expected_norm_sq += float(want.double().square().sum())
+    norm = opt.clip_grad_norm_(1e9)
+    # the squares summed in float64 and rounded to fp32 once, then an fp32 sqrt: within 2 fp32 ulps
+    assert float(norm) == pytest.approx(expected_norm_sq ** 0.5, rel=2 ** -22)
