@@ -35,7 +35,7 @@ try:  # triton.knobs exists from Triton 3.4 on (the GPU machine has 3.6, CI 3.9)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     knobs = None
 
-__all__ = ["BoundLaunch", "bound_launches_enabled", "set_bound_launches", "cdiv"]
+__all__ = ["BoundLaunch", "bound_launches_enabled", "set_bound_launches", "cdiv", "block_schedule"]
 
 
 def cdiv(n: int, d: int) -> int:
@@ -43,6 +43,19 @@ def cdiv(n: int, d: int) -> int:
     ``ConstexprFunction``, ~10 us per call from Python (it was 4 of the 5 us per tensor of a flatten at new
     addresses, one call per tensor, issue 20.5)."""
     return -(-n // d)
+
+def block_schedule(offsets: tuple, numels: tuple, block: int) -> tuple:
+    """The host tables of a launch over several tensors in which every program takes one ``block`` of one tensor
+    (the flatten, the optimizer's norm pass over every grad shard): ``(offsets, numels, block -> tensor,
+    block -> first element)``, the first two as given (int64), the last two in program order."""
+    blocks_per_tensor = [cdiv(n, block) for n in numels]
+    block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
+                                           torch.tensor(blocks_per_tensor, dtype=torch.int64))
+    first_block = torch.tensor([0] + blocks_per_tensor[:-1], dtype=torch.int64).cumsum(0)
+    block_start = (torch.arange(block_tensor.numel(), dtype=torch.int64) - first_block[block_tensor.long()]) * block
+    return (torch.tensor(offsets, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64), block_tensor,
+            block_start)
+
 
 _ENABLED = True
 #: launches replayed through a compiled launcher so far (observable: tests and benchmarks check it moves)

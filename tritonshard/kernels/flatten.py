@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
@@ -170,18 +169,7 @@ class _TableCache:
         return tables
 
 
-def _build_schedule(offsets: tuple, numels: tuple, block: int) -> tuple:
-    """(offsets, numels, block -> tensor, block -> first element) of one launch, on the host."""
-    blocks_per_tensor = [cdiv(n, block) for n in numels]
-    block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
-                                           torch.tensor(blocks_per_tensor, dtype=torch.int64))
-    first_block = torch.tensor([0] + blocks_per_tensor[:-1], dtype=torch.int64).cumsum(0)
-    block_start = (torch.arange(block_tensor.numel(), dtype=torch.int64) - first_block[block_tensor.long()]) * block
-    return (torch.tensor(offsets, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64), block_tensor,
-            block_start)
-
-
-_schedules = _TableCache(_build_schedule)
+_schedules = _TableCache(_launch.block_schedule)
 _address_tables = _TableCache(lambda ptrs: (torch.tensor(ptrs, dtype=torch.int64),))
 
 

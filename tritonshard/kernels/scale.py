@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv
+from ._launch import block_schedule, cdiv
 from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
@@ -296,7 +296,7 @@ def partials_multi_launch_spec(xs: list, factor: float, partials: list) -> Optio
         return None
     sums, flags = partials[0]
     base_sums, base_flags = sums.data_ptr(), flags.data_ptr()
-    ptrs, numels, slots, block_tensor, block_start = [], [], [], [], []
+    ptrs, numels, slots = [], [], []
     for x, (p_sums, p_flags) in zip(xs, partials):
         if p_sums.numel() != cdiv(x.numel(), BLOCK) or p_flags.numel() != p_sums.numel():
             return None
@@ -305,20 +305,17 @@ def partials_multi_launch_spec(xs: list, factor: float, partials: list) -> Optio
         slot, rest = divmod(p_sums.data_ptr() - base_sums, 8)
         if rest or (p_flags.data_ptr() - base_flags) != 4 * slot:
             return None  # (not slices of one workspace at matching places)
-        t = len(ptrs)
         ptrs.append(x.data_ptr())
         numels.append(x.numel())
         slots.append(slot)
-        for start in range(0, x.numel(), BLOCK):
-            block_tensor.append(t)
-            block_start.append(start)
     if not ptrs:
         return None
     device = xs[0].device
-    tables = [torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
-              for v in (ptrs, numels, slots, block_tensor, block_start)]
+    slot_tab, numel_tab, block_tensor, block_start = block_schedule(slots, numels, BLOCK)
+    tables = [t.to(device, non_blocking=True)
+              for t in (torch.tensor(ptrs, dtype=torch.int64), numel_tab, slot_tab, block_tensor, block_start)]
     aligned = not any(p % 16 for p in ptrs)
-    return (_partials_multi_kernel, (len(block_tensor),), (*tables, float(factor), sums, flags),
+    return (_partials_multi_kernel, (block_tensor.numel(),), (*tables, float(factor), sums, flags),
             dict(X_DTYPE=_X_DTYPES[xs[0].dtype], ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False))
 
 

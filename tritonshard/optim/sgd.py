@@ -43,7 +43,6 @@ class ShardedSGD(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
 
-
     def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
         """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
         param, param_out, remainders = bucket.update_target()
@@ -91,7 +90,6 @@ class ShardedLion(ShardedOptimizer):
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
-
 
     def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
         """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
