@@ -593,16 +593,19 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
         overwrites (parameters without a gradient get zeros), later ones accumulate."""
         pending = self._take_pending(b)
-        if pending is None:
-            return
-        grads, offsets = pending
+        if pending is not None:
+            self._flatten_one(b, pending)
+
+    def _flatten_one(self, b: _Bucket, pending: list) -> None:
+        """The flatten of ``b``'s ``pending`` gradients by a launch of its own, then their placeholders."""
+        grads, offsets = [g for _, g, _ in pending], [off for _, _, off in pending]
         # the unchecked flatten only for gradients of the buffer's device and a source dtype the kernel reads (a
         # model moved or converted after construction goes through the checked launcher, which names the problem)
         if self._hot_path() and self._flattenable(grads):
             _flatten_unchecked(b.grad_buffer.get_data(), grads, offsets, b.has_grads, launches=b.launches)
         else:
             kernels().flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=b.has_grads)
-        self._place_placeholders(b)
+        self._place_placeholders(b, pending)
 
     def _flush_buckets(self, buckets) -> None:
         """:meth:`_flush_bucket` for each of ``buckets``, with one flatten launch for all of them (per accumulate
@@ -627,21 +630,20 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             pending = self._take_pending(b)
             if pending is None:
                 continue
-            grads, offsets = pending
+            grads = [g for _, g, _ in pending]
             distance, rest = divmod(b.grad_buffer.get_data().data_ptr() - base, size)
             if rest or not self._flattenable(grads):  # (a moved or converted model: the checked launcher names it)
-                kernels().flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=b.has_grads)
-                self._place_placeholders(b)
+                self._flatten_one(b, pending)
                 continue
             all_grads, all_offsets = jobs.setdefault(b.has_grads, ([], []))
             all_grads += grads
-            all_offsets += [off + distance for off in offsets] if distance else offsets
-            flushed.append(b)
+            all_offsets += [off + distance for _, _, off in pending]
+            flushed.append((b, pending))
         for accumulate, (grads, offsets) in jobs.items():
             with _trace("tritonshard.kernel.flatten_into"):  # (the launcher's range name, as a profile shows it)
                 _flatten_unchecked(out, grads, offsets, accumulate, launches=self._flush_launches)
-        for b in flushed:
-            self._place_placeholders(b)
+        for b, pending in flushed:
+            self._place_placeholders(b, pending)
 
     def _flatten_together(self) -> bool:
         """Whether :meth:`_flush_buckets` flattens several buckets in one launch: on the Triton kernels (compiled,
@@ -654,11 +656,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         device = self.device
         return all(g.device == device and g.dtype in _FLAT_SOURCES for g in grads)
 
-    def _take_pending(self, b: _Bucket) -> Optional[tuple[list, list]]:
-        """The first half of a flush: ``b``'s pending gradients and their offsets in the grad buffer (None when
-        there are none), checked, with the buffer made ready for them (zeros for parameters without a gradient on
-        the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the second half,
-        after the flatten."""
+    def _take_pending(self, b: _Bucket) -> Optional[list]:
+        """The first half of a flush: ``b``'s pending gradients as (parameter, gradient, offset in the grad buffer)
+        (None when there are none), checked, with the buffer made ready for them (zeros for parameters without a
+        gradient on the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the
+        second half, after the flatten."""
         placed = b.placed
         if placed:
             self._take_back_cleared(b)
@@ -686,17 +688,15 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             for p, view in zip(b.params, b.grad_buffer.get_views()):
                 if p.grad is None:
                     view.zero_()  # no gradient this time: contributes zeros
-        grads = [g for _, g, _ in pending]
         if self.device.type == "cuda" and not torch.compiler.is_compiling():
             stream = torch.cuda.current_stream(self.device)
-            for g in grads:  # streams, rule 4
+            for _, g, _ in pending:  # streams, rule 4
                 g.record_stream(stream)
-        b.pending = pending
-        return grads, [off for _, _, off in pending]
+        return pending
 
-    def _place_placeholders(self, b: _Bucket) -> None:
-        """The second half of a flush, once its gradients are in the buffer: ``param.grad`` lets them go."""
-        pending, b.pending = b.pending, None
+    def _place_placeholders(self, b: _Bucket, pending: list) -> None:
+        """The second half of a flush, once ``pending`` (from :meth:`_take_pending`) is in the buffer:
+        ``param.grad`` lets the gradients go."""
         if torch.compiler.is_compiling():
             for p in b.params:
                 p.grad = None
@@ -869,11 +869,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if self._norm_spec is False:
             return False
         for i in self._launch_order:
-            b = self.buckets[i]
-            if b.rs_work is not None:
-                with _trace("tritonshard.wait_reduce_scatter[bucket {}]", b.index):
-                    b.rs_work.wait()
-                b.rs_work = None
+            self._wait_reduced(self.buckets[i])
 
         def checked_launches():
             for b, shard in zip(self.buckets, shards):
@@ -882,14 +878,20 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             _launch.launch(self._norm_launches, "norm", self._norm_spec, checked_launches)
         return True
 
-    def _consume_reduced(self, b: _Bucket) -> None:
-        """Wait for ``b``'s reduction and run its norm pass (partials into its slice of the shared workspace);
-        with ``ordered_reduce``, that pass also adds the all-to-all's rows into the shard and frees the scratch."""
+    def _wait_reduced(self, b: _Bucket) -> bool:
+        """Wait for ``b``'s reduction (on the device: the current stream waits); False when none was in flight."""
         if b.rs_work is None:
-            return
+            return False
         with _trace("tritonshard.wait_reduce_scatter[bucket {}]", b.index):
             b.rs_work.wait()
         b.rs_work = None
+        return True
+
+    def _consume_reduced(self, b: _Bucket) -> None:
+        """Wait for ``b``'s reduction and run its norm pass (partials into its slice of the shared workspace);
+        with ``ordered_reduce``, that pass also adds the all-to-all's rows into the shard and frees the scratch."""
+        if not self._wait_reduced(b):
+            return
         shard = b.grad_buffer.get_local_shard()
         bound = self._hot_path()
         if self._ordered:

@@ -79,7 +79,6 @@ class _Bucket:
         self.ready: set = set()     # id() of the parameters whose gradient arrived in the current backward
         self.placed: dict = {}     # parameters whose param.grad is our ShardedGrad placeholder (a dict: dynamo
         #                             traces no sets of tensors)
-        self.pending = None         # (param, grad, offset) of a flush between its flatten and its placeholders
         self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
         self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
         self.rs_launched = False
