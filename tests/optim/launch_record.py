@@ -85,11 +85,13 @@ def main() -> None:
         out["transposed"] = _transposed(rec)
         out["sgd"] = _other_optimizer(rec, "ShardedSGD", dict(momentum=0.9, weight_decay=1e-2, nesterov=True))
         out["lion"] = _other_optimizer(rec, "ShardedLion", dict(weight_decay=0.1, state_dtype=torch.bfloat16))
+        out["adamw_overlap"] = _other_optimizer(rec, "ShardedAdamW", dict(overlap_comm=True,
+                                                                          state_dtype=torch.bfloat16))
     json.dump(out, sys.stdout)
 
 
 def _other_optimizer(rec, name: str, kwargs: dict) -> dict:
-    """ShardedSGD / ShardedLion steps under an LR schedule (the lr changes every step): through Triton's dispatch,
+    """ShardedSGD / ShardedLion (or ShardedAdamW with other options) steps under an LR schedule (the lr changes every step): through Triton's dispatch,
     then bound (the checked launch, the recording one, replays)."""
     import tritonshard
     from tritonshard.kernels import _launch

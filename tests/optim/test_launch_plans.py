@@ -82,11 +82,13 @@ def test_the_flatten_plan_is_not_reused_for_a_non_contiguous_gradient_at_the_sam
             assert tables == want, f"step {i}: {tables}"
 
 
-@pytest.mark.parametrize("name, kernel", [("sgd", "_sgd_kernel"), ("lion", "_lion_kernel")])
+@pytest.mark.parametrize("name, kernel", [("sgd", "_sgd_kernel"), ("lion", "_lion_kernel"),
+                                          ("adamw_overlap", "_adamw_kernel")])
 def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     """ShardedSGD's and ShardedLion's updates replay like AdamW's (they went through the checked launcher every
     step), with the lr a scheduler changes every step read from a per-group tensor: the replayed steps hand the
-    launcher what Triton's dispatch does, and every launch of a step replays."""
+    launcher what Triton's dispatch does, and every launch of a step replays. So does ShardedAdamW's with
+    overlap_comm, whose updates are one segmented launch too (its collectives are per bucket, its launches not)."""
     rec = record[name]
     dispatch = rec["dispatch"][-1]["launches"]
     # for both buckets: one flatten, one norm pass, one update (a segmented launch), one finalize

@@ -16,12 +16,12 @@ from torch import nn
 import tritonshard
 
 
-def _profile_step(n_layers: int, n_groups: int = 1):
+def _profile_step(n_layers: int, n_groups: int = 1, **options):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(n_layers)])
     params = list(model.parameters())
     groups = [{"params": params[g::n_groups], "lr": 1e-3 * (g + 1)} for g in range(n_groups)]
-    opt = tritonshard.ShardedAdamW(groups, lr=1e-3, bucket_cap_mb=1e-9)  # a bucket per parameter
+    opt = tritonshard.ShardedAdamW(groups, lr=1e-3, bucket_cap_mb=1e-9, **options)  # a bucket per parameter
     x = torch.randn(4, 16).bfloat16()
 
     def backward():
@@ -63,9 +63,12 @@ def _launchers(prof) -> collections.Counter:
                                if e.name.startswith("tritonshard.kernel."))
 
 
-def test_small_ops_per_step_do_not_grow_with_buckets():
-    few, ops_few, _ = _profile_step(2)
-    many, ops_many, _ = _profile_step(6)
+@pytest.mark.parametrize("options", [{}, {"state_dtype": torch.bfloat16}, {"overlap_comm": True}],
+                         ids=["default", "bf16 states", "overlap_comm"])
+def test_small_ops_per_step_do_not_grow_with_buckets(options):
+    # (bf16 states: each bucket's stochastic-rounding seed advances every step, all of them in one op)
+    few, ops_few, _ = _profile_step(2, **options)
+    many, ops_many, _ = _profile_step(6, **options)
     assert (few, many) == (4, 12)
     assert ops_many == ops_few, f"per-bucket small ops: {ops_many - ops_few} more with {many - few} more buckets"
     # measured 32 (torch 2.13): the clip coefficient, grad_scale, the step counter, AdamW's coefficients (float64,
@@ -94,18 +97,32 @@ def test_launches_per_bucket_and_per_group(groups):
                          "finalize_sum_sq_": 1}, launchers
 
 
-def test_with_overlap_every_bucket_has_its_own_update():
-    # with overlap_comm each bucket's all-gather starts right after its own update, in the order the forward needs
+@pytest.mark.parametrize("groups", [1, 2])
+def test_with_overlap_each_group_is_one_update_and_each_bucket_one_gather_in_forward_order(groups):
+    # overlap_comm keeps per bucket only what the overlap needs: the all-gathers, in the order the next forward
+    # reads the buckets; the updates are one segmented launch per param group, as without it (issue 20.3), all of
+    # them launched before the first gather (the forward's kernels queue behind the updates on the stream anyway)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=1e-9, overlap_comm=True)
-    x = torch.randn(4, 16).bfloat16()
+    params = list(model.parameters())
+    opt = tritonshard.ShardedAdamW([{"params": params[g::groups]} for g in range(groups)], lr=1e-3,
+                                   bucket_cap_mb=1e-9, overlap_comm=True)
+    opt.attach(model)  # the gather order: the forward's
+    x = torch.randn(4, 16)
     for _ in range(3):
         model(x).float().square().mean().backward()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             opt.step()
         opt.zero_grad()
-    assert _launchers(prof)["adamw_step_"] == len(opt.buckets) == 6
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    updates = [e for e in events if e.name == "tritonshard.kernel.adamw_step_"]
+    gathers = [e for e in events if e.name.startswith("tritonshard.all_gather[")]
+    assert len(updates) == groups
+    # a bucket per parameter: the forward reads them in model.parameters() order
+    forward_order = [opt._bucket_of[p][0].index for p in params]
+    assert len(opt.buckets) == 6 and sorted(forward_order) == list(range(6))
+    assert [e.name for e in gathers] == [f"tritonshard.all_gather[bucket {i}]" for i in forward_order]
+    assert max(e.time_range.end for e in updates) <= gathers[0].time_range.start
 
 
 def test_preallocated_norm_table_sums_every_bucket():

@@ -31,11 +31,12 @@ One step (no host-device synchronization anywhere in it)::
     fp32) + non-finite flag -> one all-reduce of [sum_sq, nonfinite] -> clip coefficient on device -> fused
     update with grad_scale = 1/d x clip x 1/loss scale (skips itself when the flag is set) -> param all-gather
 
-With ``overlap_comm`` each bucket's flatten, collectives and update are issued on their own (as backward completes
-the bucket; the update and at once the gather, in the forward's order). Without it, no launch or collective is per
-bucket: every bucket's gradients are flattened by one launch (per source dtype and accumulate mode), reduced in one
-coalesced reduce-scatter call, read by one norm-pass launch, each param group's buckets are updated by one
-segmented launch (the update kernels' MULTI mode), and every bucket is gathered in one coalesced all-gather call.
+Without ``overlap_comm`` no launch or collective is per bucket: every bucket's gradients are flattened by one
+launch (per source dtype and accumulate mode), reduced in one coalesced reduce-scatter call, read by one norm-pass
+launch, each param group's buckets are updated by one segmented launch (the update kernels' MULTI mode), and every
+bucket is gathered in one coalesced all-gather call. With it, what the overlap needs is per bucket and the rest is
+not: each bucket's flatten and reduce-scatter as backward completes it, its all-gather in the next forward's order;
+the norm pass and the updates are the same launches as without it.
 After the first steps a step allocates no device memory (but the norm it returns to the user) and copies nothing
 from the host: every per-step value lives in a tensor made once, written in place.
 
@@ -433,11 +434,15 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # launches all-to-alls into two scratch buffers in turn
         self._coalesce = (not self.overlap_comm and not self._ordered and self._direct_collectives
                           and comm.coalesced_available() and len(self.buckets) > 1)
-        # Without overlap_comm nothing waits for one bucket's gather before the others' (they are all waited for at
-        # the end of step()): each param group's buckets are updated together (_update_buckets: one segmented launch
-        # for ShardedAdamW, SGD and Lion), groups in the order of their first bucket in the gather order, and the
-        # gathers follow; the merged launches are kept per group (_launch_segmented)
+        # Each param group's buckets are updated by one segmented launch where the update rule has one (ShardedAdamW,
+        # SGD, Lion; _update_buckets), groups in the order of their first bucket in the gather order; the merged
+        # launches are kept per group (_launch_segmented). Without overlap_comm the gathers follow, all at once
+        # (_update_together). With it they follow too, one per bucket in the forward's order: the next forward's
+        # kernels queue behind every update on the stream anyway, so per-bucket updates would only start the first
+        # gather one bucket's update earlier, at a launch per bucket of host time (issue 20.3)
         self._update_together = not self.overlap_comm and len(self.buckets) > 1
+        self._rounding_seeds = [b.sr_seed for b in self.buckets if b.sr_seed is not None]  # (kept, written in place)
+        self._merge_updates = len(self.buckets) > 1
         self._segmented: dict = {}
         self._segmented_launches: dict = {}
         self._flush_launches: dict = {}  # the flatten launches of _flush_buckets (several buckets' gradients)
@@ -1180,10 +1185,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # their weights and state must come out of the flat update unchanged
         frozen = self._frozen_since_build()
         kept = self._snapshot_pieces(frozen) if frozen else {}
-        # With overlap_comm: per bucket, its update and at once its all-gather, in the order the next forward needs
-        # the buckets (the first module's first): on NCCL one group's collectives run in issue order, so the gather
-        # of the embedding's bucket must not queue behind every other bucket's update and gather. Without it, every
-        # gather is waited for before step() returns: all updates (one launch per param group), then the gathers.
+        # The updates (one segmented launch per param group where the rule has one), then the all-gathers. With
+        # overlap_comm, one gather per bucket in the order the next forward needs the buckets (the first module's
+        # first): on NCCL one group's collectives run in issue order, so the gather of the embedding's bucket must
+        # not queue behind every other bucket's; a bucket updated on its own is gathered right after its update.
+        # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
         self._entry("step")
         self._prepared_state = None
         not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
@@ -1193,9 +1199,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         together = self._update_together and not compiling  # every update first, then the gathers
         coalesce = self._coalesce and not compiling  # ... in one call
         if together:  # each param group's buckets in one call (ShardedAdamW, SGD, Lion: one segmented launch)
-            for b in self.buckets:
-                if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
-                    b.sr_seed.add_(1)
+            self._next_rounding_seeds()
             for gi, buckets in self._buckets_by_group:
                 with _trace("tritonshard.update[group {}]", gi):
                     self._update_buckets(buckets, self.param_groups[gi], grad_scale, found_inf)
@@ -1214,15 +1218,23 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 for b in order:
                     with _trace("tritonshard.all_gather[bucket {}]", b.index):
                         b.ag_work = self._all_gather(b, direct)
-        else:  # with overlap_comm: per bucket, its update and at once its all-gather (see above)
+        else:  # with overlap_comm: per bucket, its all-gather right after its update (see above)
+            self._next_rounding_seeds()
+            merged = set()  # buckets whose param group went in one segmented launch
+            if self._segments is not None and self._segmented_path():
+                for gi, buckets in self._buckets_by_group:
+                    launch = functools.partial(self._launch, group=self.param_groups[gi], grad_scale=grad_scale,
+                                               found_inf=found_inf)
+                    with _trace("tritonshard.update[group {}]", gi):
+                        if self._launch_segmented(buckets, launch, *self._segments):
+                            merged.update(b.index for b in buckets)
             direct = self._direct_collectives and bound
             for i in self._gather_order:
                 b = self.buckets[i]
-                if b.sr_seed is not None:  # a fresh Philox key per step (see _make_bucket)
-                    b.sr_seed.add_(1)
-                with _trace("tritonshard.update[bucket {}]", b.index):
-                    self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
-                    self._restore_pieces(kept.get(i, ()))
+                if i not in merged:  # (ShardedMuon, a group of one bucket): its own update, then its gather
+                    with _trace("tritonshard.update[bucket {}]", b.index):
+                        self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
+                self._restore_pieces(kept.get(i, ()))
                 with _trace("tritonshard.all_gather[bucket {}]", b.index):
                     b.ag_work = self._all_gather(b, direct)
         if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
@@ -1250,6 +1262,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if not self._state_exposed and not torch.compiler.is_compiling():
             self._expose_state()
         return loss
+
+    def _next_rounding_seeds(self) -> None:
+        """A fresh Philox key per step for every bucket with stochastically rounded state (see _make_bucket): one op
+        for all of them, not one per bucket."""
+        seeds = self._rounding_seeds
+        if seeds:
+            torch._foreach_add_(seeds, 1)
 
     def _all_gather(self, b: _Bucket, direct: bool):
         """Launch ``b``'s param all-gather; returns its work handle. ``direct``: on the hot path, straight through
@@ -1331,10 +1350,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         return compiled_path(self.device) and not torch.compiler.is_compiling()
 
     def _segmented_path(self) -> bool:
-        """Whether each param group's updates go in one segmented launch: without overlap_comm
-        (``_update_together``), on the Triton kernels (compiled, or the interpreter, where the CPU tests run them),
-        outside torch.compile."""
-        return self._update_together and (compiled_path(self.device) or interpreter_enabled()) \
+        """Whether each param group's updates go in one segmented launch (``_merge_updates``: more than one bucket),
+        on the Triton kernels (compiled, or the interpreter, where the CPU tests run them), outside torch.compile."""
+        return self._merge_updates and (compiled_path(self.device) or interpreter_enabled()) \
             and not torch.compiler.is_compiling()
 
     def _persistent_args(self) -> bool:
