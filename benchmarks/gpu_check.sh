@@ -9,7 +9,8 @@
 # The stages (budget, in seconds):
 #   1. the COMPILED kernels against the PyTorch references: pytest -n 16 tests/kernels (26 s measured on an H200
 #      with a cold cache, 2026-11-30)                                                                        60
-#   2. optimizer steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host)       30
+#   2. optimizer steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host), and
+#      gradients made on a side stream read before their memory is reused (streams, rule 4; issue 20.4)      30
 #   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                40
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure)                                     50

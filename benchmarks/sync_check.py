@@ -11,6 +11,10 @@ launched from backward hooks, all-gathers waited for in forward pre-hooks) with 
 torch.nn.utils.clip_grad_norm_ on param.grad placeholders. main() starts a 1-rank process group (NCCL on CUDA,
 gloo on CPU) when none exists, so the collectives really run. On CPU (CI) the steps run without the detector,
 which keeps this script from rotting between GPU runs; only a CUDA run proves anything.
+
+It also checks the streams' rule 4 (optim/base.py): gradients made on a side stream and flushed on another one are
+read before their memory is reused (:func:`side_stream_check`, with and without overlap_comm), after a control that
+shows the scenario catches an unprotected read on this machine (:func:`race_reproduces`).
 """
 
 from __future__ import annotations
@@ -88,6 +92,79 @@ def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> st
            f"{float(norm):.4f}, skipped steps {skipped}"
 
 
+def race_reproduces(device: torch.device) -> bool:
+    """The control for :func:`side_stream_check`: in the same scenario, a copy of a side-stream tensor enqueued late
+    on the default stream, the tensor then freed without any stream action, and a new tensor of its size filled on
+    the side stream. True when the copy read the fill (the allocator reused the memory before the copy ran): the
+    scenario does catch an unprotected flush on this machine, so the optimizer's passing it means something."""
+    side = torch.cuda.Stream(device)
+    n = 129 * 257
+    with torch.cuda.stream(side):
+        g = torch.randn(n, device=device).to(torch.bfloat16)
+    out = torch.empty(n, device=device, dtype=torch.bfloat16)
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda._sleep(100_000_000)
+    out.copy_(g)
+    del g
+    with torch.cuda.stream(side):
+        junk = torch.full((n,), 1e4, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    del junk
+    return bool((out == 1e4).any())
+
+
+def side_stream_check(overlap: bool, device: torch.device) -> str:
+    """Streams, rule 4 (optim/base.py): gradients that autograd makes on a side stream while the flush runs on
+    another one must be read by the flatten before the caching allocator hands their memory to new work there.
+
+    The forward (so the backward) runs on a side stream and backward() is called from the default stream, which a
+    sleep holds back: without overlap_comm the end-of-backward flush is enqueued on the default stream behind the
+    sleep, while the side stream runs on. Right after backward, new tensors of the gradients' sizes are filled with
+    1e4 on the side stream: where the allocator reused a gradient's memory before the flatten read it, the grad
+    buffer holds 1e4s. With overlap_comm the flush runs in the hook on the side stream itself. The grad buffer
+    must hold the gradients a separate copy of the model gets on the default stream. On CPU the same steps run
+    without streams (nothing to race): it keeps the check working between GPU runs."""
+    import contextlib
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
+    reference = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
+    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, overlap_comm=overlap, bucket_cap_mb=0.05)
+    reference = reference.to(torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(32, 257, device=device, dtype=torch.bfloat16)
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+    on_side = (lambda: torch.cuda.stream(side)) if cuda else contextlib.nullcontext
+    reference(x).float().square().mean().backward()
+    want = {id(p): r.grad for p, r in zip(model.parameters(), reference.parameters())}
+    shapes = [p.shape for p in model.parameters()]
+    for step in range(3):
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with on_side():
+            loss = model(x).float().square().mean()
+        if cuda:
+            torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: the default stream's flush runs late
+        loss.backward()
+        with on_side():
+            junk = [torch.full(shape, 1e4, device=device, dtype=torch.bfloat16) for shape in shapes]
+        if cuda:
+            torch.cuda.synchronize()
+        for b in opt.buckets:
+            for p, view in zip(b.params, b.grad_buffer.get_views()):
+                # the same bf16 gradients, up to the order of the matmuls' sums (a second model, other launches);
+                # a reused gradient's memory would hold 1e4s
+                if not torch.allclose(view.float(), want[id(p)].float(), rtol=1e-2, atol=1e-3):
+                    worst = float((view.float() - want[id(p)].float()).abs().max())
+                    raise AssertionError(f"step {step}: a gradient in bucket {b.index} differs from the reference "
+                                         f"by up to {worst:.3g} (1e4 = memory reused before the flatten read it)")
+        del junk
+        opt.zero_grad()  # (no step: the model's weights stay those of the reference)
+    where = "forward and backward on a side stream, flush " + ("in the hooks" if overlap else "on the default stream")
+    return f"side-stream gradients{', overlap_comm' if overlap else ''}: 3 backwards ({where if cuda else 'no CUDA'})" \
+           ", grad buffers equal the reference"
+
+
 def main() -> int:
     device = local_device()  # indexed on CUDA: torch 2.11's init_process_group(device_id=) needs the index
     if device.type == "cuda":
@@ -113,6 +190,17 @@ def _check_all(device: torch.device) -> int:
         except Exception as exc:  # noqa: BLE001 -- one configuration's failure must not hide the others
             failed += 1
             print(f"sync_check: FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+    if device.type == "cuda":
+        print("sync_check: side-stream control: an unprotected copy "
+              + ("read reused memory (the check below can fail)" if race_reproduces(device)
+                 else "did NOT read reused memory: the side-stream check below proves nothing here"), flush=True)
+    for overlap in (False, True):
+        try:
+            print("sync_check: " + side_stream_check(overlap, device), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            failed += 1
+            print(f"sync_check: FAILED side-stream gradients (overlap_comm={overlap}): {type(exc).__name__}: {exc}",
+                  flush=True)
     return 1 if failed else 0
 
 

@@ -64,9 +64,16 @@ Streams (CUDA), the rules:
 3. ``step()`` records an event on its stream after the last kernel that reads the grad shards; the first flatten
    of the next backward makes its own stream wait for it, so a backward on another stream (autograd runs a node on
    the stream its forward op used) cannot overwrite a shard an update is still reading.
-4. A flattened gradient belongs to autograd's allocation stream; the flatten may read it on another one, so it is
-   marked with ``record_stream`` on the flatten's stream before ``param.grad`` lets it go: the caching allocator
-   reuses its memory only after the flatten has read it.
+4. A gradient is taken to belong to the stream current where autograd handed it over, in its post-accumulate-grad
+   hook (the stream of the parameter's AccumulateGrad node, which the forward's use of the parameter chose), as
+   DDP's reducer and FSDP2 take it; a gradient set by hand, to the stream of the call that flushes it, as
+   torch.optim takes it. The hook notes that stream (one C call per gradient; the Stream object only when it is
+   new). A flush on the same stream needs nothing: the caching allocator reuses the memory of a gradient freed
+   after the flatten was enqueued only for work enqueued after it on that stream. A flush on another stream (the
+   end-of-backward flush runs on the stream that called backward(); overlap_comm's on the last gradient's) first
+   waits for every noted stream, then makes each of them wait for an event recorded after the flatten, before
+   ``param.grad`` lets the gradients go: one action per stream and flush, not a ``record_stream`` per gradient
+   (issue 20.4).
 
 On a CPU none of this applies (every op completes in order); the rules are exercised by ``benchmarks.sync_check``
 and ``gpu_check.sh`` on a GPU.
@@ -404,6 +411,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._flush_queued = False
         self._grads_this_backward = False
         self._grads_consumed_event = None  # CUDA: recorded by step() after the updates (streams, rule 3)
+        # CUDA: the streams the gradients of this backward were handed over on, noted by the hook (streams, rule 4),
+        # raw stream -> Stream
+        self._grad_streams: dict = {}
+        self._raw_stream = (functools.partial(torch._C._cuda_getCurrentRawStream, self.device.index)
+                            if self.device.type == "cuda" else None)
         # The hot path (compiled kernels, eager): every launch is bound once and replayed (kernels/_launch.py), so
         # what changes per step lives in tensors that keep their storage: found_inf, grad_scale and per-group
         # coefficients are copied into these each step (one small op per step, not per bucket)
@@ -569,6 +581,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._queue_end_of_backward()
         self._grads_this_backward = True
+        if self._raw_stream is not None and not torch.compiler.is_compiling():  # streams, rule 4
+            stream = self._raw_stream()
+            if stream not in self._grad_streams:
+                self._grad_streams[stream] = torch.cuda.current_stream(self.device)
         if self.overlap_comm:  # (keyed by id: Tensor.__hash__ is a Python method, and this runs per parameter)
             key = id(param)
             bucket = self._bucket_by_id[key]
@@ -587,6 +603,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._flush_buckets(self.buckets)  # buckets some of whose parameters got no gradient in this backward
         for b in self.buckets:
             b.ready.clear()
+        if self._grad_streams:  # every gradient they were noted for is in a buffer now
+            self._grad_streams.clear()
         # a backward that reached none of our parameters (torch.autograd.grad through the model's outputs, or a
         # rank whose loss did not use them) launches nothing here; step() launches what is left on every rank
         if self.overlap_comm and not self._no_sync_depth and got_grads:
@@ -604,12 +622,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _flatten_one(self, b: _Bucket, pending: list) -> None:
         """The flatten of ``b``'s ``pending`` gradients by a launch of its own, then their placeholders."""
         grads, offsets = [g for _, g, _ in pending], [off for _, _, off in pending]
+        others = self._wait_for_grad_streams()
         # the unchecked flatten only for gradients of the buffer's device and a source dtype the kernel reads (a
         # model moved or converted after construction goes through the checked launcher, which names the problem)
         if self._hot_path() and self._flattenable(grads):
             _flatten_unchecked(b.grad_buffer.get_data(), grads, offsets, b.has_grads, launches=b.launches)
         else:
             kernels().flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=b.has_grads)
+        self._release_to_grad_streams(others)
         self._place_placeholders(b, pending)
 
     def _flush_buckets(self, buckets) -> None:
@@ -644,9 +664,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             all_grads += grads
             all_offsets += [off + distance for _, _, off in pending]
             flushed.append((b, pending))
+        others = self._wait_for_grad_streams() if jobs else ()
         for accumulate, (grads, offsets) in jobs.items():
             with _trace("tritonshard.kernel.flatten_into"):  # (the launcher's range name, as a profile shows it)
                 _flatten_unchecked(out, grads, offsets, accumulate, launches=self._flush_launches)
+        self._release_to_grad_streams(others)
         for b, pending in flushed:
             self._place_placeholders(b, pending)
 
@@ -693,11 +715,31 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             for p, view in zip(b.params, b.grad_buffer.get_views()):
                 if p.grad is None:
                     view.zero_()  # no gradient this time: contributes zeros
-        if self.device.type == "cuda" and not torch.compiler.is_compiling():
-            stream = torch.cuda.current_stream(self.device)
-            for _, g, _ in pending:  # streams, rule 4
-                g.record_stream(stream)
         return pending
+
+    def _wait_for_grad_streams(self) -> tuple:
+        """Streams, rule 4, before a flatten: the noted streams other than the current one, which the current
+        stream now waits for (their gradients are complete on them); () where there are none (the usual case: one
+        stream for the forward, the backward and the flush)."""
+        streams = self._grad_streams
+        if not streams:
+            return ()
+        current = self._raw_stream()
+        others = tuple(stream for raw, stream in streams.items() if raw != current)
+        if others:
+            flush_stream = torch.cuda.current_stream(self.device)
+            for stream in others:
+                flush_stream.wait_stream(stream)
+        return others
+
+    def _release_to_grad_streams(self, others: tuple) -> None:
+        """Streams, rule 4, after a flatten and before ``param.grad`` lets the gradients go: the streams they belong
+        to wait for the flatten, so the caching allocator's reuse of their memory there comes after it."""
+        if others:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            for stream in others:
+                stream.wait_event(event)
 
     def _place_placeholders(self, b: _Bucket, pending: list) -> None:
         """The second half of a flush, once ``pending`` (from :meth:`_take_pending`) is in the buffer:
