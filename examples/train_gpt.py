@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import json
 import math
 import os
@@ -414,9 +415,13 @@ def main(argv=None):
     if dist.is_initialized():
         # Teardown: while rank 0 saves and plots, the others must not destroy the group under it, and nothing that
         # holds the group (DDP's reducer, the optimizer) may outlive it into interpreter shutdown: 2 of 6 runs of
-        # the HF example's DDP baseline hung there (2026-11-30) before this barrier and del.
+        # the HF example's DDP baseline hung there (2026-11-30) before this barrier and del. ``no_sync`` too: as
+        # DDP's bound method it kept DDP, so its reducer, alive past destroy_process_group(); the reducer was then
+        # the group's last owner, and freeing it at exit joined gloo's worker thread while holding the GIL that
+        # thread waited for (a py-spy stack of a DDP baseline hung at exit, 2026-12-01)
         dist.barrier()
-        del train_model, opt
+        del train_model, opt, no_sync
+        gc.collect()  # (cycles holding the group go now, not at interpreter shutdown)
         dist.destroy_process_group()
 
 
