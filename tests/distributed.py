@@ -8,8 +8,8 @@ The processes are kept between calls, one set per world size (what torch's own `
 starting them cost ~3.8 s for 2 ranks and ~8 s for 4 on the 2-core CI machine (spawn, import torch and
 tritonshard, join gloo, the interpreter's first launches), more than most tests' own work, and the suite made about
 a hundred such calls. Each call starts from what a fresh process would see: the RNGs (torch, random, numpy) reset
-to their state at start-up, ``os.environ`` and the warning filters restored after the call, grad mode on, every
-process group but the default one destroyed, accelerate's singleton state cleared. A call that fails on any rank,
+to their state at start-up, ``os.environ`` and the warning filters restored after the call, grad mode on,
+accelerate's singleton state cleared (process groups a call made stay; see ``_reset_after_call``). A call that fails on any rank,
 or a rank that dies, ends that set of processes (the others may be blocked in a collective with it); the next call
 starts a new one. ``fresh=True`` runs on new processes that end with the call, as every call did before.
 """
@@ -92,10 +92,10 @@ def _reset_after_call(environ: dict) -> None:
     if accelerate_state is not None:  # singletons (as accelerate's own tests reset them between tests)
         accelerate_state.AcceleratorState._reset_state(True)
         accelerate_state.GradientState._reset_state()
-    dist.barrier()  # every rank is done with every group's transfers before any group goes
-    from torch.distributed.distributed_c10d import _world
-    for group in [g for g in _world.pg_map if g is not dist.GroupMember.WORLD]:
-        dist.destroy_process_group(group)
+    # Process groups the call made stay: tritonshard keeps a gloo side group per group it is given, made with
+    # use_local_synchronization=True, whose name is a hash of its ranks; destroying it and making a new one over
+    # the same ranks in a later call reused the old one's rendezvous keys in the store ("Connection refused").
+    # Groups made without local synchronization take their names from a counter that every rank advances alike.
     dist.barrier()
 
 

@@ -12,14 +12,23 @@ from tests.distributed import RankFailed, run_on_ranks
 
 
 def _leave_things_behind(rank, world_size, path):
-    # what a test may change in its processes: the RNG, the environment, warning filters, grad mode, subgroups
+    # what a test may change in its processes: the RNG, the environment, warning filters, grad mode; and a subgroup
+    # with a tritonshard optimizer on it (its gloo side group is made over the same ranks again in the next call)
     first_draw = torch.randn(4)
     torch.save(first_draw, os.path.join(path, f"draw-{rank}.pt"))
     os.environ["TESTS_DISTRIBUTED_LEFTOVER"] = "1"
     warnings.simplefilter("error")
     torch.set_grad_enabled(False)
+    _optimizer_on_a_subgroup(rank, world_size)
+
+
+def _optimizer_on_a_subgroup(rank, world_size):
+    import tritonshard
     group = dist.new_group(list(range(world_size)))
-    dist.all_reduce(torch.ones(1), group=group)
+    params = [torch.nn.Parameter(torch.randn(13))]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-3, process_group=group)
+    params[0].grad = torch.ones(13, dtype=torch.bfloat16)
+    opt.step()  # (its handshakes run on the side group)
 
 
 def _see_a_fresh_process(rank, world_size, path):
@@ -27,11 +36,10 @@ def _see_a_fresh_process(rank, world_size, path):
     assert "TESTS_DISTRIBUTED_LEFTOVER" not in os.environ
     warnings.warn("a warning is not an error here", UserWarning)
     assert torch.is_grad_enabled()
-    from torch.distributed.distributed_c10d import _world
-    assert list(_world.pg_map) == [dist.GroupMember.WORLD], "a subgroup of the last call is still there"
     t = torch.full((1,), float(rank))
     dist.all_reduce(t)
     assert float(t) == sum(range(world_size))
+    _optimizer_on_a_subgroup(rank, world_size)  # a new subgroup over the same ranks, and a new side group
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
