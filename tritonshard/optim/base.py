@@ -1260,16 +1260,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 for b in order:
                     with _trace("tritonshard.all_gather[bucket {}]", b.index):
                         b.ag_work = self._all_gather(b, direct)
-        else:  # with overlap_comm: per bucket, its all-gather right after its update (see above)
+        else:  # with overlap_comm (or one bucket, or torch.compile): the gathers one by one (see above)
             self._next_rounding_seeds()
             merged = set()  # buckets whose param group went in one segmented launch
-            if self._segments is not None and self._segmented_path():
-                for gi, buckets in self._buckets_by_group:
-                    launch = functools.partial(self._launch, group=self.param_groups[gi], grad_scale=grad_scale,
-                                               found_inf=found_inf)
-                    with _trace("tritonshard.update[group {}]", gi):
-                        if self._launch_segmented(buckets, launch, *self._segments):
-                            merged.update(b.index for b in buckets)
+            for gi, buckets in self._buckets_by_group if self._segments is not None and self._segmented_path() else ():
+                with _trace("tritonshard.update[group {}]", gi):
+                    if self._update_merged(buckets, self.param_groups[gi], grad_scale, found_inf):
+                        merged.update(b.index for b in buckets)
             direct = self._direct_collectives and bound
             for i in self._gather_order:
                 b = self.buckets[i]
@@ -1329,12 +1326,17 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _update_buckets(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         """The updates of ``buckets``, all of one param group (without overlap_comm, where nothing waits for a
         single bucket's): one segmented launch where the update rule has one (``_segments``), else one by one."""
-        if self._segments is not None:
-            launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
-            if self._launch_segmented(buckets, launch, *self._segments):
-                return
-        for b in buckets:
-            self._update(b, group, grad_scale, found_inf)
+        if not self._update_merged(buckets, group, grad_scale, found_inf):
+            for b in buckets:
+                self._update(b, group, grad_scale, found_inf)
+
+    def _update_merged(self, buckets: list, group: dict, grad_scale, found_inf: torch.Tensor) -> bool:
+        """The updates of ``buckets`` (one param group) in one segmented launch; False, having launched nothing,
+        where the update rule has no segmented mode (``_segments``) or they cannot go together."""
+        if self._segments is None:
+            return False
+        launch = functools.partial(self._launch, group=group, grad_scale=grad_scale, found_inf=found_inf)
+        return self._launch_segmented(buckets, launch, *self._segments)
 
     def _launch_segmented(self, buckets: list, launch, segments: dict, op: str) -> bool:
         """One segmented launch (kernels/_launch.segmented_spec) for the updates of ``buckets`` (one param group),
