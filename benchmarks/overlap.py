@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from train_gpt import GPT, GPTConfig, get_batch, make_corpus, param_groups, setup_distributed  # noqa: E402
 
 import tritonshard  # noqa: E402
+from tritonshard import comm  # noqa: E402
 
 
 def time_mode(overlap: bool, args, rank: int, device: torch.device) -> list[float]:
@@ -84,7 +85,7 @@ def main(argv=None):
         print(f"world size {world} on {rows[0]['gpu']}: step {plain:.1f} ms without overlap, {overlapped:.1f} ms "
               f"with ({plain / overlapped:.2f}x)")
     if dist.is_initialized():
-        dist.destroy_process_group()
+        comm.destroy_process_group()  # (a collection first: see there)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, numel: int, store_path: str, result_path: str
             with open(result_path, "w") as f:
                 json.dump(row, f)
     finally:
-        dist.destroy_process_group()
+        comm.destroy_process_group()  # (a collection first: see there)
 
 
 def measure(world: int, numel: int) -> dict:

@@ -21,6 +21,7 @@ import time
 import torch
 
 import tritonshard
+from tritonshard import comm
 from tritonshard.comm import local_device
 
 SHAPES = {  # (n_layer, d_model, vocab) of GPT-2-like configs; per layer 12 d^2 + 13 d parameters
@@ -267,7 +268,7 @@ def main(argv=None):
                   flush=True)
         rows += sweep
     if own_group:
-        dist.destroy_process_group()
+        comm.destroy_process_group()  # (a collection first: see there)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"step-{args.model}.json"), "w") as f:
         json.dump(rows, f, indent=1)

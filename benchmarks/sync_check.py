@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import tritonshard
+from tritonshard import comm
 from tritonshard.comm import local_device
 
 CONFIGS: dict[str, Callable] = {
@@ -177,7 +178,7 @@ def main() -> int:
         return _check_all(device)
     finally:
         if owned_group:
-            dist.destroy_process_group()
+            comm.destroy_process_group()  # (a collection first: see there)
 
 
 def _check_all(device: torch.device) -> int:
