@@ -49,9 +49,14 @@ ATTACH = {"ShardedAdamW overlap_comm + attach, bf16 states"}
 TORCH_CLIP = {"ShardedAdamW, torch.nn.utils.clip_grad_norm_"}
 
 
+def _model(device: torch.device) -> torch.nn.Module:
+    """The small model every check trains (odd sizes: no dimension a multiple of a block)."""
+    return torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
+
+
 def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> str:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
+    model = _model(device)
     opt = make(list(model.parameters()))
     if name in ATTACH:
         opt.attach(model)
@@ -127,8 +132,8 @@ def side_stream_check(overlap: bool, device: torch.device) -> str:
     without streams (nothing to race): it keeps the check working between GPU runs."""
     import contextlib
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
-    reference = torch.nn.Sequential(torch.nn.Linear(257, 129), torch.nn.GELU(), torch.nn.Linear(129, 61)).to(device)
+    model = _model(device)
+    reference = _model(device)
     opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, overlap_comm=overlap, bucket_cap_mb=0.05)
     reference = reference.to(torch.bfloat16)
     reference.load_state_dict(model.state_dict())

@@ -9,9 +9,9 @@ starting them cost ~3.8 s for 2 ranks and ~8 s for 4 on the 2-core CI machine (s
 tritonshard, join gloo, the interpreter's first launches), more than most tests' own work, and the suite made about
 a hundred such calls. Each call starts from what a fresh process would see: the RNGs (torch, random, numpy) reset
 to their state at start-up, ``os.environ`` and the warning filters restored after the call, grad mode on,
-accelerate's singleton state cleared (process groups a call made stay; see ``_reset_after_call``). A call that fails on any rank,
-or a rank that dies, ends that set of processes (the others may be blocked in a collective with it); the next call
-starts a new one. ``fresh=True`` runs on new processes that end with the call, as every call did before.
+accelerate's singleton state cleared (process groups a call made stay; see ``_reset_after_call``). A call that
+fails on any rank, or a rank that dies, ends that set of processes (the others may be blocked in a collective with
+it); the next call starts a new one. ``fresh=True`` runs on new processes that end with the call, as every call did before.
 """
 
 from __future__ import annotations
