@@ -9,14 +9,16 @@
 # The stages (budget, in seconds):
 #   1. the COMPILED kernels against the PyTorch references: pytest -n 16 tests/kernels (26 s measured on an H200
 #      with a cold cache, 2026-11-30)                                                                        60
-#   2. optimizer steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host), and
-#      gradients made on a side stream read before their memory is reused (streams, rule 4; issue 20.4)      30
-#   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                40
+#   2. optimizer steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host),
+#      gradients made on a side stream read before their memory is reused (streams, rule 4; issue 20.4), and
+#      cuda_graph=True against eager steps, bit for bit, with real CUDA graphs and NCCL (issue 20.6)          40
+#   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                35
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
-#      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure)                                     50
+#      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and
+#      400 MB                                                                                                50
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP, FSDP2 (bf16
 #      MixedPrecisionPolicy), ShardedAdamW with and without overlap, ShardedMuon, at 85M; AMP and ShardedAdamW
-#      at 302M                                                                                               80
+#      at 302M                                                                                               75
 #   6. one traced training iteration (torch.profiler, host and device timelines) of the example at 302M, with and
 #      without overlap_comm + attach: where the ~27 ms per iteration that overlap cost on the H200 went
 #      (issue 20). The chrome traces are packed; the top ops by host and by device time go to results.md      40
@@ -45,7 +47,7 @@ TESTS=${TESTS:-tests/kernels}
 XDIST=${XDIST-16}
 BENCH_ARGS=${BENCH_ARGS:---sizes 4194304,67108864 --reps 5}
 MODELS=${MODELS:-125M 1B}
-STEP_ARGS=${STEP_ARGS:---reps 5}
+STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400}
 BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
 E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,fsdp2,sharded,sharded-overlap,muon 302M:1:15:amp,sharded,sharded-overlap}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
@@ -54,7 +56,7 @@ PROFILE_ARGS=${PROFILE_ARGS:---n-layer 24 --n-head 16 --n-embd 1024 --block-size
 PROFILE_STEPS=${PROFILE_STEPS:-6}
 PROFILE_MODES=${PROFILE_MODES:-overlap no-overlap}
 STAGES=" ${STAGES:-1 2 3 4 5 6} "
-T1=${T1:-60} T2=${T2:-30} T3=${T3:-40} T4=${T4:-50} T5=${T5:-80} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
+T1=${T1:-60} T2=${T2:-40} T3=${T3:-35} T4=${T4:-50} T5=${T5:-75} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 status=0
 note() { echo "$1" | tee -a "$OUT/results.md"; }

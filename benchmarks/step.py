@@ -69,19 +69,27 @@ def timed_host(fn, device, reps: int) -> tuple[float, float]:
     return statistics.median(host), statistics.median(wall)
 
 
-def bench_bucket_sweep(shapes, device, reps, caps) -> list[dict]:
-    """ShardedAdamW's step at each ``bucket_cap_mb``: host and wall ms, buckets (issue 20's measure)."""
+def bench_bucket_sweep(shapes, device, reps, caps, graph_caps=()) -> list[dict]:
+    """ShardedAdamW's step at each ``bucket_cap_mb``: host and wall ms, buckets (issue 20's measure); at each of
+    ``graph_caps`` also with ``cuda_graph=True`` (CUDA only; the warm-up steps capture, the timed ones replay)."""
     rows = []
-    for cap in caps:
+    runs = [(cap, False) for cap in caps]
+    runs += [(cap, True) for cap in graph_caps if device.type == "cuda"]
+    for cap, graphed in runs:
         reset_peak(device)
         params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-        opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap)
+        opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap, cuda_graph=graphed)
         grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
-        host, wall = timed_host(sharded_step(opt, params, grads), device, reps)
-        rows.append({"impl": f"ShardedAdamW bucket_cap_mb={cap:g}", "bucket_cap_mb": cap, "buckets": len(opt.buckets),
+        step = sharded_step(opt, params, grads)
+        if graphed:
+            step()  # (timed_host warms up once more: the first sight, then the capture, then replays)
+        host, wall = timed_host(step, device, reps)
+        name = f"ShardedAdamW bucket_cap_mb={cap:g}" + (", cuda_graph" if graphed else "")
+        rows.append({"impl": name, "bucket_cap_mb": cap, "cuda_graph": graphed, "buckets": len(opt.buckets),
                      "host_ms": host * 1e3, "wall_ms": wall * 1e3, "step_ms": wall * 1e3,
-                     "host_us_per_bucket": host * 1e6 / len(opt.buckets), "peak_bytes": peak_bytes(device)})
-        del opt, params, grads
+                     "host_us_per_bucket": host * 1e6 / len(opt.buckets), "peak_bytes": peak_bytes(device),
+                     "graph_replays": opt._graphs.replays if graphed else 0})
+        del opt, params, grads, step
     return rows
 
 
@@ -227,6 +235,8 @@ def main(argv=None):
     p.add_argument("--markdown", help="append this model's table to FILE (gpu_check.sh's results.md)")
     p.add_argument("--bucket-caps", type=float, nargs="*", default=[],
                    help="also sweep ShardedAdamW's bucket_cap_mb over these values (host and wall ms per step)")
+    p.add_argument("--graph-caps", type=float, nargs="*", default=[],
+                   help="and at these bucket_cap_mb values with cuda_graph=True (CUDA only)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ours", "torch", "fsdp2", "muon", "torch_muon"],
                    help="implementations to leave out (a GPU check short of time)")
     args = p.parse_args(argv)
@@ -257,9 +267,9 @@ def main(argv=None):
         print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
     sweep = []
-    if args.bucket_caps:
+    if args.bucket_caps or args.graph_caps:
         try:
-            sweep = bench_bucket_sweep(shapes, device, args.reps, args.bucket_caps)
+            sweep = bench_bucket_sweep(shapes, device, args.reps, args.bucket_caps, args.graph_caps)
         except Exception as exc:  # noqa: BLE001 -- the row says why
             sweep = [{"impl": "bucket sweep", "error": f"{type(exc).__name__}: {exc}"}]
         for row in sweep:
@@ -295,9 +305,11 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
     if sweep:
         lines += ["", f"ShardedAdamW, bucket_cap_mb swept ({model}; median; host = until step() returns, wall = "
                   "until the device is done too):", "",
-                  "| bucket_cap_mb | buckets | host ms | wall ms | host us / bucket |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['bucket_cap_mb']:g} | {r['buckets']} | {r['host_ms']:.2f} | {r['wall_ms']:.2f} | "
-                  f"{r['host_us_per_bucket']:.0f} |" for r in sweep]
+                  "| bucket_cap_mb | cuda_graph | buckets | host ms | wall ms | host us / bucket |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['bucket_cap_mb']:g} | {'yes (%d replays)' % r['graph_replays'] if r['cuda_graph'] else 'no'} "
+                  f"| {r['buckets']} | {r['host_ms']:.2f} | {r['wall_ms']:.2f} | {r['host_us_per_bucket']:.0f} |"
+                  for r in sweep]
     return "\n".join(lines) + "\n"
 
 

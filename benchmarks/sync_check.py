@@ -98,6 +98,94 @@ def check(name: str, make: Callable, device: torch.device, steps: int = 3) -> st
            f"{float(norm):.4f}, skipped steps {skipped}"
 
 
+#: cuda_graph=True against the same optimizer without it (graph_check): every update rule that can be captured, the
+#: stochastically rounded states (per-step Philox seeds) and fp16 with its loss scale (updated inside the graph)
+GRAPH_CONFIGS: dict[str, Callable] = {
+    "ShardedAdamW": lambda ps, **kw: tritonshard.ShardedAdamW(ps, lr=1e-3, **kw),
+    "ShardedAdamW bf16 states": lambda ps, **kw: tritonshard.ShardedAdamW(ps, lr=1e-3, state_dtype=torch.bfloat16,
+                                                                          **kw),
+    "ShardedAdamW fp16 + loss scaling": lambda ps, **kw: tritonshard.ShardedAdamW(ps, lr=1e-3,
+                                                                                  param_dtype=torch.float16, **kw),
+    "ShardedSGD momentum": lambda ps, **kw: tritonshard.ShardedSGD(ps, lr=1e-2, momentum=0.9, **kw),
+    "ShardedLion": lambda ps, **kw: tritonshard.ShardedLion(ps, lr=1e-4, **kw),
+}
+#: graph_check's loop, step by step: how the gradients are clipped (opt: opt.clip_grad_norm_, torch:
+#: torch.nn.utils.clip_grad_norm_, none), and what else happens. Each change of what a capture freezes (the clip
+#: mode, a weight decay) runs one step eagerly, captures on the next and replays after
+GRAPH_STEPS = (["opt"] * 4 + ["opt inf"] + ["opt"] * 2 + ["opt wd"] + ["opt"] * 2 + ["torch"] * 3 + ["none"] * 3)
+#: (captures, replays) graph_check's loop makes: the reduction captured at step 1 and replayed after; the update
+#: captured once per key (clip + weight decay 0.01, clip + 0.05, torch's clip, none) and replayed on the rest
+GRAPH_EXPECTED = (1 + 4, (len(GRAPH_STEPS) - 2) + (len(GRAPH_STEPS) - 2 * 4))
+
+
+def graph_check(name: str, make: Callable, device: torch.device, model: Callable = None, width: int = 257,
+                bucket_cap_mb: float = 0.05) -> str:
+    """cuda_graph=True gives the bits of the same optimizer without it (issue 20.6): two runs of the same model,
+    data and seed through GRAPH_STEPS, with a LambdaLR that changes the lr every step (the value the host writes
+    before each replay), a step with inf/NaN gradients (skipped inside the graph), a weight decay changed mid-run
+    (a recapture) and three ways of clipping. Every weight after every step, every norm returned and the final
+    optimizer state must be equal, and the graphs must have been captured and replayed as GRAPH_EXPECTED says.
+    ``model(device)`` (default: the small model every check trains) takes inputs of ``width`` features; its
+    parameters make several buckets of ``bucket_cap_mb`` (the coalesced collectives, the merged launches)."""
+    model_fn = model or _model
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = model_fn(device)
+        decay = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        opt = make([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                   cuda_graph=graphed, bucket_cap_mb=bucket_cap_mb)
+        opt.attach(model)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.5 * s))
+        data = torch.Generator(device=device).manual_seed(1)
+        weights, norms = [], []
+        for what in GRAPH_STEPS:
+            x = torch.randn(16, width, device=device, generator=data)
+            loss = model(x).float().square().mean()
+            if "inf" in what:
+                loss = loss * float("inf")
+            opt.scale_loss(loss).backward()
+            if what.startswith("opt"):
+                norms.append(opt.clip_grad_norm_(0.5))
+            elif what.startswith("torch"):
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            if "wd" in what:
+                opt.param_groups[0]["weight_decay"] = 0.05
+            opt.step()
+            schedule.step()
+            opt.zero_grad()
+            weights.append([p.detach().clone() for p in model.parameters()])
+        state = opt.state_dict()["state"]
+        runs.append((weights, norms, state, opt))
+    (w0, n0, s0, eager), (w1, n1, s1, graphed) = runs
+    for step, (a, b) in enumerate(zip(w0, w1)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                raise AssertionError(f"{name}: after step {step} ({GRAPH_STEPS[step]}), parameter {i} differs with "
+                                     f"cuda_graph=True by up to {float((x.float() - y.float()).abs().max()):.3g}")
+    for step, (x, y) in enumerate(zip(n0, n1)):
+        if not torch.equal(x, y) and not (x.isnan() and y.isnan()):  # (the inf step's norm is NaN in both)
+            raise AssertionError(f"{name}: clip norm {step} differs: {float(x)} eagerly, {float(y)} with graphs")
+    for key in s0:
+        for field, value in s0[key].items():
+            if isinstance(value, torch.Tensor) and not torch.equal(value, s1[key][field]):
+                raise AssertionError(f"{name}: optimizer state {key}.{field} differs with cuda_graph=True")
+    if int(eager.skipped_steps) != 1 or int(graphed.skipped_steps) != 1:
+        raise AssertionError(f"{name}: skipped steps {int(eager.skipped_steps)} eagerly, "
+                             f"{int(graphed.skipped_steps)} with graphs; expected 1 (the inf step)")
+    if eager.reduce_scatters_launched != graphed.reduce_scatters_launched:  # (set by the replays' bookkeeping)
+        raise AssertionError(f"{name}: {graphed.reduce_scatters_launched} reduce-scatters counted with graphs, "
+                             f"{eager.reduce_scatters_launched} eagerly")
+    if len(graphed.buckets) < 3:
+        raise AssertionError(f"{name}: {len(graphed.buckets)} buckets; the check wants several")
+    made = (graphed._graphs.captures, graphed._graphs.replays)
+    if made != GRAPH_EXPECTED:
+        raise AssertionError(f"{name}: (captures, replays) = {made}, expected {GRAPH_EXPECTED}")
+    return f"{name}, cuda_graph=True: {len(GRAPH_STEPS)} steps bit for bit equal to eager ({made[0]} captures, " \
+           f"{made[1]} replays)"
+
+
 def race_reproduces(device: torch.device) -> bool:
     """The control for :func:`side_stream_check`: in the same scenario, a copy of a side-stream tensor enqueued late
     on the default stream, the tensor then freed without any stream action, and a new tensor of its size filled on
@@ -200,6 +288,15 @@ def _check_all(device: torch.device) -> int:
         print("sync_check: side-stream control: an unprotected copy "
               + ("read reused memory (the check below can fail)" if race_reproduces(device)
                  else "did NOT read reused memory: the side-stream check below proves nothing here"), flush=True)
+    for name, make in GRAPH_CONFIGS.items():
+        if device.type != "cuda":  # (tests/optim/test_cuda_graph.py runs it on the CPU with emulated graphs)
+            print(f"sync_check: {name}, cuda_graph=True: needs CUDA, not run", flush=True)
+            continue
+        try:
+            print("sync_check: " + graph_check(name, make, device), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            failed += 1
+            print(f"sync_check: FAILED {name}, cuda_graph=True: {type(exc).__name__}: {exc}", flush=True)
     for overlap in (False, True):
         try:
             print("sync_check: " + side_stream_check(overlap, device), flush=True)

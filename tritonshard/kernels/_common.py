@@ -12,7 +12,7 @@ import torch
 from .rounding import combine_bf16_remainder, split_bf16_remainder, stochastic_cast_to_bf16_ref
 
 __all__ = ["check_scalar", "check_no_tensor", "check_found_inf", "validate_update", "pack_coefficients",
-           "keep_old_where_found_inf", "master_view", "check_rounding", "seed_tensor", "host_seed"]
+           "fill_one_minus_product", "fill_negated", "keep_old_where_found_inf", "master_view", "check_rounding", "seed_tensor", "host_seed"]
 
 
 def check_scalar(name, value, device, lo, lo_inclusive=True, hi=None) -> None:
@@ -95,6 +95,22 @@ def pack_coefficients(parts: list, device: torch.device):
              else torch.full((), p, dtype=torch.float64, device=device) for p in parts]
     return torch.stack(parts).to(torch.float32), None
 
+
+def fill_one_minus_product(out: torch.Tensor, lr, factor: float, scratch: torch.Tensor) -> torch.Tensor:
+    """``out.fill_(1.0 - lr * factor)`` where ``lr`` is a number; where it is a float64 0-d tensor, the same float64
+    product and difference on the device (through ``scratch``, a float64 0-d tensor), rounded to ``out``'s dtype
+    once by the copy: the same bits, and no number for a CUDA graph to freeze."""
+    if isinstance(lr, torch.Tensor):
+        return out.copy_(torch.mul(lr, factor, out=scratch).neg_().add_(1.0))
+    return out.fill_(1.0 - lr * factor)
+
+
+def fill_negated(out: torch.Tensor, lr) -> torch.Tensor:
+    """``out.fill_(-lr)`` where ``lr`` is a number; from a float64 0-d tensor, the same bits (negation is exact,
+    and rounding to ``out``'s dtype commutes with it)."""
+    if isinstance(lr, torch.Tensor):
+        return out.copy_(lr).neg_()
+    return out.fill_(-lr)
 
 def keep_old_where_found_inf(found_inf, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
                              stochastic_seed: int | None = None, states: int = 0) -> None:

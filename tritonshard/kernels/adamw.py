@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_no_tensor, check_rounding, check_scalar, host_seed, keep_old_where_found_inf,
-                      master_view, pack_coefficients, seed_tensor, validate_update)
+from ._common import (check_no_tensor, check_rounding, check_scalar, fill_one_minus_product, host_seed,
+                      keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor, validate_update)
 from ._dispatch import Backend, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
                           stochastic_bits, store_param, store_state, update_mask)
@@ -108,19 +108,22 @@ def adamw_coefficients(lr, step: torch.Tensor, beta1: float, beta2: float, weigh
     return _coefficients(lr, step, beta1, beta2, weight_decay, step.device)[0]
 
 
-def adamw_coefficients_into(out: tuple, scratch: tuple, lr: float, step: torch.Tensor, beta1: float,
+def adamw_coefficients_into(out: tuple, scratch: tuple, lr, step: torch.Tensor, beta1: float,
                             beta2: float, weight_decay: float) -> None:
-    """:func:`adamw_coefficients` for a Python-number ``lr``, written into ``out`` (the three 0-d views of the fp32
-    coefficients tensor) through ``scratch`` (three float64 0-d tensors), allocating nothing: the same float64 ops
-    in place (``1 - x`` as ``-x + 1``, exact alike; ``lr / bc1`` as torch computes a number over a tensor,
-    ``bc1.reciprocal() * lr``), so the same bits. What a step captured in a CUDA graph needs (issue 20.6)."""
+    """:func:`adamw_coefficients` for a Python-number ``lr``, or a float64 0-d device tensor holding it, written into
+    ``out`` (the three 0-d views of the fp32 coefficients tensor) through ``scratch`` (three float64 0-d tensors),
+    allocating nothing: the same float64 ops in place (``1 - x`` as ``-x + 1``, exact alike; ``lr / bc1`` as torch
+    computes a number over a tensor, ``bc1.reciprocal() * lr``), so the same bits either way. What a step captured
+    in a CUDA graph needs (issue 20.6): with the tensor, no op takes the lr as a number, which the graph would
+    freeze."""
     step64, bc1, bc2_sqrt = scratch
     step64.copy_(step)
     torch.pow(beta1, step64, out=bc1).neg_().add_(1.0)
     torch.pow(beta2, step64, out=bc2_sqrt).neg_().add_(1.0).sqrt_()
-    out[0].fill_(1.0 - lr * weight_decay)
+    fill_one_minus_product(out[0], lr, weight_decay, step64)  # (step64 is free again)
     out[1].copy_(bc1.reciprocal_().mul_(lr))
     out[2].copy_(bc2_sqrt)
+
 
 
 def _check_coefficients(coefficients, device) -> None:

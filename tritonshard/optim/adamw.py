@@ -100,7 +100,8 @@ def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
             return out.copy_(coef)
         views, scratch = opt._persistent_tensor(("adamw views", gi), lambda: (
             tuple(out.unbind()), tuple(torch.empty((), dtype=torch.float64, device=opt.device) for _ in range(3))))
-        adamw_coefficients_into(views, scratch, float(lr), bucket.step, beta1, beta2, group["weight_decay"])
+        adamw_coefficients_into(views, scratch, opt._lr_source(group, gi), bucket.step, beta1, beta2,
+                                group["weight_decay"])
         return out
     coefficients = opt._once_per_step(("adamw", gi), coefficients_now)
     param, param_out, remainders = bucket.update_target()

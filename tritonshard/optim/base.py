@@ -38,7 +38,9 @@ bucket is gathered in one coalesced all-gather call. With it, what the overlap n
 not: each bucket's flatten and reduce-scatter as backward completes it, its all-gather in the next forward's order;
 the norm pass and the updates are the same launches as without it.
 After the first steps a step allocates no device memory (but the norm it returns to the user) and copies nothing
-from the host: every per-step value lives in a tensor made once, written in place.
+from the host: every per-step value lives in a tensor made once, written in place. So with ``cuda_graph=True`` the
+device work of a step's two phases (:meth:`ShardedOptimizer._reduce_phase`, :meth:`ShardedOptimizer._update_phase`)
+is captured once and replayed, the host-side checks, handshakes and the lr written around them (``graphs.py``).
 
 The grad shard keeps the SUM over ranks after the reduce-scatter: the average is applied in fp32 inside the update,
 so a gradient is rounded to bf16 once (by the flatten, plus the reduction's own adds) and never again.
@@ -86,6 +88,7 @@ are left out entirely: they keep their storage and dtype and are never updated.
 from __future__ import annotations
 
 import ast
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -106,6 +109,7 @@ from ..kernels._dispatch import compiled_path, interpreter_enabled
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
 from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partials_launch_spec,
                              partials_multi_launch_spec, shared_sum_sq_workspace)
+from . import graphs as _graphs
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
@@ -201,6 +205,11 @@ def kernels():
 
 
 _NO_TRACE = contextlib.nullcontext()
+
+
+def _nothing() -> None:
+    """What a replay of step()'s update phase leaves to set on the host: nothing (its all-gathers are waited for
+    inside it)."""
 _FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
@@ -253,6 +262,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         check_collectives: shake hands before every collective entry point (:class:`tritonshard.comm.EntryCheck`),
             so ranks in different calls get a CollectiveMismatchError instead of a hang. Costs two 16-byte gloo
             all-gathers per step with more than one rank; False saves them (every rank must pass the same).
+        cuda_graph: capture a steady step's device work in CUDA graphs and replay them (see
+            :mod:`tritonshard.optim.graphs`: what is captured, what stays eager, when a step is not captured).
+            Needs CUDA parameters, the compiled kernels, NCCL with more than one rank, ``overlap_comm=False``,
+            ``ordered_reduce=False``, no replica group, and an update rule with a single-launch form (ShardedAdamW,
+            ShardedSGD, ShardedLion). Same results bit for bit; the host time of a step drops to the handshakes,
+            the checks and two graph launches.
     """
 
     _state_names: tuple[str, ...] = ()
@@ -268,7 +283,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
                  loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False,
                  state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic",
-                 ordered_reduce: bool = False, check_collectives: bool = True):
+                 ordered_reduce: bool = False, check_collectives: bool = True, cuda_graph: bool = False):
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
@@ -311,7 +326,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             "optimizer": type(self).__name__, "overlap_comm": bool(overlap_comm), "grad_dtype": str(grad_dtype),
             "param_dtype": str(param_dtype), "ordered_reduce": bool(ordered_reduce), "state_dtype": str(state_dtype),
             "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None and loss_scale is not False,
-            "check_collectives": bool(check_collectives),
+            "check_collectives": bool(check_collectives), "cuda_graph": bool(cuda_graph),
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"])})
@@ -461,6 +476,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
         self._norm_launches: dict = {}
         self._finalize_spec = None  # its finalize, bound on the hot path
+        self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
+        # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
+        # group's lr tensor was written for this step before the phase that reads it
+        self._graphs = self._make_graphs(cuda_graph)
+        self._lr_filled = False
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
         self._param_list = [p for b in self.buckets for p in b.params]
@@ -496,6 +516,33 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
                        align, self.process_group, self._group_state_names(group), self.store_param_remainders,
                        self.state_dtype, self.state_rounding, seed, owners=self._group_owners(group, params))
+
+    def _make_graphs(self, cuda_graph) -> Optional[_graphs.StepGraphs]:
+        """The StepGraphs of ``cuda_graph=True`` (None when off), once every option it needs is checked."""
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
+        if not cuda_graph:
+            return None
+        backend = (dist.get_backend(self.process_group) if self._direct_collectives and self.world_size > 1
+                   else None)
+        reason = _graphs.unsupported(self.device, backend) or self._uncapturable_options()
+        if reason is not None:
+            raise ValueError(f"cuda_graph=True: {reason}")
+        return _graphs.StepGraphs(self.device, self)
+
+    def _uncapturable_options(self) -> Optional[str]:
+        """Why this optimizer's options keep its step out of a CUDA graph, or None."""
+        if self.overlap_comm:
+            return ("overlap_comm=True launches each bucket's reduce-scatter from the backward hooks, outside step(), "
+                    "and waits for the all-gathers in the next forward; use overlap_comm=False")
+        if self.ordered_reduce:
+            return "ordered_reduce=True is not supported with it"
+        if self.replica_group is not None:
+            return "hybrid sharding (replica_group / a 2-D device_mesh) is not supported with it"
+        if self._segments is None:
+            return (f"{type(self).__name__}'s update has no single-launch form to capture (ShardedAdamW, ShardedSGD "
+                    "and ShardedLion have one)")
+        return None
 
     # per-group hooks (one kind of group per optimizer unless a subclass says otherwise)
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
@@ -702,14 +749,14 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             raise RuntimeError(
                 f"the gradient of {self._param_names[sparse]} is {sparse.grad.layout}: tritonshard flattens dense "
                 "gradients only (e.g. build nn.Embedding with sparse=False)")
+        if self._reduced is not None:  # (first: without overlap_comm, the reduce-scatters ran in clip_grad_norm_)
+            raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
+                               "call step() (or zero_grad()) first")
         if b.rs_launched:
             raise RuntimeError(
                 f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
                 "overlap_comm=True, run every backward of an accumulation but the last inside opt.no_sync() (with "
                 "a reentrant activation checkpoint, also call opt.attach(model))")
-        if self._reduced is not None:
-            raise RuntimeError("gradients arrived after clip_grad_norm_() reduced them and before step(); "
-                               "call step() (or zero_grad()) first")
         self._after_last_step_readers()
         if not b.has_grads and len(pending) < len(b.params):
             for p, view in zip(b.params, b.grad_buffer.get_views()):
@@ -804,7 +851,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _launch_coalesced(self) -> None:
         """Every bucket's reduce-scatter in one collective call (``_coalesce``), sharing one work handle."""
-        self._entry("reduce")
+        self._enter_reduce()
         for b in self.buckets:
             self._zero_if_no_grads(b)
         order = [self.buckets[i] for i in self._launch_order]
@@ -832,7 +879,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                and self.buckets[self._launch_order[self._next_launch]].launch_wanted):
             b = self.buckets[self._launch_order[self._next_launch]]
             if self._next_launch == 0:
-                self._entry("reduce")
+                self._enter_reduce()
             if direct is None:
                 direct = self._direct_collectives and not self._ordered and self._hot_path()
             self._zero_if_no_grads(b)
@@ -880,6 +927,21 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self.sync_from_model()
         if not torch.compiler.is_compiling():  # (a compiled step takes the gradients its backward flushed)
             self._flush_buckets(self.buckets)  # gradients set by hand, without a backward
+        if self._graphs is not None and not torch.compiler.is_compiling():
+            # cuda_graph=True: what runs on the host stays out of the graph (the handshake, a buffer that got no
+            # gradient zeroed), the rest is captured once and replayed (graphs.py)
+            self._enter_reduce()
+            for b in self.buckets:
+                self._zero_if_no_grads(b)
+            self._graphs.run("reduce", True, self._reduce_phase, self._after_reduce_replay)
+        else:
+            self._reduce_phase()
+        self._reduced = self._reduced_bufs
+        return self._reduced
+
+    def _reduce_phase(self) -> None:
+        """The device work of :meth:`_reduce_grads`: every bucket's reduce-scatter, the norm pass, its finalize, the
+        all-reduce of the totals, and the fp32 ``(sum_sq, found_inf)`` in ``_reduced_bufs``."""
         self._launch_all()
         self._adopt_observed_order()
         if not self._consume_all_reduced():
@@ -899,8 +961,21 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         sum_sq, found_inf = self._reduced_bufs
         sum_sq.copy_(totals[0])
         found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
-        self._reduced = (sum_sq, found_inf)
-        return self._reduced
+
+    def _after_reduce_replay(self) -> None:
+        """The host state :meth:`_reduce_phase` leaves, set after a replay of its graph: every bucket launched and
+        waited for (the checks of a late or cleared gradient read it)."""
+        for b in self.buckets:
+            b.launch_wanted = b.rs_launched = True
+        self.reduce_scatters_launched += len(self.buckets)
+        self._next_launch = len(self.buckets)
+
+    def _enter_reduce(self) -> None:
+        """The "reduce" handshake (comm.EntryCheck), once per step: at the first reduce-scatter launch, or before a
+        captured reduction, whose replay runs no Python."""
+        if not self._reduce_entered:
+            self._reduce_entered = True
+            self._entry("reduce")
 
     def _consume_all_reduced(self) -> bool:
         """:meth:`_consume_reduced` for every bucket, the norm passes in one launch (each grad shard's partials into
@@ -998,6 +1073,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                         p.grad = None
                 b.placed.clear()
         self._next_launch = 0
+        self._reduce_entered = self._lr_filled = False
         self._reduced, self._clip_coef = None, None
         self._step_cache.clear()
         self._grad_multipliers.clear()
@@ -1204,9 +1280,46 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
         if amp_scale is not None or amp_found_inf is not None:
             self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
+        self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
+        multiplier = self._common_multiplier()
+        # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
+        # their weights and state must come out of the flat update unchanged
+        frozen = self._frozen_since_build()
+        self._entry("step")
+        self._prepared_state = None
+        compiling = torch.compiler.is_compiling()
+        if self._graphs is not None and not compiling:
+            # cuda_graph=True: the phase's key names what a capture freezes (None: this step runs eagerly); the
+            # values the host sets are written first, into the tensors the captured ops read
+            key = self._update_graph_key(amp_scale, amp_found_inf, multiplier, frozen)
+            if key is not None:
+                self._write_lrs()
+                if multiplier is not None:
+                    multiplier = self._persistent_tensor(
+                        ("multiplier", multiplier.dtype), lambda: torch.empty((), dtype=multiplier.dtype,
+                                                                              device=self.device)).copy_(multiplier)
+            self._graphs.run("update", key, functools.partial(
+                self._update_phase, found_inf, amp_scale, amp_found_inf, multiplier, frozen), _nothing)
+        else:
+            self._update_phase(found_inf, amp_scale, amp_found_inf, multiplier, frozen)
+        if self.device.type == "cuda" and not compiling:  # streams, rule 3 (after the last reader of the shards)
+            self._grads_consumed_event = torch.cuda.Event()
+            self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
+        if self._scale is not None and self._overflows_at_min_host is not None and not compiling:
+            # to the host without a sync: the next step() reads it if the copy has landed by then
+            self._overflows_at_min_host.copy_(self._overflows_at_min, non_blocking=True)
+            self._overflows_at_min_event = torch.cuda.Event()
+            self._overflows_at_min_event.record(torch.cuda.current_stream(self.device))
+        self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
+        if not self._state_exposed and not torch.compiler.is_compiling():
+            self._expose_state()
+        return loss
+
+    def _update_phase(self, found_inf: torch.Tensor, amp_scale, amp_found_inf, multiplier, frozen: list) -> None:
+        """The device work of :meth:`step` after the reduction: ``grad_scale``, the step counters, the updates, the
+        all-gathers (waited for here unless the next forward waits), the skip bookkeeping and the loss scale."""
         if amp_found_inf is not None:  # (the flag of the step, not the reduction's: _found_inf_buf, below)
             found_inf = torch.maximum(found_inf, (amp_found_inf > 0).to(found_inf.dtype))
-        self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no rounding)
         # (each factor a tensor op into _grad_scale_buf, in place, in the order and with the ops of
         # coef * average / scale * multiplier / amp_scale; a plain number while there is no tensor factor)
@@ -1215,7 +1328,6 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             grad_scale = torch.mul(self._clip_coef, grad_scale, out=self._grad_scale_buf)
         if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
             grad_scale = _scale_in_place(grad_scale, self._scale, self._grad_scale_buf, torch.div)
-        multiplier = self._common_multiplier()
         if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
             grad_scale = _scale_in_place(grad_scale, multiplier, self._grad_scale_buf, torch.mul)
         if amp_scale is not None:  # GradScaler.step without unscale_(): the gradients are still scaled
@@ -1223,17 +1335,12 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         bound = self._hot_path()
         # the bound (or segmented) update launches read found_inf and grad_scale from these tensors (__init__)
         found_inf = self._found_inf_buf.copy_(found_inf)
-        # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
-        # their weights and state must come out of the flat update unchanged
-        frozen = self._frozen_since_build()
         kept = self._snapshot_pieces(frozen) if frozen else {}
         # The updates (one segmented launch per param group where the rule has one), then the all-gathers. With
         # overlap_comm, one gather per bucket in the order the next forward needs the buckets (the first module's
         # first): on NCCL one group's collectives run in issue order, so the gather of the embedding's bucket must
         # not queue behind every other bucket's; a bucket updated on its own is gathered right after its update.
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
-        self._entry("step")
-        self._prepared_state = None
         not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
         for step in self._group_steps.values():  # skipped steps do not count
             step.add_(not_skipped)
@@ -1276,9 +1383,6 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                 self._restore_pieces(kept.get(i, ()))
                 with _trace("tritonshard.all_gather[bucket {}]", b.index):
                     b.ag_work = self._all_gather(b, direct)
-        if self.device.type == "cuda" and not torch.compiler.is_compiling():  # streams, rule 3
-            self._grads_consumed_event = torch.cuda.Event()
-            self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
         self.skipped_steps.add_(self._found_long_buf.copy_(found_inf))
         torch.gt(found_inf, 0, out=self.last_step_skipped)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
@@ -1290,17 +1394,50 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             self._scale.clamp_(min=cfg.min_scale)
             # where(pinned, count + 1, 0) = (count + 1) * pinned
             self._overflows_at_min.add_(1).mul_(pinned)
-            if self._overflows_at_min_host is not None and not torch.compiler.is_compiling():
-                # to the host without a sync: the next step() reads it if the copy has landed by then
-                self._overflows_at_min_host.copy_(self._overflows_at_min, non_blocking=True)
-                self._overflows_at_min_event = torch.cuda.Event()
-                self._overflows_at_min_event.record(torch.cuda.current_stream(self.device))
         if not self._defer_gathers:
             self.wait_for_params()  # nobody would wait before the next forward
-        self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
-        if not self._state_exposed and not torch.compiler.is_compiling():
-            self._expose_state()
-        return loss
+
+    #: param-group entries a captured update does not freeze: the lr is read from its device tensor
+    _NOT_FROZEN = frozenset(("params", "lr", "param_names"))
+
+    def _update_graph_key(self, amp_scale, amp_found_inf, multiplier, frozen: list):
+        """What a capture of :meth:`_update_phase` freezes, hashable: whether the loop clipped, the dtype of the
+        multiplier torch code folded in, every trained group's hyper-parameters but the lr. None where this step
+        must run eagerly: GradScaler's values (new tensors every step), parameters frozen since construction (their
+        pieces are saved and restored around the update), a multiplier that is not a 0-d tensor on our device, an lr
+        given as a tensor, or a hyper-parameter that is a tensor or unhashable."""
+        if amp_scale is not None or amp_found_inf is not None or frozen:
+            return None
+        if multiplier is not None and not (isinstance(multiplier, torch.Tensor) and multiplier.dim() == 0
+                                           and multiplier.device == self.device):
+            return None
+        groups = []
+        for gi, group in self._trained_groups:
+            items = []
+            for name, value in group.items():
+                if name in self._NOT_FROZEN:
+                    continue
+                if isinstance(value, torch.Tensor) or not isinstance(value, collections.abc.Hashable):
+                    return None
+                items.append((name, value))
+            if isinstance(group["lr"], torch.Tensor):
+                return None
+            groups.append((gi, tuple(sorted(items, key=lambda item: item[0]))))
+        return (self._clip_coef is not None, None if multiplier is None else multiplier.dtype, tuple(groups))
+
+    def _write_lrs(self) -> None:
+        """Every trained group's lr into its float64 device tensor (:meth:`_lr_tensor`), before a captured phase
+        that reads them: the one value of a step the host sets (a scheduler changes it every step)."""
+        for gi, group in self._trained_groups:
+            self._lr_tensor(group, gi)
+        self._lr_filled = True
+
+    def _lr_source(self, group: dict, group_index: int):
+        """The lr an update's coefficients are computed from: the number, or where :meth:`_write_lrs` wrote them for
+        this step (cuda_graph), the group's float64 device tensor, so a captured phase reads this step's value."""
+        if self._lr_filled:
+            return self._lr_tensor(group, group_index)
+        return float(group["lr"])
 
     def _next_rounding_seeds(self) -> None:
         """A fresh Philox key per step for every bucket with stochastically rounded state (see _make_bucket): one op
@@ -1418,6 +1555,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         were kept by the dict's id)."""
         t = self._persistent_tensor(("lr", group_index),
                                     lambda: torch.empty((), dtype=torch.float64, device=self.device))
+        if self._lr_filled:  # written for this step already, outside a captured phase (_write_lrs)
+            return t
         return t.fill_(float(group["lr"]))
 
     def _once_per_step(self, key, compute):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import _launch
+from ..kernels._common import fill_negated, fill_one_minus_product
 from ..kernels.lion import SEGMENTS as LION_SEGMENTS
 from ..kernels.lion import launch_spec as lion_launch_spec
 from ..kernels.sgd import SEGMENTS as SGD_SEGMENTS
@@ -61,9 +62,9 @@ class ShardedSGD(ShardedOptimizer):
             return None, checked_launch
         # the lr a scheduler sets reaches the kernel through one tensor per group that keeps its storage ([-lr],
         # fp32: the bits the checked launcher computes from the same lr), so the bound launch stays valid
-        coef = self._once_per_step(("sgd", bucket.group_index), lambda: self._persistent_tensor(
-            ("sgd", bucket.group_index), lambda: torch.empty(1, dtype=torch.float32, device=self.device)
-        ).fill_(-float(group["lr"])))
+        coef = self._once_per_step(("sgd", bucket.group_index), lambda: fill_negated(self._persistent_tensor(
+            ("sgd", bucket.group_index), lambda: torch.empty(1, dtype=torch.float32, device=self.device)),
+            self._lr_source(group, bucket.group_index)))
         spec = sgd_launch_spec(param, grad, momentum_buffer, coef, None, bucket.step, grad_scale, found_inf,
                                param_out, _seed(state_kwargs), group["momentum"], group["dampening"],
                                group["weight_decay"], group["nesterov"], group["maximize"], remainders)
@@ -107,13 +108,15 @@ class ShardedLion(ShardedOptimizer):
                                  remainders=remainders, **state_kwargs)
         if not persistent:
             return None, checked_launch
-        lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+        gi = bucket.group_index
 
         def coefficients():  # [1 - lr*wd, -lr]: float64 math, rounded to fp32 once, as the checked launcher does
-            coef = self._persistent_tensor(("lion", bucket.group_index),
-                                           lambda: torch.empty(2, dtype=torch.float32, device=self.device))
-            coef[0].fill_(1.0 - lr * weight_decay)
-            coef[1].fill_(-lr)
+            coef, scratch = self._persistent_tensor(("lion", gi), lambda: (
+                torch.empty(2, dtype=torch.float32, device=self.device),
+                torch.empty((), dtype=torch.float64, device=self.device)))
+            lr = self._lr_source(group, gi)
+            fill_one_minus_product(coef[0], lr, float(group["weight_decay"]), scratch)
+            fill_negated(coef[1], lr)
             return coef
         coef = self._once_per_step(("lion", bucket.group_index), coefficients)
         spec = lion_launch_spec(param, grad, exp_avg, coef, None, grad_scale, found_inf, param_out,

@@ -1,0 +1,135 @@
+"""``cuda_graph=True`` (issue 20.6): the step's two phases captured once and replayed.
+
+On the CPU the graphs are emulated (tests/optim/graph_emulation.py): each "replay" runs the phase again and must
+make the same ops and launches, with the same tensors and numbers, as its capture, and the optimizer's host state
+is put back after it, as after a real replay. The scenario is ``benchmarks.sync_check.graph_check``, which the GPU
+check runs with real CUDA graphs (stage 2): the same bits as without graphs through an lr that changes every step, a
+skipped step, a recapture and three ways of clipping, with the captures and replays counted."""
+
+import pytest
+import torch
+
+import tritonshard
+from benchmarks import sync_check
+from tritonshard.optim import ShardedOptimizer, graphs
+
+from ..distributed import run_on_ranks
+from . import graph_emulation
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    graph_emulation.install(monkeypatch)
+
+
+def _small(device):  # odd sizes; 4 buckets of at most 0.005 MiB
+    return torch.nn.Sequential(torch.nn.Linear(37, 211), torch.nn.GELU(), torch.nn.Linear(211, 13)).to(device)
+
+
+def _check(name):
+    return sync_check.graph_check(name, sync_check.GRAPH_CONFIGS[name], torch.device("cpu"), model=_small, width=37,
+                                   bucket_cap_mb=0.005)
+
+
+@pytest.mark.parametrize("name", list(sync_check.GRAPH_CONFIGS))
+def test_graphed_steps_give_the_eager_bits(emulated, name):
+    assert "bit for bit" in _check(name)
+
+
+def test_a_number_a_graph_would_freeze_fails_the_emulated_replay(emulated, monkeypatch):
+    """The check can fail: with the lr handed to the coefficients as a number (a fill_ with this step's value, which
+    a real graph would replay with the captured step's), the first replay after the lr moved raises."""
+    monkeypatch.setattr(ShardedOptimizer, "_lr_source", lambda self, group, gi: float(group["lr"]))
+    with pytest.raises(AssertionError, match="replay op .* differently from its capture"):
+        _check("ShardedAdamW")
+
+
+def test_a_late_gradient_after_a_replayed_reduction_raises(emulated):
+    """After a replayed reduction the host knows the gradients were reduced (_after_reduce_replay): a gradient
+    arriving before step() raises as it does eagerly, instead of being left out of the update."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, cuda_graph=True)
+    for step in range(3):
+        model(torch.randn(2, 5).bfloat16()).sum().backward()
+        opt.clip_grad_norm_(1.0)
+        if step == 2:
+            assert opt._graphs.replays == 1  # the reduction was replayed
+            with pytest.raises(RuntimeError, match="gradients arrived after clip_grad_norm_"):
+                model(torch.randn(2, 5).bfloat16()).sum().backward()
+            break
+        opt.step()
+        opt.zero_grad()
+
+
+def test_graphed_steps_at_two_ranks_give_the_eager_bits():
+    """Two gloo ranks (the collectives inside the emulated phases run for real), against the same run without
+    graphs: every weight after every step."""
+    run_on_ranks(_two_ranks, 2)
+
+
+def _two_ranks(rank, world_size):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        graph_emulation.install(monkeypatch)
+        runs = []
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 5))
+            opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0002, cuda_graph=graphed)
+            opt.attach(model)
+            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            data = torch.Generator().manual_seed(10 + rank)  # each rank its own data: the reduction matters
+            weights = []
+            for _ in range(5):
+                model(torch.randn(4, 13, generator=data)).float().square().mean().backward()
+                opt.clip_grad_norm_(0.1)
+                opt.step()
+                schedule.step()
+                opt.zero_grad()
+                weights.append([p.detach().clone() for p in model.parameters()])
+            runs.append((weights, opt))
+        (eager, _), (graphed, opt) = runs
+        assert len(opt.buckets) > 1
+        for a, b in zip(eager, graphed):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        assert (opt._graphs.captures, opt._graphs.replays) == (2, 6)  # steps 0 eager, 1 capture, 2-4 replay
+
+
+def test_options_a_graph_cannot_capture_are_refused_by_name(emulated):
+    params = lambda: torch.nn.Linear(4, 3).parameters()  # noqa: E731
+    with pytest.raises(ValueError, match="cuda_graph=True: overlap_comm=True"):
+        tritonshard.ShardedAdamW(params(), cuda_graph=True, overlap_comm=True)
+    with pytest.raises(ValueError, match="cuda_graph=True: ordered_reduce=True"):
+        tritonshard.ShardedAdamW(params(), cuda_graph=True, ordered_reduce=True)
+    with pytest.raises(ValueError, match="cuda_graph=True: ShardedMuon's update"):
+        tritonshard.ShardedMuon(torch.nn.Linear(4, 3, bias=False).parameters(), cuda_graph=True)
+    with pytest.raises(TypeError, match="cuda_graph must be a bool"):
+        tritonshard.ShardedAdamW(params(), cuda_graph=1)
+
+
+def test_a_cpu_model_gets_a_clear_error():
+    with pytest.raises(ValueError, match="cuda_graph=True: the parameters must be on a CUDA device"):
+        tritonshard.ShardedAdamW(torch.nn.Linear(4, 3).parameters(), cuda_graph=True)
+    assert graphs.unsupported(torch.device("cpu"), None) is not None
+
+
+def test_steps_the_graph_cannot_freeze_run_eagerly(emulated):
+    """A parameter frozen after construction (its pieces are saved and put back around the update, on the host):
+    those steps are never captured (key None), and still give the eager bits."""
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+        opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, cuda_graph=graphed)
+        opt.attach(model)
+        for step in range(4):
+            model[0].weight.requires_grad_(step < 2)  # frozen from step 2 on: its pieces kept around the update
+            model(torch.randn(3, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], opt))
+    (a, _), (b, opt) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # the reduction was captured (step 1) and replayed; the update: steps 0 and 1 captured as usual, 2-3 eager
+    assert opt._graphs.captures == 2
