@@ -10,6 +10,7 @@ Every configuration trains ``examples/train_gpt.py`` on the same model, data, se
 * ``fsdp2``: ``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)``, fused AdamW;
 * ``sharded``: ``ShardedAdamW`` without ``overlap_comm``; ``sharded-overlap``: with ``overlap_comm`` + ``attach``;
+  ``sharded-graph`` (GPU only, not in the default set): without ``overlap_comm``, with ``cuda_graph=True``;
 * ``muon``: ``ShardedMuon`` (Muon on the blocks' matrices, AdamW on the rest; overlap on, the example's default);
 * ``torch`` (not in the default set): fp32 weights and compute, DDP, ``torch.optim.AdamW``.
 
@@ -40,6 +41,7 @@ CONFIGS = {
     "fsdp2": ["--optimizer", "fsdp2"],
     "sharded": ["--optimizer", "tritonshard", "--no-overlap"],
     "sharded-overlap": ["--optimizer", "tritonshard", "--overlap"],
+    "sharded-graph": ["--optimizer", "tritonshard", "--no-overlap", "--cuda-graph"],
     "muon": ["--optimizer", "muon"],
     "torch": ["--optimizer", "torch"],
 }

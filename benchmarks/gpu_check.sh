@@ -18,7 +18,7 @@
 #      400 MB                                                                                                50
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP, FSDP2 (bf16
 #      MixedPrecisionPolicy), ShardedAdamW with and without overlap, ShardedMuon, at 85M; AMP and ShardedAdamW
-#      at 302M                                                                                               75
+#      (also with cuda_graph=True) at 302M                                                                   75
 #   6. one traced training iteration (torch.profiler, host and device timelines) of the example at 302M, with and
 #      without overlap_comm + attach: where the ~27 ms per iteration that overlap cost on the H200 went
 #      (issue 20). The chrome traces are packed; the top ops by host and by device time go to results.md      40
@@ -49,7 +49,7 @@ BENCH_ARGS=${BENCH_ARGS:---sizes 4194304,67108864 --reps 5}
 MODELS=${MODELS:-125M 1B}
 STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400}
 BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
-E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,fsdp2,sharded,sharded-overlap,muon 302M:1:15:amp,sharded,sharded-overlap}
+E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,fsdp2,sharded,sharded-overlap,muon 302M:1:15:amp,sharded,sharded-overlap,sharded-graph}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 PROFILE_ARGS=${PROFILE_ARGS:---n-layer 24 --n-head 16 --n-embd 1024 --block-size 256 --batch-size 16 --grad-accum 2}

@@ -210,6 +210,8 @@ def parse_args(argv=None):
                    help="rounding of bf16 optimizer states")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap reduce-scatters with backward and all-gathers with the next forward")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="--optimizer tritonshard: capture the step in CUDA graphs (needs a GPU and --no-overlap)")
     p.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--no-save", action="store_true", help="write no checkpoints at all (benchmark runs)")
     p.add_argument("--out-dir", default="runs/gpt")
@@ -286,7 +288,7 @@ def main(argv=None):
         opt = tritonshard.ShardedAdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                        bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
                                        state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
-                                       state_rounding=args.state_rounding)
+                                       state_rounding=args.state_rounding, cuda_graph=args.cuda_graph)
     elif args.optimizer == "muon":
         opt = tritonshard.ShardedMuon(muon_param_groups(model, args), lr=args.muon_lr, weight_decay=args.weight_decay,
                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,

@@ -205,12 +205,12 @@ def kernels():
 
 
 _NO_TRACE = contextlib.nullcontext()
+_FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
 def _nothing() -> None:
     """What a replay of step()'s update phase leaves to set on the host: nothing (its all-gathers are waited for
     inside it)."""
-_FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
 def _trace(label: str, *args):
