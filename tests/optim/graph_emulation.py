@@ -124,8 +124,10 @@ class EmulatedGraph:
         self.replays += 1
         for i, (captured, now) in enumerate(zip(self.trace, recorder.trace)):
             if captured != now:
+                context = "\n".join(f"  {j}: {op[0]}" for j, op in enumerate(self.trace[max(0, i - 8):i + 2],
+                                                                                 max(0, i - 8)))
                 raise AssertionError(f"a CUDA graph would replay op {i} differently from its capture: captured "
-                                     f"{captured}, this step runs {now}")
+                                     f"{captured}, this step runs {now}; the captured ops before it:\n{context}")
         if len(self.trace) != len(recorder.trace):
             raise AssertionError(f"a CUDA graph replays {len(self.trace)} ops; this step runs {len(recorder.trace)}")
 

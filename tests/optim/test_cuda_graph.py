@@ -133,3 +133,31 @@ def test_steps_the_graph_cannot_freeze_run_eagerly(emulated):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     # the reduction was captured (step 1) and replayed; the update: steps 0 and 1 captured as usual, 2-3 eager
     assert opt._graphs.captures == 2
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.00002])
+def test_keys_that_alternate_are_each_captured_on_their_second_sight(emulated, bucket_cap_mb):
+    """A loop that clips every other step has two keys, neither seen twice in a row: each is captured the second
+    time it comes and replayed after, with the eager bits. With several buckets the merged update launch has a
+    variant per key (grad_scale a tensor or a number): each capture must keep replaying its own variant's tables
+    (the emulated replay fails on a table rebuilt at another address)."""
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+        opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=bucket_cap_mb,
+                                       cuda_graph=graphed)
+        opt.attach(model)
+        for step in range(8):
+            model(torch.randn(3, 6)).square().sum().backward()
+            if step % 2 == 0:
+                opt.clip_grad_norm_(0.01)
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], opt))
+    (a, _), (b, opt) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert (len(opt.buckets) > 2) == (bucket_cap_mb < 1)
+    # reduce: step 0 eager, 1 captured, 2-7 replayed; update: steps 0 and 1 eager (first sights), 2 and 3 captured,
+    # 4-7 replayed
+    assert (opt._graphs.captures, opt._graphs.replays) == (3, 6 + 4)

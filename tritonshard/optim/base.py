@@ -471,7 +471,6 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         self._rounding_seeds = [b.sr_seed for b in self.buckets if b.sr_seed is not None]  # (kept, written in place)
         self._merge_updates = len(self.buckets) > 1
         self._segmented: dict = {}
-        self._segmented_launches: dict = {}
         self._flush_launches: dict = {}  # the flatten launches of _flush_buckets (several buckets' gradients)
         self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
         self._norm_launches: dict = {}
@@ -1480,20 +1479,25 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         where ``launch(bucket)`` gives a bucket's (spec, checked launch). False when they cannot go together (the
         caller then updates bucket by bucket): one bucket, no segmented path here, or launches that do not merge.
 
-        The merged launch is built once and kept while the first bucket's spec stays the same (the other buckets'
-        tensors never change, and everything else their launches take is the first one's: the group's scalars
-        and coefficients, grad_scale, found_inf), so a step builds one spec and compares it, whatever the number
-        of buckets. A new merged launch (new betas, a grad_scale that became a tensor) first goes through every
-        bucket's checked launcher, which validates and launches, as a new bound launch does. ``op``: the kernel's
-        launcher, whose name the launch's profiler range carries (``tritonshard.kernel.<op>``, as the launcher's)."""
+        The merged launch is built once per variant of the first bucket's spec and kept (the other buckets' tensors
+        never change, and everything else their launches take is the first one's: the group's scalars and
+        coefficients, grad_scale, found_inf), so a step builds one spec and compares it, whatever the number of
+        buckets. A new variant (new betas, a grad_scale that became a tensor) first goes through every bucket's
+        checked launcher, which validates and launches, as a new bound launch does. The last
+        ``_SEGMENTED_VARIANTS`` variants are kept, each with its tables and its bound launch: a loop that clips
+        every other step switches between two, and a CUDA graph captured with one replays that one's tables
+        (:meth:`_graph_references` keeps them alive while the graph lives). ``op``: the kernel's launcher, whose
+        name the launch's profiler range carries (``tritonshard.kernel.<op>``, as the launcher's)."""
         if len(buckets) < 2 or not self._segmented_path():
             return False
         first, _ = launch(buckets[0])
-        key = buckets[0].index
-        kept = self._segmented.get(key)
-        if kept is None or not _same_spec(kept[0], first):
+        variants = self._segmented.setdefault(buckets[0].index, [])  # [(first spec, merged spec, its launches)]
+        kept = next((v for v in variants if _same_spec(v[0], first)), None)
+        if kept is None:
             specs = [first] + [launch(b)[0] for b in buckets[1:]]
-            kept = self._segmented[key] = (first, _launch.segmented_spec(specs, block=first[3]["BLOCK"], **segments))
+            kept = (first, _launch.segmented_spec(specs, block=first[3]["BLOCK"], **segments), {})
+            variants.insert(0, kept)
+            del variants[self._SEGMENTED_VARIANTS:]
         if kept[1] is None:
             return False
 
@@ -1501,8 +1505,18 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             for b in buckets:
                 launch(b)[1]()
         with _trace("tritonshard.kernel.{}", op):
-            _launch.launch(self._segmented_launches, key, kept[1], checked_launches)
+            _launch.launch(kept[2], "merged", kept[1], checked_launches)
         return True
+
+    #: merged launches kept per param group (see _launch_segmented)
+    _SEGMENTED_VARIANTS = 4
+
+    def _graph_references(self) -> list:
+        """What a captured phase's kernels read through pointers the host made for them, beyond the buffers and
+        per-step tensors this optimizer keeps for its lifetime: the merged launches' tables (a variant evicted
+        from ``_segmented`` would free its tables under a graph that replays them). StepGraphs holds these with the
+        graph."""
+        return [variant for variants in self._segmented.values() for variant in variants]
 
     def _check_loss_scale_floor(self) -> None:
         """Raise when the last steps all overflowed with the loss scale at its floor (LossScaleConfig). On a GPU the
@@ -1538,8 +1552,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
 
     def _persistent_args(self) -> bool:
         """Whether the update launches take their per-step values from tensors that keep their storage (found_inf,
-        grad_scale, coefficients, the lr): so that a bound or segmented launch stays valid from step to step."""
-        return self._hot_path() or self._segmented_path()
+        grad_scale, coefficients, the lr): so that a bound or segmented launch, or a captured phase, stays valid
+        from step to step."""
+        return self._hot_path() or self._segmented_path() or self._graphs is not None
 
     def _persistent_tensor(self, key, make):
         """A tensor made once and kept (a bound launch's per-step input, rewritten in place every step)."""

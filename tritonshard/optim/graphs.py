@@ -16,9 +16,9 @@ param group's lr is written into its float64 device tensor before the replay (a 
 a graph would freeze a ``fill_`` with the number). Every other hyper-parameter (betas, eps, weight decay,
 momentum...) is a kernel argument the graph freezes: it is part of the graph's key, with whether the loop clipped
 and the dtype of a multiplier torch code folded in (``torch.nn.utils.clip_grad_norm_``, copied into a buffer
-before the replay). A key is captured the second step in a row it is seen (the first warms up: launches bound,
-NCCL connected), and replayed from then on; a step with another key runs eagerly, so a hyper-parameter that moves
-every step (OneCycleLR's momentum cycling) gives eager steps, never a stale value. The steps that are never
+before the replay). A key is captured the second time it is seen (the first warms up: launches bound, NCCL
+connected), and replayed from then on; a step with a key seen for the first time runs eagerly, so a
+hyper-parameter that moves every step (OneCycleLR's momentum cycling) gives eager steps, never a stale value. The steps that are never
 captured: ``torch.amp.GradScaler`` with ``loss_scale=False``, parameters frozen after construction, an lr given
 as a tensor.
 
@@ -43,6 +43,9 @@ __all__ = ["StepGraphs", "CudaGraph", "unsupported"]
 
 #: at most this many captured keys per phase; the oldest goes first
 MAX_GRAPHS_PER_PHASE = 4
+#: keys seen once and not captured yet, remembered at most this many (a hyper-parameter that moves every step
+#: makes a new key every step)
+MAX_SEEN = 64
 
 
 class CudaGraph:
@@ -85,7 +88,7 @@ class StepGraphs:
     def __init__(self, device: torch.device, owner):
         self.device, self.owner = device, owner
         self._graphs: dict = {}
-        self._last_key: dict = {}
+        self._seen: dict = {}  # (phase, key) seen once, oldest first
         #: phases captured and replayed so far (observable: tests and benchmarks check the graphs are used)
         self.captures = 0
         self.replays = 0
@@ -100,20 +103,20 @@ class StepGraphs:
             after_replay()
             self.replays += 1
             return
-        if key is None or self._last_key.get(phase) != key:  # a first sight: run eagerly, capture next time
-            self._last_key[phase] = key
+        if key is None or (phase, key) not in self._seen:  # a first sight: run eagerly, capture the next one
+            if key is not None:
+                self._seen[(phase, key)] = True
+                if len(self._seen) > MAX_SEEN:
+                    del self._seen[next(iter(self._seen))]
             body()
             return
+        del self._seen[(phase, key)]
         kept = [k for k in self._graphs if k[0] == phase]
         if len(kept) >= MAX_GRAPHS_PER_PHASE:
             del self._graphs[kept[0]]
         graph = make_graph(body, self.device, self.owner)  # body's host effects happen here, its device work at the replay
+        graph.references = self.owner._graph_references()  # what it reads that the owner might drop later
         self._graphs[(phase, key)] = graph
         self.captures += 1
         if not graph.executes_on_capture:
             graph.replay()
-
-    def clear(self) -> None:
-        """Forget every capture (the buffers they froze were replaced)."""
-        self._graphs.clear()
-        self._last_key.clear()
