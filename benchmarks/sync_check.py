@@ -15,10 +15,16 @@ which keeps this script from rotting between GPU runs; only a CUDA run proves an
 It also checks the streams' rule 4 (optim/base.py): gradients made on a side stream and flushed on another one are
 read before their memory is reused (:func:`side_stream_check`, with and without overlap_comm), after a control that
 shows the scenario catches an unprotected read on this machine (:func:`race_reproduces`).
+
+And ``cuda_graph=True`` (:func:`graph_check`, CUDA only here): real CUDA graphs and NCCL against eager steps, bit
+for bit, through a changing lr, a skipped step, a recapture and three ways of clipping, with the captures and
+replays counted and the last replayed steps under the sync detector. tests/optim/test_cuda_graph.py runs the same
+function on the CPU with emulated graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
@@ -110,12 +116,28 @@ GRAPH_CONFIGS: dict[str, Callable] = {
     "ShardedLion": lambda ps, **kw: tritonshard.ShardedLion(ps, lr=1e-4, **kw),
 }
 #: graph_check's loop, step by step: how the gradients are clipped (opt: opt.clip_grad_norm_, torch:
-#: torch.nn.utils.clip_grad_norm_, none), and what else happens. Each change of what a capture freezes (the clip
-#: mode, a weight decay) runs one step eagerly, captures on the next and replays after
-GRAPH_STEPS = (["opt"] * 4 + ["opt inf"] + ["opt"] * 2 + ["opt wd"] + ["opt"] * 2 + ["torch"] * 3 + ["none"] * 3)
+#: torch.nn.utils.clip_grad_norm_, none), and what else happens ("sync": on CUDA, under
+#: torch.cuda.set_sync_debug_mode("error"): replayed steps never wait on the host either). Each change of what a
+#: capture freezes (the clip mode, a weight decay) runs one step eagerly, captures on the next and replays after
+GRAPH_STEPS = (["opt"] * 4 + ["opt inf"] + ["opt"] * 2 + ["opt wd"] + ["opt"] * 2 + ["torch"] * 3 + ["none"] * 3
+               + ["none sync"] * 2)
 #: (captures, replays) graph_check's loop makes: the reduction captured at step 1 and replayed after; the update
 #: captured once per key (clip + weight decay 0.01, clip + 0.05, torch's clip, none) and replayed on the rest
 GRAPH_EXPECTED = (1 + 4, (len(GRAPH_STEPS) - 2) + (len(GRAPH_STEPS) - 2 * 4))
+
+
+@contextlib.contextmanager
+def _sync_detector(active: bool):
+    """Inside, on CUDA when ``active``, a synchronizing CUDA call raises."""
+    if not active:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def graph_check(name: str, make: Callable, device: torch.device, model: Callable = None, width: int = 257,
@@ -142,19 +164,20 @@ def graph_check(name: str, make: Callable, device: torch.device, model: Callable
         weights, norms = [], []
         for what in GRAPH_STEPS:
             x = torch.randn(16, width, device=device, generator=data)
-            loss = model(x).float().square().mean()
-            if "inf" in what:
-                loss = loss * float("inf")
-            opt.scale_loss(loss).backward()
-            if what.startswith("opt"):
-                norms.append(opt.clip_grad_norm_(0.5))
-            elif what.startswith("torch"):
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
-            if "wd" in what:
-                opt.param_groups[0]["weight_decay"] = 0.05
-            opt.step()
-            schedule.step()
-            opt.zero_grad()
+            with _sync_detector("sync" in what and device.type == "cuda"):
+                loss = model(x).float().square().mean()
+                if "inf" in what:
+                    loss = loss * float("inf")
+                opt.scale_loss(loss).backward()
+                if what.startswith("opt"):
+                    norms.append(opt.clip_grad_norm_(0.5))
+                elif what.startswith("torch"):
+                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+                if "wd" in what:
+                    opt.param_groups[0]["weight_decay"] = 0.05
+                opt.step()
+                schedule.step()
+                opt.zero_grad()
             weights.append([p.detach().clone() for p in model.parameters()])
         state = opt.state_dict()["state"]
         runs.append((weights, norms, state, opt))
@@ -218,7 +241,6 @@ def side_stream_check(overlap: bool, device: torch.device) -> str:
     buffer holds 1e4s. With overlap_comm the flush runs in the hook on the side stream itself. The grad buffer
     must hold the gradients a separate copy of the model gets on the default stream. On CPU the same steps run
     without streams (nothing to race): it keeps the check working between GPU runs."""
-    import contextlib
     torch.manual_seed(0)
     model = _model(device)
     reference = _model(device)
