@@ -161,3 +161,22 @@ def test_keys_that_alternate_are_each_captured_on_their_second_sight(emulated, b
     # reduce: step 0 eager, 1 captured, 2-7 replayed; update: steps 0 and 1 eager (first sights), 2 and 3 captured,
     # 4-7 replayed
     assert (opt._graphs.captures, opt._graphs.replays) == (3, 6 + 4)
+
+
+def test_what_the_key_freezes(emulated):
+    """The update's key: the hyper-parameters but the lr, a list counting as its tuple (so betas given as a list are
+    captured too); None, an eager step, for an lr or a hyper-parameter given as a tensor."""
+    model = torch.nn.Linear(4, 3)
+    opt = tritonshard.ShardedAdamW([{"params": [model.weight], "betas": [0.9, 0.95]}, {"params": [model.bias]}],
+                                   lr=1e-3, cuda_graph=True)
+    key = opt._update_graph_key(None, None, None, [])
+    assert key is not None and ("betas", (0.9, 0.95)) in key[2][0][1]
+    opt.param_groups[1]["lr"] = 5e-4  # the lr is not frozen: the same key
+    assert opt._update_graph_key(None, None, None, []) == key
+    opt.param_groups[1]["eps"] = 1e-6
+    assert opt._update_graph_key(None, None, None, []) != key
+    opt.param_groups[1]["lr"] = torch.tensor(5e-4)
+    assert opt._update_graph_key(None, None, None, []) is None
+    opt.param_groups[1]["lr"] = 5e-4
+    opt.param_groups[0]["betas"] = (torch.tensor(0.9), 0.95)
+    assert opt._update_graph_key(None, None, None, []) is None

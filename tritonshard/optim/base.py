@@ -1404,7 +1404,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         multiplier torch code folded in, every trained group's hyper-parameters but the lr. None where this step
         must run eagerly: GradScaler's values (new tensors every step), parameters frozen since construction (their
         pieces are saved and restored around the update), a multiplier that is not a 0-d tensor on our device, an lr
-        given as a tensor, or a hyper-parameter that is a tensor or unhashable."""
+        given as a tensor, or a hyper-parameter that is a tensor or unhashable (a list, e.g. ``betas=[0.9, 0.95]``,
+        counts as the tuple of its items)."""
         if amp_scale is not None or amp_found_inf is not None or frozen:
             return None
         if multiplier is not None and not (isinstance(multiplier, torch.Tensor) and multiplier.dim() == 0
@@ -1416,7 +1417,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             for name, value in group.items():
                 if name in self._NOT_FROZEN:
                     continue
-                if isinstance(value, torch.Tensor) or not isinstance(value, collections.abc.Hashable):
+                if isinstance(value, list):
+                    value = tuple(value)
+                if (isinstance(value, torch.Tensor) or not isinstance(value, collections.abc.Hashable)
+                        or (isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value))):
                     return None
                 items.append((name, value))
             if isinstance(group["lr"], torch.Tensor):
