@@ -12,7 +12,8 @@ import torch
 from .rounding import combine_bf16_remainder, split_bf16_remainder, stochastic_cast_to_bf16_ref
 
 __all__ = ["check_scalar", "check_no_tensor", "check_found_inf", "validate_update", "pack_coefficients",
-           "fill_one_minus_product", "fill_negated", "keep_old_where_found_inf", "master_view", "check_rounding", "seed_tensor", "host_seed"]
+           "fill_one_minus_product", "fill_negated", "keep_old_where_found_inf", "master_view", "check_rounding",
+           "seed_tensor", "host_seed"]
 
 
 def check_scalar(name, value, device, lo, lo_inclusive=True, hi=None) -> None:

@@ -18,9 +18,9 @@ momentum...) is a kernel argument the graph freezes: it is part of the graph's k
 and the dtype of a multiplier torch code folded in (``torch.nn.utils.clip_grad_norm_``, copied into a buffer
 before the replay). A key is captured the second time it is seen (the first warms up: launches bound, NCCL
 connected), and replayed from then on; a step with a key seen for the first time runs eagerly, so a
-hyper-parameter that moves every step (OneCycleLR's momentum cycling) gives eager steps, never a stale value. The steps that are never
-captured: ``torch.amp.GradScaler`` with ``loss_scale=False``, parameters frozen after construction, an lr given
-as a tensor.
+hyper-parameter that moves every step (OneCycleLR's momentum cycling) gives eager steps, never a stale value. The
+steps that are never captured: ``torch.amp.GradScaler``'s (with ``loss_scale=False``), those with parameters
+frozen after construction, an lr given as a tensor.
 
 Why it can be captured at all: after the first steps a step allocates no device memory and copies nothing from
 the host (``tests/optim/test_steady_state.py``), every launch takes the same tensors, and nothing in it waits on
@@ -114,7 +114,8 @@ class StepGraphs:
         kept = [k for k in self._graphs if k[0] == phase]
         if len(kept) >= MAX_GRAPHS_PER_PHASE:
             del self._graphs[kept[0]]
-        graph = make_graph(body, self.device, self.owner)  # body's host effects happen here, its device work at the replay
+        # the body's host effects happen here, its device work at the replay
+        graph = make_graph(body, self.device, self.owner)
         graph.references = self.owner._graph_references()  # what it reads that the owner might drop later
         self._graphs[(phase, key)] = graph
         self.captures += 1
