@@ -22,7 +22,7 @@ def emulated(monkeypatch):
     graph_emulation.install(monkeypatch)
 
 
-def _small(device):  # odd sizes; 4 buckets of at most 0.005 MiB
+def _small(device):  # odd sizes; at bucket_cap_mb=0.005, 3 buckets (2 in the weights' group)
     return torch.nn.Sequential(torch.nn.Linear(37, 211), torch.nn.GELU(), torch.nn.Linear(211, 13)).to(device)
 
 
@@ -45,8 +45,9 @@ def test_a_number_a_graph_would_freeze_fails_the_emulated_replay(emulated, monke
 
 
 def test_a_late_gradient_after_a_replayed_reduction_raises(emulated):
-    """After a replayed reduction the host knows the gradients were reduced (_after_reduce_replay): a gradient
-    arriving before step() raises as it does eagerly, instead of being left out of the update."""
+    """After a replayed reduction the host knows the gradients were reduced (``_reduced`` is set outside the graph,
+    the buckets' flags by _after_reduce_replay): a gradient arriving before step() raises as it does eagerly,
+    instead of being left out of the update."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, cuda_graph=True)

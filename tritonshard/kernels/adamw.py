@@ -125,7 +125,6 @@ def adamw_coefficients_into(out: tuple, scratch: tuple, lr, step: torch.Tensor, 
     out[2].copy_(bc2_sqrt)
 
 
-
 def _check_coefficients(coefficients, device) -> None:
     if coefficients is None:
         return
