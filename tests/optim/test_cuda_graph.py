@@ -215,3 +215,12 @@ def test_a_checkpoint_loaded_mid_run_keeps_the_captures_valid(emulated):
     for a, b in zip(eager, graphed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert opt._graphs.replays == 2 * 6  # steps 2-7 replayed both phases, after the load too
+
+
+def test_the_torch_api_the_real_capture_calls_exists():
+    """graphs.CudaGraph runs only on a GPU: what it calls must exist with these arguments in this torch (2.13), as
+    in the GPU machine's 2.11 (torch.cuda.graph has taken capture_error_mode since 2.1)."""
+    import inspect
+    assert "capture_error_mode" in inspect.signature(torch.cuda.graph).parameters
+    assert callable(getattr(torch.cuda.CUDAGraph, "replay", None))
+    assert graphs.make_graph is graphs.CudaGraph  # (the emulation is the tests' only, through their fixture)
