@@ -76,21 +76,29 @@ def bench_bucket_sweep(shapes, device, reps, caps, graph_caps=()) -> list[dict]:
     runs = [(cap, False) for cap in caps]
     runs += [(cap, True) for cap in graph_caps if device.type == "cuda"]
     for cap, graphed in runs:
-        reset_peak(device)
-        params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
-        opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap, cuda_graph=graphed)
-        grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
-        step = sharded_step(opt, params, grads)
-        if graphed:
-            step()  # (timed_host warms up once more: the first sight, then the capture, then replays)
-        host, wall = timed_host(step, device, reps)
         name = f"ShardedAdamW bucket_cap_mb={cap:g}" + (", cuda_graph" if graphed else "")
-        rows.append({"impl": name, "bucket_cap_mb": cap, "cuda_graph": graphed, "buckets": len(opt.buckets),
-                     "host_ms": host * 1e3, "wall_ms": wall * 1e3, "step_ms": wall * 1e3,
-                     "host_us_per_bucket": host * 1e6 / len(opt.buckets), "peak_bytes": peak_bytes(device),
-                     "graph_replays": opt._graphs.replays if graphed else 0})
-        del opt, params, grads, step
+        try:
+            rows.append(_sweep_row(shapes, device, reps, cap, graphed, name))
+        except Exception as exc:  # noqa: BLE001 -- a graph that fails to capture must not cost the other rows
+            if not graphed:
+                raise
+            rows.append({"impl": name, "error": f"{type(exc).__name__}: {exc}"})
     return rows
+
+
+def _sweep_row(shapes, device, reps, cap, graphed, name) -> dict:
+    reset_peak(device)
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap, cuda_graph=graphed)
+    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+    step = sharded_step(opt, params, grads)
+    if graphed:
+        step()  # (timed_host warms up once more: the first sight, then the capture, then replays)
+    host, wall = timed_host(step, device, reps)
+    return {"impl": name, "bucket_cap_mb": cap, "cuda_graph": graphed, "buckets": len(opt.buckets),
+            "host_ms": host * 1e3, "wall_ms": wall * 1e3, "step_ms": wall * 1e3,
+            "host_us_per_bucket": host * 1e6 / len(opt.buckets), "peak_bytes": peak_bytes(device),
+            "graph_replays": opt._graphs.replays if graphed else 0}
 
 
 def peak_bytes(device) -> int:
