@@ -69,17 +69,23 @@ def test_graphed_steps_at_two_ranks_give_the_eager_bits():
     run_on_ranks(_two_ranks, 2)
 
 
+def _trainer(graphed: bool, sizes: tuple, bucket_cap_mb: float, gamma: float, data_seed: int):
+    """A two-layer model from seed 0, its attached ShardedAdamW (lr 1e-2) and a StepLR, and a data generator."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.Linear(sizes[1], sizes[2]))
+    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=bucket_cap_mb, cuda_graph=graphed)
+    opt.attach(model)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
+    return model, opt, schedule, torch.Generator().manual_seed(data_seed)
+
+
 def _two_ranks(rank, world_size):
     with pytest.MonkeyPatch.context() as monkeypatch:
         graph_emulation.install(monkeypatch)
         runs = []
         for graphed in (False, True):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 5))
-            opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0002, cuda_graph=graphed)
-            opt.attach(model)
-            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
-            data = torch.Generator().manual_seed(10 + rank)  # each rank its own data: the reduction matters
+            # each rank its own data: the reduction matters
+            model, opt, schedule, data = _trainer(graphed, (13, 7, 5), 0.0002, 0.7, 10 + rank)
             weights = []
             for _ in range(5):
                 model(torch.randn(4, 13, generator=data)).float().square().mean().backward()
@@ -190,12 +196,7 @@ def test_a_checkpoint_loaded_mid_run_keeps_the_captures_valid(emulated):
     import copy
     runs = []
     for graphed in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.Linear(7, 3))
-        opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0001, cuda_graph=graphed)
-        opt.attach(model)
-        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
-        data = torch.Generator().manual_seed(3)
+        model, opt, schedule, data = _trainer(graphed, (9, 7, 3), 0.0001, 0.8, 3)
         weights, saved = [], None
         for step in range(8):
             model(torch.randn(4, 9, generator=data)).square().mean().backward()
