@@ -80,28 +80,30 @@ class _Recorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+_CONTAINERS = (dict, list, set)  # (exactly these types: their contents are restored in place)
+
+
 def _host_state(objects: list) -> list:
-    """Each object's attributes, containers copied one level (their contents are restored in place)."""
-    saved = []
-    for obj in objects:
-        attrs = {}
-        for name, value in vars(obj).items():
-            kept = dict(value) if type(value) is dict else list(value) if type(value) is list else \
-                set(value) if type(value) is set else None
-            attrs[name] = (value, kept)
-        saved.append((obj, attrs))
-    return saved
+    """Each object's attributes, the plain containers among them copied one level."""
+    return [(obj, {name: (value, type(value)(value) if type(value) in _CONTAINERS else None)
+                   for name, value in vars(obj).items()}) for obj in objects]
 
 
 def _restore(saved: list) -> None:
+    """Put back what :func:`_host_state` saved: the attributes, and each container's contents in place (other
+    objects may hold the same container)."""
     for obj, attrs in saved:
         for name in [n for n in vars(obj) if n not in attrs]:
             delattr(obj, name)
         for name, (value, kept) in attrs.items():
             setattr(obj, name, value)
-            if kept is not None:
-                value.clear()
-                value.update(kept) if isinstance(value, (dict, set)) else value.extend(kept)
+            if kept is None:
+                continue
+            value.clear()
+            if isinstance(value, list):
+                value.extend(kept)
+            else:
+                value.update(kept)
 
 
 class EmulatedGraph:
