@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import gc
 import json
 import math
 import os
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tritonshard
-from tritonshard.comm import local_device
+from tritonshard.comm import destroy_process_group, local_device
 from tritonshard.checkpoint import latest_checkpoint, load_sharded, save_checkpoint
 
 
@@ -423,8 +422,7 @@ def main(argv=None):
         # thread waited for (a py-spy stack of a DDP baseline hung at exit, 2026-12-01)
         dist.barrier()
         del train_model, opt, no_sync
-        gc.collect()  # (cycles holding the group go now, not at interpreter shutdown)
-        dist.destroy_process_group()
+        destroy_process_group()  # (tritonshard's: cycles holding the group are collected first, not at shutdown)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
 import json
 import os
 import sys
@@ -37,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import VOCAB, fmt_bytes, get_batch, make_corpus, make_progress, plot_losses  # noqa: E402
 
 import tritonshard  # noqa: E402
-from tritonshard.comm import local_device  # noqa: E402
+from tritonshard.comm import destroy_process_group, local_device  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -150,8 +149,7 @@ def main(argv=None):
         # thread waited for (a py-spy stack of a DDP baseline hung at exit, 2026-12-01)
         dist.barrier()
         del train_model, opt, sched, no_sync
-        gc.collect()  # (cycles holding the group go now, not at interpreter shutdown)
-        dist.destroy_process_group()
+        destroy_process_group()  # (tritonshard's: cycles holding the group are collected first, not at shutdown)
 
 
 if __name__ == "__main__":

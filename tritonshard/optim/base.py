@@ -527,7 +527,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         reason = _graphs.unsupported(self.device, backend) or self._uncapturable_options()
         if reason is not None:
             raise ValueError(f"cuda_graph=True: {reason}")
-        return _graphs.StepGraphs(self.device, self)
+        return _graphs.StepGraphs(self)
 
     def _uncapturable_options(self) -> Optional[str]:
         """Why this optimizer's options keep its step out of a CUDA graph, or None."""

@@ -85,8 +85,8 @@ make_graph: Callable = CudaGraph
 class StepGraphs:
     """The captured phases of one optimizer's step, by (phase, key)."""
 
-    def __init__(self, device: torch.device, owner):
-        self.device, self.owner = device, owner
+    def __init__(self, owner):
+        self.owner = owner  # the optimizer (its device, and what its graphs must keep alive)
         self._graphs: dict = {}
         self._seen: dict = {}  # (phase, key) seen once, oldest first
         #: phases captured and replayed so far (observable: tests and benchmarks check the graphs are used)
@@ -115,7 +115,7 @@ class StepGraphs:
         if len(kept) >= MAX_GRAPHS_PER_PHASE:
             del self._graphs[kept[0]]
         # the body's host effects happen here, its device work at the replay
-        graph = make_graph(body, self.device, self.owner)
+        graph = make_graph(body, self.owner.device, self.owner)
         graph.references = self.owner._graph_references()  # what it reads that the owner might drop later
         self._graphs[(phase, key)] = graph
         self.captures += 1
