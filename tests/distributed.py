@@ -38,6 +38,8 @@ class RankFailed(AssertionError):
 def _start(rank: int, world_size: int, store_path: str):
     os.environ["OMP_NUM_THREADS"] = "1"  # 2 cores shared by up to 4 ranks
     torch.set_num_threads(1)
+    from tests import interpreter_speed
+    interpreter_speed.install()  # as in the test process (tests/conftest.py)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return store
