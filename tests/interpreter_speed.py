@@ -43,8 +43,12 @@ def install() -> bool:
         return False
     original = _original = interpreter._patch_lang
 
+    langs_of: dict = {}  # a function's language modules, by the function (its globals' modules do not change)
+
     def _patch_lang(fn):
-        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
         active = getattr(_state, "langs", None)
         if active is None:  # a launch (GridExecutor.__call__), which restores the scope when it ends
             scope = original(fn)
