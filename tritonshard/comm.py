@@ -247,23 +247,27 @@ class EntryCheck:
     entry is this one, so entries always meet entries, and when the ranks are in different ones every rank
     raises :class:`CollectiveMismatchError` naming each rank's call, as soon as the others reach any entry.
 
-    Cost: one all-gather of 16 bytes per rank on CPU per entry (two per training step: the reduction and the
-    step), no device sync; nothing at world size 1.
+    Cost: one all-gather of 24 bytes per rank on CPU per entry (two per training step: the reduction and the
+    step), no device sync; nothing at world size 1. The third number is a flag any entry may raise (step() raises
+    it when a parameter got no gradient on this rank: :meth:`intersect` then finds those that got none anywhere).
     """
 
     def __init__(self, groups: list):
         """``groups``: (process group, size) pairs; those of size 1 need no handshake."""
         self._groups = [_side_group(g, n) for g, n in groups if n > 1] if is_initialized() else []
+        #: whether there is anyone to shake hands with (more than one rank, checks on)
+        self.active = bool(self._groups)
 
-    def __call__(self, entry: str) -> None:
-        """Handshake for ``entry`` (a key of :data:`ENTRIES`)."""
+    def __call__(self, entry: str, flag: bool = False) -> bool:
+        """Handshake for ``entry`` (a key of :data:`ENTRIES`). ``flag`` travels with it: returns whether any rank
+        raised it (``flag`` itself where there is no handshake: one rank, or inside torch.compile)."""
         if not self._groups or torch.compiler.is_compiling():
-            return
+            return flag
         code = _code(entry)
-        for side in self._groups:
-            side.seq += 1
-            mine = torch.tensor([code, side.seq], dtype=torch.int64)
-            everyone = torch.empty(2 * side.size, dtype=torch.int64)
+        for side in self._groups:  # (the flag of the first group's ranks travels on in the second: every rank ends
+            side.seq += 1           # with the OR over the whole grid)
+            mine = torch.tensor([code, side.seq, int(flag)], dtype=torch.int64)
+            everyone = torch.empty(3 * side.size, dtype=torch.int64)
             work = all_gather_single(everyone, mine, group=side.group, async_op=True)
             if entry in _COLD and WARN_AFTER_S > 0:
                 try:
@@ -276,12 +280,13 @@ class EntryCheck:
                         "every rank), this waits until the process group's timeout", dist.get_rank(), WARN_AFTER_S,
                         ENTRIES[entry])
             work.wait()
-            rows = everyone.view(side.size, 2).tolist()
-            if all(r == rows[0] for r in rows):
+            rows = everyone.view(side.size, 3).tolist()
+            if all(r[:2] == rows[0][:2] for r in rows):
+                flag = any(r[2] for r in rows)
                 continue
             side.seq = max(r[1] for r in rows)  # (the group is unusable for training anyway; keep it consistent)
             calls = "; ".join(f"rank {r}: {_DESCRIBE.get(c, 'another tritonshard version')} (its entry {n})"
-                              for r, (c, n) in enumerate(rows))
+                              for r, (c, n, _) in enumerate(rows))
             raise CollectiveMismatchError(
                 f"tritonshard: the ranks are in different collective calls ({calls}). Every rank must make the same "
                 "tritonshard calls in the same order: the gradient reduction (backward with overlap_comm, "
@@ -289,3 +294,15 @@ class EntryCheck:
                 "state_dict(), load_state_dict() and checkpoint saves and loads are collectives. A framework that "
                 "saves the optimizer on one rank only (the Hugging Face Trainer) must have every rank call "
                 "opt.prepare_state_dict() first (tritonshard.integrations.hf.ShardedOptimizerCallback does it)")
+        return flag
+
+    def intersect(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` (a 1-D bool CPU tensor, the same length on every rank) AND-ed over every rank: over the first
+        group, then that over the second, so over the whole grid. Only after a handshake whose flag was raised
+        (every rank then calls it)."""
+        for side in self._groups:
+            mine = mask.to(torch.uint8)
+            everyone = torch.empty(side.size * mine.numel(), dtype=torch.uint8)
+            all_gather_single(everyone, mine, group=side.group)
+            mask = everyone.view(side.size, -1).all(dim=0)
+        return mask

@@ -5,8 +5,8 @@ rank (identical weights), gradients accumulated by autograd in bf16 over the mic
 bf16 in rank order (what reduce-scatter(SUM) computes) and multiplied by 1/d in fp32 (the optimizer applies the
 average inside the update, with no further bf16 rounding), then
 torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW(foreach=False) on an fp32 master copy, and the bf16 weights
-re-derived from the master. A parameter whose grad is None gets a zero gradient (tritonshard's documented
-semantics; torch.optim would skip it).
+re-derived from the master. A parameter whose grad is None on every rank and micro-batch keeps None, and
+torch.optim skips it, as step() does (one with a gradient on some ranks only gets zeros on the others: DDP's sum).
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ class Reference:
         bf16_params = self._bf16_params()
         total = None
         dt = self.grad_dtype
+        got = [False] * len(bf16_params)  # a gradient on some rank
         for rank in range(self.world_size):
             acc = [torch.zeros_like(q, dtype=dt) for q in bf16_params]
             for micro in range(MICRO_BATCHES):
@@ -163,11 +164,11 @@ class Reference:
                 for i, q in enumerate(bf16_params):  # each backward's grad added into the accumulator, rounded
                     if q.grad is not None:
                         acc[i] = (acc[i].float() + q.grad.float()).to(dt)
-                        q.grad = None
+                        q.grad, got[i] = None, True
             total = acc if total is None else [(a.float() + b.float()).to(dt) for a, b in zip(total, acc)]
         avg = [g.float() * (1.0 / self.world_size) for g in total]
-        for p, g in zip(self.master, avg):
-            p.grad = g / self.loss_scale
+        for p, g, has in zip(self.master, avg, got):
+            p.grad = g / self.loss_scale if has else None
         norm = torch.nn.utils.clip_grad_norm_(self.master, MAX_NORM)
         self.opt.step()
         self.sched.step()

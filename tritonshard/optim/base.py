@@ -260,8 +260,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             correctly rounded add): this changes nothing there.
         align: view alignment inside buckets, in elements (see :data:`tritonshard.buffer.DEFAULT_ALIGN`).
         check_collectives: shake hands before every collective entry point (:class:`tritonshard.comm.EntryCheck`),
-            so ranks in different calls get a CollectiveMismatchError instead of a hang. Costs two 16-byte gloo
-            all-gathers per step with more than one rank; False saves them (every rank must pass the same).
+            so ranks in different calls get a CollectiveMismatchError instead of a hang. Costs two 24-byte gloo
+            all-gathers per step with more than one rank; False saves them (every rank must pass the same), and
+            then a parameter without a gradient on every rank is updated with zeros instead of skipped (the
+            handshake is how the ranks agree on it; see ``_without_grad_everywhere``).
         cuda_graph: capture a steady step's device work in CUDA graphs and replay them (see
             :mod:`tritonshard.optim.graphs`: what is captured, what stays eager, when a step is not captured).
             Needs CUDA parameters, the compiled kernels, NCCL with more than one rank, ``overlap_comm=False``,
@@ -761,6 +763,10 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             for p, view in zip(b.params, b.grad_buffer.get_views()):
                 if p.grad is None:
                     view.zero_()  # no gradient this time: contributes zeros
+                    b.no_grad[p] = True
+        elif b.no_grad:  # a later micro-batch's gradients, for some that had none
+            for p, _, _ in pending:
+                b.no_grad.pop(p, None)
         return pending
 
     def _wait_for_grad_streams(self) -> tuple:
@@ -836,6 +842,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         if b.has_grads:
             self._after_last_step_readers()
             b.grad_buffer.get_views()[i].zero_()
+            if not keep_placeholder and param.grad is None:  # cleared (not zeroed, not replaced): no gradient,
+                b.no_grad[param] = True                       # as for torch.optim
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
 
@@ -870,6 +878,7 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             self._after_last_step_readers()
             b.grad_buffer.zero_()
             b.has_grads = True
+            b.no_grad = dict.fromkeys(b.params, True)
 
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
@@ -1071,6 +1080,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                     if p.grad is self._placeholders[p]:
                         p.grad = None
                 b.placed.clear()
+            if b.no_grad:
+                b.no_grad = {}
         self._next_launch = 0
         self._reduce_entered = self._lr_filled = False
         self._reduced, self._clip_coef = None, None
@@ -1281,10 +1292,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
         multiplier = self._common_multiplier()
-        # parameters frozen since construction (requires_grad=False now): torch.optim skips them (no grad), so
-        # their weights and state must come out of the flat update unchanged
+        # parameters frozen since construction (requires_grad=False now), and those without a gradient on every
+        # rank: torch.optim skips them (no grad), so their weights and state must come out of the flat update
+        # unchanged
         frozen = self._frozen_since_build()
-        self._entry("step")
+        unused = self._without_grad_everywhere()  # (the "step" handshake is in there)
+        if unused:
+            frozen = list(dict.fromkeys(frozen + unused))
         self._prepared_state = None
         compiling = torch.compiler.is_compiling()
         if self._graphs is not None and not compiling:
@@ -1597,10 +1611,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.zero_()
-        if not set_to_none:
+        if not set_to_none:  # every parameter has a gradient now, of zeros (torch's: step() updates with them)
             self._after_last_step_readers()
             for b in self.buckets:
                 b.grad_buffer.zero_()
+                b.has_grads = True  # (the next flush accumulates onto them)
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:

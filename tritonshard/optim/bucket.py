@@ -79,6 +79,8 @@ class _Bucket:
         self.ready: set = set()     # id() of the parameters whose gradient arrived in the current backward
         self.placed: dict = {}     # parameters whose param.grad is our ShardedGrad placeholder (a dict: dynamo
         #                             traces no sets of tensors)
+        self.no_grad: dict = {}    # parameters without a gradient on this rank since zero_grad() (zeros in the
+        #                             buffer); step() leaves those without one on every rank unchanged
         self.launch_wanted = False  # the bucket may be reduced (its last gradient of the last micro-batch is in)
         self.rs_work = None         # handle of its in-flight reduce-scatter; None once waited for
         self.rs_launched = False

@@ -20,7 +20,7 @@ before the replay). A key is captured the second time it is seen (the first warm
 connected), and replayed from then on; a step with a key seen for the first time runs eagerly, so a
 hyper-parameter that moves every step (OneCycleLR's momentum cycling) gives eager steps, never a stale value. The
 steps that are never captured: ``torch.amp.GradScaler``'s (with ``loss_scale=False``), those with parameters
-frozen after construction, an lr given as a tensor.
+frozen after construction or without a gradient on every rank, an lr given as a tensor.
 
 Why it can be captured at all: after the first steps a step allocates no device memory and copies nothing from
 the host (``tests/optim/test_steady_state.py``), every launch takes the same tensors, and nothing in it waits on

@@ -118,6 +118,31 @@ class ModelViewMixin:
             return []
         return [p for p in self._param_list if not p.requires_grad]
 
+    def _without_grad_everywhere(self) -> list:
+        """The parameters that got no gradient since zero_grad() on every rank (a branch not taken, an expert no
+        token chose, step() without a backward, ``model.zero_grad()`` before ``step()``): their ``param.grad`` would
+        be None on every rank under DDP, and torch.optim skips them, so step() leaves them unchanged as it does the
+        frozen ones. A parameter without a gradient on some ranks only contributes zeros there (DDP's average).
+
+        Shakes hands for "step": the handshake carries a flag, raised by a rank that has such parameters; only then
+        does every rank send one byte per parameter to find those without a gradient anywhere. Under torch.compile,
+        and with ``check_collectives=False`` on more than one rank (no handshake to carry the flag), none are
+        found: they are updated with zero gradients."""
+        mine = [p for b in self.buckets if b.no_grad for p in b.no_grad]
+        if torch.compiler.is_compiling():  # (dynamo would wrap the parameters; the handshake is skipped)
+            return []
+        if not self._entry.active:  # one rank (mine are everyone's), or no handshake to agree through
+            self._entry("step")
+            many = comm.is_initialized() and self.world_size * self.replica_size > 1
+            return [] if many else mine
+        if not self._entry("step", flag=bool(mine)):
+            return []
+        mask = torch.zeros(len(self._param_list), dtype=torch.bool)
+        for p in mine:
+            mask[self._param_index[p]] = True
+        everywhere = self._entry.intersect(mask).tolist()
+        return [p for p, none in zip(self._param_list, everywhere) if none]
+
     def _snapshot_pieces(self, params: list) -> dict:
         """Copies of this rank's master / state / bf16 pieces of ``params``, by bucket index, for
         ``_restore_pieces`` after the flat update (which would decay their weights and move their moments)."""

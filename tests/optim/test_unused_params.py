@@ -1,0 +1,137 @@
+"""A parameter without a gradient: torch.optim skips it (its grad is None), and so does step() when it got none on
+any rank (under DDP its grad would be None everywhere). One that got a gradient on some ranks only contributes
+zeros on the others (DDP's average)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_on_ranks
+from tests.helpers import assert_bitwise_equal
+from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
+
+HEADS = ("a", "b", "c")
+
+
+class _Heads(torch.nn.Module):
+    """A trunk and three heads: the loss uses the heads it is asked for (multi-task loops, a branch not taken,
+    an expert no token chose)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(8, 16)
+        self.heads = torch.nn.ModuleDict({h: torch.nn.Linear(16, 3) for h in HEADS})
+
+    def loss(self, x, used):
+        h = torch.tanh(self.trunk(x.to(self.trunk.weight.dtype)))
+        return sum(self.heads[k](h).float().pow(2).mean() for k in used)
+
+
+def _state(opt, model):
+    """Every piece step() may change, per parameter name (weights, fp32 master, moments); not the step counter:
+    tritonshard keeps one per param group (README)."""
+    names = [n for n, _ in model.named_parameters()]
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for i, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            if key != "step":
+                out[f"{names[i]}.{key}"] = value.clone()
+    return out
+
+
+def _assert_changed_only(before, after, used_heads, what):
+    """Every piece of the heads not in ``used_heads`` unchanged, bit for bit (of the trunk too when no head was
+    used); the weights of the others moved."""
+    for key, value in before.items():
+        owner = key.split(".")[1] if key.startswith("heads.") else "trunk"
+        if owner not in used_heads and (owner != "trunk" or not used_heads):
+            assert_bitwise_equal(after[key], value, f"{what}: {key}, without a gradient")
+        elif key.endswith(("weight", "bias")):
+            assert not torch.equal(after[key], value), f"{what}: {key} did not train"
+
+
+OPTIMIZERS = {
+    "adamw": lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+    "sgd": lambda params, **kw: ShardedSGD(params, lr=1e-1, momentum=0.9, weight_decay=0.1, **kw),
+    "lion": lambda params, **kw: ShardedLion(params, lr=1e-2, weight_decay=0.1, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("cap", [1e-9, 25.0], ids=["a bucket per parameter", "one bucket"])
+def test_a_head_without_a_gradient_is_left_unchanged_as_by_torch_optim(kind, cap):
+    # Before: its zeros went through the update, so weight decay and the momentum of earlier steps moved it
+    model = _Heads()
+    opt = OPTIMIZERS[kind](model.parameters(), bucket_cap_mb=cap)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for used in (HEADS, ("a",), ("b", "c"), ("a", "b")):  # every head has momentum from the first step
+        before = _state(opt, model)
+        model.loss(x, used).backward()
+        opt.step()
+        opt.zero_grad()
+        _assert_changed_only(before, _state(opt, model), set(used), f"{kind}, heads {used}")
+
+
+def test_step_without_backward_and_model_zero_grad_before_step_change_nothing():
+    model = _Heads()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model.loss(x, HEADS).backward()
+    opt.step()
+    before = _state(opt, model)
+    opt.step()  # step() consumed the gradients (param.grad is None after it): torch.optim would skip every one
+    _assert_changed_only(before, _state(opt, model), set(), "a second step() without a backward")
+    model.loss(x, HEADS).backward()
+    model.zero_grad()  # the gradients cleared before step(): none left
+    opt.step()
+    _assert_changed_only(before, _state(opt, model), set(), "step() after model.zero_grad()")
+
+
+def test_zero_grad_without_set_to_none_makes_zero_gradients_that_step_applies():
+    # torch: zero_grad(set_to_none=False) leaves zero tensors, and step() updates with them (decay, momentum);
+    # the same as a backward whose gradients are all zeros
+    runs = []
+    for how in ("zero_grad(set_to_none=False)", "a backward of zeros"):
+        model = _Heads()
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        model.loss(x, HEADS).backward()
+        opt.step()
+        if how == "a backward of zeros":
+            opt.zero_grad()
+            (model.loss(x, HEADS) * 0).backward()
+        else:
+            opt.zero_grad(set_to_none=False)
+        before = _state(opt, model)
+        opt.step()
+        after = _state(opt, model)
+        _assert_changed_only(before, after, set(HEADS), how)
+        runs.append(after)
+    for key in runs[0]:
+        assert_bitwise_equal(runs[0][key], runs[1][key], key)
+
+
+def _on_ranks(rank, world_size, hybrid):
+    kw = {}
+    if hybrid:  # shard groups {0, 1}, {2, 3}; replica groups {0, 2}, {1, 3}
+        shard = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+        replica = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+        kw = dict(process_group=shard, replica_group=replica)
+    model = _Heads()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9, **kw)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model.loss(x, HEADS).backward()
+    opt.step()
+    opt.zero_grad()
+    # head "b" gets a gradient on the last rank only, "c" on none, "a" everywhere
+    used = ("a", "b") if rank == world_size - 1 else ("a",)
+    before = _state(opt, model)
+    model.loss(x, used).backward()
+    opt.step()
+    _assert_changed_only(before, _state(opt, model), {"a", "b"}, f"rank {rank}")
+
+
+@pytest.mark.parametrize("world_size,hybrid", [(2, False), (4, True)], ids=["2 ranks", "2x2 hybrid"])
+def test_a_head_without_a_gradient_on_every_rank_is_left_unchanged_one_with_some_trains(world_size, hybrid):
+    run_on_ranks(_on_ranks, world_size, hybrid)
