@@ -128,9 +128,10 @@ class ModelViewMixin:
         does every rank send one byte per parameter to find those without a gradient anywhere. Under torch.compile,
         and with ``check_collectives=False`` on more than one rank (no handshake to carry the flag), none are
         found: they are updated with zero gradients."""
-        mine = [p for b in self.buckets if b.no_grad for p in b.no_grad]
         if torch.compiler.is_compiling():  # (dynamo would wrap the parameters; the handshake is skipped)
             return []
+        # (frozen ones are the caller's, known to every rank alike: no handshake flag for them)
+        mine = [p for b in self.buckets if b.no_grad for p in b.no_grad if p.requires_grad]
         if not self._entry.active:  # one rank (mine are everyone's), or no handshake to agree through
             self._entry("step")
             many = comm.is_initialized() and self.world_size * self.replica_size > 1
