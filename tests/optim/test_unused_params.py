@@ -1,6 +1,6 @@
-"""A parameter without a gradient: torch.optim skips it (its grad is None), and so does step() when it got none on
-any rank (under DDP its grad would be None everywhere). One that got a gradient on some ranks only contributes
-zeros on the others (DDP's average)."""
+"""A parameter without a gradient: torch.optim skips it (its grad is None), and so does step() when no rank gave it
+one (under DDP its grad would be None everywhere). One that got a gradient on some ranks only contributes zeros on
+the others (DDP's average)."""
 
 import pytest
 import torch
