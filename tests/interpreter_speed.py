@@ -23,14 +23,13 @@ import contextlib
 import threading
 
 _state = threading.local()
-_applied = False
 _original = None  # Triton's _patch_lang, once installed
 
 
 def install() -> bool:
     """Install the shortcut once per process; False (doing nothing) where it does not apply."""
-    global _applied, _original
-    if _applied:
+    global _original
+    if _original is not None:
         return True
     try:
         import triton.language as tl
@@ -59,7 +58,6 @@ def install() -> bool:
         return original(fn)  # (Triton's own behaviour: patched, never restored)
 
     interpreter._patch_lang = _patch_lang
-    _applied = True
     return True
 
 

@@ -1295,10 +1295,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # parameters frozen since construction (requires_grad=False now), and those without a gradient on every
         # rank: torch.optim skips them (no grad), so their weights and state must come out of the flat update
         # unchanged
-        frozen = self._frozen_since_build()
-        unused = self._without_grad_everywhere()  # (the "step" handshake is in there)
-        if unused:
-            frozen = list(dict.fromkeys(frozen + unused))
+        # (two disjoint lists: the second holds parameters that require grad; the "step" handshake is in it)
+        frozen = self._frozen_since_build() + self._without_grad_everywhere()
         self._prepared_state = None
         compiling = torch.compiler.is_compiling()
         if self._graphs is not None and not compiling:

@@ -133,7 +133,6 @@ class ModelViewMixin:
         # (frozen ones are the caller's, known to every rank alike: no handshake flag for them)
         mine = [p for b in self.buckets if b.no_grad for p in b.no_grad if p.requires_grad]
         if not self._entry.active:  # one rank (mine are everyone's), or no handshake to agree through
-            self._entry("step")
             many = comm.is_initialized() and self.world_size * self.replica_size > 1
             return [] if many else mine
         if not self._entry("step", flag=bool(mine)):
