@@ -214,7 +214,9 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
         # every file DCP wrote, hashed once it is complete (DCP's coordinator returns after every rank's write);
         # meta.pt carries these, and meta.pt's own digest sits beside it (checked on load before anything is used)
         checksums = {name: _digest(os.path.join(partial, name)) for name in sorted(os.listdir(partial))}
-        steps = {index_of[p]: float(b.step) for b in opt.buckets for p in b.params}
+        # one host read per counter (most parameters share their group's)
+        counts = {id(t): float(t) for t in (*opt._group_steps.values(), *opt._own_steps.values())}
+        steps = {index_of[p]: counts[id(opt._param_step(p))] for b in opt.buckets for p in b.params}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
                 "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
@@ -419,17 +421,11 @@ def load_sharded(opt, path: str) -> dict:
                          process_group=_dcp_group(opt), no_dist=not comm.is_initialized())
             except CheckpointException as exc:  # a BaseException: `except Exception` in a user's loop misses it
                 raise (reader.error or _checkpoint_error(path, exc)) from None
-        group_steps: dict = {}  # one step per param group, shared by its buckets
-        for b in opt.buckets:
-            group_steps.setdefault(b.group_index, set()).update(meta["steps"][index_of[p]] for p in b.params)
-        for gi, steps in group_steps.items():
-            if len(steps) > 1:
-                raise CheckpointMismatchError(f"parameters of param_groups[{gi}] have different steps {sorted(steps)}")
         for b, master, state in zip(opt.buckets, masters, states):
             b.set_master(master)
             for name, t in state.items():
                 b.state[name].copy_(t)
-            b.step.fill_(next(iter(group_steps[b.group_index])))
+        opt._load_steps({p: meta["steps"][index_of[p]] for b in opt.buckets for p in b.params})
         opt._apply_hparams(meta["param_groups"])
         opt.skipped_steps.fill_(meta["skipped_steps"])
         opt._load_scaler_state(meta.get("scaler", {}))

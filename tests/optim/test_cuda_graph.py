@@ -122,23 +122,26 @@ def test_a_cpu_model_gets_a_clear_error():
 
 
 def test_steps_the_graph_cannot_freeze_run_eagerly(emulated):
-    """A parameter frozen after construction (its pieces are saved and put back around the update, on the host):
-    those steps are never captured (key None), and still give the eager bits."""
+    """A parameter frozen after construction (its pieces are saved and put back around the update, on the host),
+    and once unfrozen, its own step count (its pieces updated again with it: param_steps.py): those steps are
+    never captured (key None), and still give the eager bits."""
     runs = []
     for graphed in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
         opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-2, cuda_graph=graphed)
         opt.attach(model)
-        for step in range(4):
-            model[0].weight.requires_grad_(step < 2)  # frozen from step 2 on: its pieces kept around the update
+        for step in range(6):
+            # frozen at steps 2-3 (its pieces kept around the update), then trained on its own count
+            model[0].weight.requires_grad_(step < 2 or step > 3)
             model(torch.randn(3, 6)).sum().backward()
             opt.step()
             opt.zero_grad()
         runs.append(([p.detach().clone() for p in model.parameters()], opt))
     (a, _), (b, opt) = runs
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    # the reduction was captured (step 1) and replayed; the update: steps 0 and 1 captured as usual, 2-3 eager
+    assert float(opt.state[model[0].weight]["step"]) == 4 and float(opt.state[model[0].bias]["step"]) == 6
+    # the reduction was captured (step 1) and replayed; the update: steps 0 and 1 captured as usual, 2-5 eager
     assert opt._graphs.captures == 2
 
 

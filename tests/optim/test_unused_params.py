@@ -29,8 +29,8 @@ class _Heads(torch.nn.Module):
 
 
 def _state(opt, model):
-    """Every piece step() may change, per parameter name (weights, fp32 master, moments); not the step counter:
-    tritonshard keeps one per param group (README)."""
+    """Every piece step() may change, per parameter name (weights, fp32 master, moments); the step counts are
+    test_param_steps.py's."""
     names = [n for n, _ in model.named_parameters()]
     out = {n: p.detach().clone() for n, p in model.named_parameters()}
     for i, entry in opt.state_dict()["state"].items():

@@ -15,7 +15,7 @@ from ._hparams import check_betas, check_lr, check_min
 from .base import ShardedOptimizer, kernels
 from .bucket import _Bucket
 
-__all__ = ["ShardedAdamW", "adamw_update", "check_adamw_group"]
+__all__ = ["ShardedAdamW", "adamw_update", "adamw_update_slice", "check_adamw_group"]
 
 
 class ShardedAdamW(ShardedOptimizer):
@@ -55,6 +55,10 @@ class ShardedAdamW(ShardedOptimizer):
 
     _segments = (ADAMW_SEGMENTS, "adamw_step_")
 
+    def _update_slice(self, bucket: _Bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
+                      found_inf: torch.Tensor) -> None:
+        adamw_update_slice(bucket, group, sl, step, seed, grad_scale, found_inf, maximize=group["maximize"])
+
     def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
         return adamw_launch(self, bucket, group, grad_scale, found_inf, maximize=group["maximize"])
 
@@ -78,6 +82,22 @@ def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
     # the first launch with these arguments (and any change of them: new betas, a grad_scale that became a tensor)
     # goes through the checked launcher; then the bound launch replays it
     _launch.launch(bucket.launches, "update", spec, checked_launch)
+
+
+def adamw_update_slice(bucket: _Bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
+                       found_inf: torch.Tensor, maximize: bool = False) -> None:
+    """The AdamW update of elements ``sl`` of ``bucket``'s shards with their own step count (a parameter whose
+    count left its group's: optim/param_steps.py), through the checked launcher: the coefficients come from
+    ``step`` with the float64 ops of :func:`adamw_coefficients`, so the same bits as a bucket's own launch."""
+    param, param_out, remainders = bucket.update_target()
+    kwargs = bucket.state_kwargs()
+    if seed is not None:
+        kwargs["seed"] = seed
+    kernels().adamw_step_(param[sl], bucket.grad_buffer.get_local_shard()[sl], bucket.state["exp_avg"][sl],
+                          bucket.state["exp_avg_sq"][sl], lr=group["lr"], beta1=group["betas"][0],
+                          beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                          grad_scale=grad_scale, found_inf=found_inf, param_out=param_out[sl], maximize=maximize,
+                          remainders=remainders, **kwargs)
 
 
 def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor,

@@ -114,6 +114,7 @@ from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad
 from .model_view import ModelViewMixin
+from .param_steps import ParamStepsMixin
 from .state_io import StateDictMixin
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig", "split_into_buckets"]
@@ -223,7 +224,7 @@ def _trace(label: str, *args):
     return torch.profiler.record_function(label.format(*args) if args else label)
 
 
-class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
+class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
 
     Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``; an optimizer whose
@@ -351,11 +352,13 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
             trainable = [p for p in group["params"] if p.requires_grad]
             for params in split_into_buckets(trainable, self._group_bucket_cap(group, cap_elems)):
                 self.buckets.append(self._make_bucket(gi, params, align))
-        # one step counter per param group, shared by its buckets (they always step together): one increment per
-        # group and step, and per-group coefficients computed once (see _once_per_step)
+        # one step counter per param group, shared by its buckets and by every parameter that took each of the
+        # group's steps: one increment per group and step, and per-group coefficients computed once (see
+        # _once_per_step)
         self._group_steps: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             b.step = self._group_steps.setdefault(b.group_index, b.step)
+        self._own_steps: dict = {}  # ... and one per parameter whose count left its group's (param_steps.py)
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
         # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
         # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
@@ -1353,8 +1356,9 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
         # not queue behind every other bucket's; a bucket updated on its own is gathered right after its update.
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
         not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
-        for step in self._group_steps.values():  # skipped steps do not count
-            step.add_(not_skipped)
+        # the step counts (skipped steps do not count), and the pieces of parameters whose own count differs from
+        # their group's, saved now and updated again after the flat update with their count (param_steps.py)
+        redo = self._count_steps(frozen, not_skipped)
         compiling = torch.compiler.is_compiling()
         together = self._update_together and not compiling  # every update first, then the gathers
         coalesce = self._coalesce and not compiling  # ... in one call
@@ -1365,6 +1369,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                     self._update_buckets(buckets, self.param_groups[gi], grad_scale, found_inf)
             for pieces in kept.values():
                 self._restore_pieces(pieces)
+            for i, pieces in redo.items():
+                self._update_again(self.buckets[i], pieces, grad_scale, found_inf)
             order = [self.buckets[i] for i in self._gather_order]
             if coalesce:
                 with _trace("tritonshard.all_gather[coalesced]"):
@@ -1392,6 +1398,8 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
                     with _trace("tritonshard.update[bucket {}]", b.index):
                         self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                 self._restore_pieces(kept.get(i, ()))
+                if i in redo:
+                    self._update_again(b, redo[i], grad_scale, found_inf)
                 with _trace("tritonshard.all_gather[bucket {}]", b.index):
                     b.ag_work = self._all_gather(b, direct)
         self.skipped_steps.add_(self._found_long_buf.copy_(found_inf))
@@ -1414,11 +1422,11 @@ class ShardedOptimizer(ModelViewMixin, StateDictMixin, torch.optim.Optimizer):
     def _update_graph_key(self, amp_scale, amp_found_inf, multiplier, frozen: list):
         """What a capture of :meth:`_update_phase` freezes, hashable: whether the loop clipped, the dtype of the
         multiplier torch code folded in, every trained group's hyper-parameters but the lr. None where this step
-        must run eagerly: GradScaler's values (new tensors every step), parameters frozen since construction (their
-        pieces are saved and restored around the update), a multiplier that is not a 0-d tensor on our device, an lr
-        given as a tensor, or a hyper-parameter that is a tensor or unhashable (a list, e.g. ``betas=[0.9, 0.95]``,
-        counts as the tuple of its items)."""
-        if amp_scale is not None or amp_found_inf is not None or frozen:
+        must run eagerly: GradScaler's values (new tensors every step), parameters left out of this step (their
+        pieces are saved and restored around the update) or counting steps of their own (param_steps.py), a
+        multiplier that is not a 0-d tensor on our device, an lr given as a tensor, or a hyper-parameter that is a
+        tensor or unhashable (a list, e.g. ``betas=[0.9, 0.95]``, counts as the tuple of its items)."""
+        if amp_scale is not None or amp_found_inf is not None or frozen or self._own_steps:
             return None
         if multiplier is not None and not (isinstance(multiplier, torch.Tensor) and multiplier.dim() == 0
                                            and multiplier.device == self.device):

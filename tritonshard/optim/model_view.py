@@ -145,22 +145,24 @@ class ModelViewMixin:
 
     def _snapshot_pieces(self, params: list) -> dict:
         """Copies of this rank's master / state / bf16 pieces of ``params``, by bucket index, for
-        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments)."""
+        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments):
+        ``[(param, shard slice, [(shard view, saved copy), ...]), ...]``."""
         wanted, kept = set(params), {}
-        for b in self.buckets:
+        for b in sorted({self._bucket_of[p][0] for p in params}, key=lambda b: b.index):  # (their buckets only)
             targets = [b.master if b.master_remainder is None else b.master_remainder,
                        b.param_buffer.get_local_shard(), *b.state.values()]
             for piece in b.param_buffer.shard_pieces():
-                if b.params[piece.tensor_index] in wanted and piece.numel:
+                p = b.params[piece.tensor_index]
+                if p in wanted and piece.numel:
                     sl = slice(piece.shard_start, piece.shard_end)
-                    kept.setdefault(b.index, []).append([(t[sl], t[sl].clone()) for t in targets])
+                    kept.setdefault(b.index, []).append((p, sl, [(t[sl], t[sl].clone()) for t in targets]))
         return kept
 
     @staticmethod
     def _restore_pieces(kept) -> None:
-        for piece in kept:
-            for dst, saved in piece:
-                dst.copy_(saved)
+        for _, _, saved in kept:
+            for dst, copy in saved:
+                dst.copy_(copy)
 
     def _common_multiplier(self):
         """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every
@@ -248,7 +250,7 @@ class ModelViewMixin:
             for i, p in enumerate(b.params):
                 piece = owned.get(i)
                 sl = slice(piece.shard_start, piece.shard_end) if piece else slice(0, 0)
-                entry = {"step": b.step, **{name: t[sl] for name, t in tensors.items()},
+                entry = {"step": self._param_step(p), **{name: t[sl] for name, t in tensors.items()},
                          "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)}
                 self.state[p] = entry
         self._state_exposed = True

@@ -33,7 +33,7 @@ from ..buffer import DEFAULT_ALIGN
 from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
 from ._hparams import check_lr, check_min, require
-from .adamw import adamw_update, check_adamw_group
+from .adamw import adamw_update, adamw_update_slice, check_adamw_group
 from .base import ShardedOptimizer, kernels, param_name
 from .bucket import _Bucket, split_into_buckets
 
@@ -157,6 +157,13 @@ class ShardedMuon(ShardedOptimizer):
 
     def _group_keeps_step(self, group: dict) -> bool:
         return not group["use_muon"]  # torch.optim.Muon keeps no step
+
+    def _reads_step(self, group: dict) -> bool:
+        return not group["use_muon"]  # (Muon's momentum starts from zeros: no step count in it)
+
+    def _update_slice(self, bucket: _Bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
+                      found_inf: torch.Tensor) -> None:
+        adamw_update_slice(bucket, group, sl, step, seed, grad_scale, found_inf)
 
     def _plan_matrices(self, b: _Bucket) -> None:
         """The matrices this rank owns in bucket ``b`` (shard range and shape), and the bf16 workspace the momentum

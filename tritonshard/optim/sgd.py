@@ -44,6 +44,22 @@ class ShardedSGD(ShardedOptimizer):
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
 
+    def _reads_step(self, group: dict) -> bool:
+        return group["momentum"] != 0  # the first step sets the momentum buffer to the gradient (no dampening)
+
+    def _update_slice(self, bucket: _Bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
+                      found_inf: torch.Tensor) -> None:
+        """Elements ``sl`` with their own step count (optim/param_steps.py), through the checked launcher."""
+        param, param_out, remainders = bucket.update_target()
+        kwargs = bucket.state_kwargs()
+        if seed is not None:
+            kwargs["seed"] = seed
+        kernels().sgd_step_(param[sl], bucket.grad_buffer.get_local_shard()[sl],
+                            bucket.state["momentum_buffer"][sl], lr=group["lr"], momentum=group["momentum"],
+                            dampening=group["dampening"], weight_decay=group["weight_decay"],
+                            nesterov=group["nesterov"], step=step, grad_scale=grad_scale, found_inf=found_inf,
+                            param_out=param_out[sl], maximize=group["maximize"], remainders=remainders, **kwargs)
+
     def _launch(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> tuple:
         """(launch spec or None, checked launch) of one bucket's update (see adamw.adamw_launch)."""
         param, param_out, remainders = bucket.update_target()
@@ -88,6 +104,9 @@ class ShardedLion(ShardedOptimizer):
         check_lr(g["lr"], where)
         check_betas(g["betas"], where)
         check_min("weight_decay", g["weight_decay"], where)
+
+    def _reads_step(self, group: dict) -> bool:
+        return False  # (Lion's update has no step count in it)
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))

@@ -69,7 +69,7 @@ class StateDictMixin:
             gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master_fp32()), *b.state.items())}
             keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
-                entry = {"step": b.step.detach().clone()} if keeps_step else {}
+                entry = {"step": self._param_step(p).detach().clone()} if keeps_step else {}
                 for name in (*b.state, "master"):
                     entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
                 full[p] = entry
@@ -109,7 +109,7 @@ class StateDictMixin:
 
         Raises:
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
-                or unknown parameter, differing steps inside one param group, which shares one step counter).
+                or unknown parameter).
         """
         self._entry("load_state_dict")
         self._prepared_state = None
@@ -149,16 +149,10 @@ class StateDictMixin:
                                      f"the parameter has shape {tuple(p.shape)}")
             entries[p] = entry
         with torch.no_grad():
-            # one step per param group (its buckets share it): torch.optim.SGD keeps no step, so a saved momentum
-            # buffer means at least one step was taken
-            group_steps: dict = {}
-            for b in self.buckets:
-                group_steps.setdefault(b.group_index, set()).update(
-                    float(entries[p].get("step", 1.0)) for p in b.params if p in entries)
-            for gi, steps in group_steps.items():
-                if len(steps) > 1:
-                    raise ValueError(f"parameters of param_groups[{gi}] have different steps {sorted(steps)}; "
-                                     "tritonshard keeps one step per param group")
+            # a step count per parameter (param_steps.py): torch.optim.SGD keeps no step, so a saved momentum
+            # buffer means at least one step was taken; a parameter without state never took one (torch.optim
+            # makes its state at its first step)
+            steps = {p: float(entries[p].get("step", 1.0)) if p in entries else 0.0 for p in self._bucket_of}
             for b in self.buckets:
                 master = b.master_fp32().clone()
                 for piece in b.param_buffer.shard_pieces():
@@ -171,8 +165,7 @@ class StateDictMixin:
                         elif name != "master":
                             shard[dst].zero_()
                 b.set_master(master)
-                steps = group_steps[b.group_index]
-                b.step.fill_(next(iter(steps)) if steps else 0.0)
+            self._load_steps(steps)
             self._apply_hparams(saved_groups)
             extra = state_dict.get("tritonshard", {})
             self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))

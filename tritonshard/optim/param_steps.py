@@ -1,0 +1,119 @@
+"""``ParamStepsMixin``: a step count per parameter, as torch.optim keeps one (``state[p]["step"]``).
+
+Every parameter of a param group shares the group's counter (one device scalar, one increment per step) until
+step() skips it: frozen (``requires_grad=False`` after construction) or without a gradient on every rank. torch.optim
+does not count a step it skipped, so from then on the parameter counts on a counter of its own, a copy of the
+group's taken before the step's increment. The flat update still runs over the whole bucket with the group's count
+(it has no per-element step); the pieces of a parameter whose own count differs are saved before it, put back
+after it, and updated again by their own launch with their own count, bit for bit what torch.optim computes for
+them. Only update rules that read the count redo pieces (AdamW's bias corrections, SGD's first-step momentum);
+the others only keep the count, for the state they save.
+
+What that costs, only where a parameter has been skipped while others of its group stepped (a task head not
+used, a branch not taken, a parameter frozen and unfrozen): per step and such parameter that trains, an
+increment, a copy of its pieces and one more update launch over them; a step with one runs eagerly under
+``cuda_graph=True``. A step that skips every parameter of a group (``step()`` without a backward) leaves the
+group's counter as it is and costs nothing after it.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+__all__ = ["ParamStepsMixin"]
+
+
+class ParamStepsMixin:
+    """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` that keep the per-parameter step counts."""
+
+    #: parameter -> its own step count (0-d fp32 device tensor), for those whose count left their group's
+    _own_steps: dict
+
+    def _reads_step(self, group: dict) -> bool:
+        """Whether ``group``'s update reads the step count (then a parameter with its own count is updated
+        again with it, by :meth:`_update_slice`)."""
+        return True
+
+    def _update_slice(self, bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
+                      found_inf: torch.Tensor) -> None:
+        """The update of elements ``sl`` of ``bucket``'s shards with step count ``step`` (the checked kernel
+        launcher on slices; ``seed``: the Philox key tensor for stochastically rounded states, or None)."""
+        raise NotImplementedError(f"{type(self).__name__} reads the step count in its update but cannot update a "
+                                  "slice with another one (_update_slice)")
+
+    def _param_step(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s step count: its own, or its group's."""
+        own = self._own_steps.get(p)
+        if own is not None:
+            return own
+        return self._bucket_of[p][0].step
+
+    def _count_steps(self, skipped: list, not_skipped: torch.Tensor) -> dict:
+        """Advance the step counts by ``not_skipped`` (1 - found_inf) for this step, where ``skipped`` are the
+        parameters the update leaves unchanged. Returns, by bucket index, the pieces to update again with their
+        own count after the flat update: ``[(param, slice, [(shard view, saved copy), ...]), ...]``, saved now
+        (before the flat update)."""
+        if (not skipped and not self._own_steps) or torch.compiler.is_compiling():  # (the steady state)
+            for step in self._group_steps.values():  # skipped steps do not count
+                step.add_(not_skipped)
+            return {}
+        skipped = set(skipped)
+        for gi, buckets in self._buckets_by_group:
+            params = [p for b in buckets for p in b.params]
+            left_out = [p for p in params if p in skipped]
+            if len(left_out) == len(params):  # none of the group trains: its counter stays, nobody leaves it
+                continue
+            step = self._group_steps[gi]
+            for p in left_out:
+                if p not in self._own_steps:
+                    self._set_own_step(p, step.clone())
+            step.add_(not_skipped)
+        again = []
+        for p, own in self._own_steps.items():
+            if p not in skipped:
+                own.add_(not_skipped)
+                b = self._bucket_of[p][0]
+                if self._reads_step(self._group_of_bucket[b.index]):
+                    again.append(p)
+        return self._snapshot_pieces(again) if again else {}
+
+    def _update_again(self, b, redo: list, grad_scale, found_inf: torch.Tensor) -> None:
+        """After bucket ``b``'s flat update: its pieces in ``redo`` (from :meth:`_count_steps`) put back and
+        updated with their parameter's own count."""
+        group = self._group_of_bucket[b.index]
+        for p, sl, saved in redo:
+            self._restore_pieces([(p, sl, saved)])
+            self._update_slice(b, group, sl, self._own_steps[p], self._piece_seed(b, sl), grad_scale, found_inf)
+
+    @staticmethod
+    def _piece_seed(b, sl: slice):
+        """The Philox key of a piece's own update: the bucket's key of this step with the top bit set (no bucket's
+        key has it: ranks < 2^15) and the piece's start hashed into bits 32-62, so that its rounding bits are not
+        those the flat launch drew for the bucket's first elements."""
+        if b.sr_seed is None:
+            return None
+        mix = ((sl.start * 0x9E3779B1) & 0x7FFF_FFFF) << 32
+        return torch.bitwise_xor(b.sr_seed, mix - (1 << 63))
+
+    def _set_own_step(self, p: torch.Tensor, step: torch.Tensor) -> None:
+        self._own_steps[p] = step
+        if self._state_exposed:  # opt.state[p]["step"] shows the live counter
+            self.state[p]["step"] = step
+
+    def _load_steps(self, steps: dict) -> None:
+        """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): per param
+        group, the most common count becomes the group's counter (the larger on a tie), the others own ones."""
+        self._own_steps.clear()
+        for gi, buckets in self._buckets_by_group:
+            params = [p for b in buckets for p in b.params]
+            counts = collections.Counter(float(steps[p]) for p in params)
+            common = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+            self._group_steps[gi].fill_(common)
+            for p in params:
+                if float(steps[p]) != common:
+                    self._set_own_step(p, torch.full((), float(steps[p]), dtype=torch.float32, device=self.device))
+        if self._state_exposed:
+            for p in self._bucket_of:
+                self.state[p]["step"] = self._param_step(p)
