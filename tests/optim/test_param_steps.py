@@ -22,6 +22,10 @@ SCHEDULE = (("a",), ("a", "b"), ("b", "c"), None, ("a", "c"), ("c",), HEADS)
 OPTIMIZERS = {  # ours and torch's, same hyper-parameters (SGD's dampening makes its first momentum step show)
     "adamw": (lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
               lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)),
+    # the fp32 master kept as the bf16 weights plus int16 remainders: the pieces saved and updated again are those
+    "adamw, remainders": (lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1,
+                                                            store_param_remainders=True, **kw),
+                          lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)),
     "sgd": (lambda params, **kw: ShardedSGD(params, lr=1e-1, momentum=0.9, dampening=0.3, weight_decay=0.1, **kw),
             lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9, dampening=0.3, weight_decay=0.1,
                                            foreach=False)),
