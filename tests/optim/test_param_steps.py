@@ -111,6 +111,33 @@ def test_each_parameter_counts_its_own_steps_as_torch_optim(kind, cap):
         _assert_like_torch(opt.state_dict(), twin, f"{kind}, step {step}, heads {used}")
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_parameter_on_its_own_count_trains_bit_for_bit_as_in_an_optimizer_of_its_own(kind):
+    # head b sits out step 0, so from step 1 on its pieces are updated again by a launch of their own with their
+    # own count; an optimizer holding head b alone runs the flat update at that count: the same bits
+    make_ours, _ = OPTIMIZERS[kind]
+    model = _Heads()
+    alone = copy.deepcopy(model.heads["b"])
+    opt, opt_alone = make_ours(model.parameters()), make_ours(alone.parameters())
+    for step, used in enumerate((("a",), HEADS, ("b", "c"))):
+        grads = _grads(model, step, used)
+        for n, p in model.named_parameters():
+            p.grad = grads.get(n)
+        for n, p in alone.named_parameters():
+            p.grad = grads.get(f"heads.b.{n}")
+        opt.step()
+        opt_alone.step()
+        opt.zero_grad()
+        opt_alone.zero_grad()
+    state, state_alone = opt.state_dict()["state"], opt_alone.state_dict()["state"]
+    names = [n for n, _ in model.named_parameters()]
+    for j, n in enumerate(("weight", "bias")):
+        entry = state[names.index(f"heads.b.{n}")]
+        assert float(entry["step"]) == 2.0
+        for key, value in state_alone[j].items():
+            assert_bitwise_equal(entry[key], value, f"heads.b.{n} {key}")
+
+
 def test_stochastically_rounded_bf16_states_update_a_parameter_with_its_own_count():
     # the pieces updated again draw rounding bits of their own (param_steps._piece_seed): the run is reproducible,
     # and its masters stay within bf16-state rounding of torch's fp32 run (each moment off by <= 2^-8 relative:
@@ -155,6 +182,23 @@ def test_a_step_that_skips_every_parameter_keeps_the_shared_count():
     _step(model, opt, 1, None)
     assert {float(e["step"]) for e in opt.state_dict()["state"].values()} == {1.0}
     assert not opt._own_steps
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap_comm"])
+def test_a_group_none_of_whose_parameters_trains_is_not_updated(overlap):
+    # step() before any backward: every count stays 0, and the update is not launched; at count 0 it would write
+    # NaN into the buffers' padding (0 / sqrt(1 - beta2^0)), which no parameter's pieces cover
+    model = _Heads()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=1e-9, overlap_comm=overlap)
+    buffers = lambda: [t.clone() for b in opt.buckets  # noqa: E731
+                       for t in (b.param_buffer.get_data(), b.master, *b.state.values())]
+    before = buffers()
+    assert any(b.param_buffer.padded_numel > b.param_buffer.layout.total_numel for b in opt.buckets), "no padding"
+    opt.step()
+    for i, (a, b) in enumerate(zip(buffers(), before)):
+        assert_bitwise_equal(a, b, f"buffer {i}, padding included")
+    _step(model, opt, 0, HEADS)  # and the first real step counts 1
+    assert {float(e["step"]) for e in opt.state_dict()["state"].values()} == {1.0}
 
 
 def test_muons_adamw_groups_count_per_parameter():

@@ -87,8 +87,8 @@ def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
 def adamw_update_slice(bucket: _Bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
                        found_inf: torch.Tensor, maximize: bool = False) -> None:
     """The AdamW update of elements ``sl`` of ``bucket``'s shards with their own step count (a parameter whose
-    count left its group's: optim/param_steps.py), through the checked launcher: the coefficients come from
-    ``step`` with the float64 ops of :func:`adamw_coefficients`, so the same bits as a bucket's own launch."""
+    count left its group's: optim/param_steps.py), through the checked launcher, which computes the coefficients
+    from ``step`` with the float64 ops of :func:`adamw_coefficients`."""
     param, param_out, remainders = bucket.update_target()
     kwargs = bucket.state_kwargs()
     if seed is not None:

@@ -227,9 +227,10 @@ def _trace(label: str, *args):
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
 
-    Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``; an optimizer whose
-    groups differ in kind (ShardedMuon) also overrides the per-group hooks ``_group_state_names``,
-    ``_group_bucket_cap``, ``_group_owners`` and ``_group_keeps_step``.
+    Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``, and, where the update
+    reads the step count, ``_update_slice`` (a parameter counting steps of its own: param_steps.py), or
+    ``_reads_step`` False where it does not; an optimizer whose groups differ in kind (ShardedMuon) also overrides
+    the per-group hooks ``_group_state_names``, ``_group_bucket_cap``, ``_group_owners`` and ``_group_keeps_step``.
 
     Args:
         params: parameters or param groups, as for any ``torch.optim.Optimizer``.
@@ -1357,14 +1358,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
         not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
         # the step counts (skipped steps do not count), and the pieces of parameters whose own count differs from
-        # their group's, saved now and updated again after the flat update with their count (param_steps.py)
-        redo = self._count_steps(frozen, not_skipped)
+        # their group's, saved now and updated again after the flat update with their count (param_steps.py); a
+        # group none of whose parameters trains this step (idle) is not updated at all
+        redo, idle = self._count_steps(frozen, not_skipped)
         compiling = torch.compiler.is_compiling()
         together = self._update_together and not compiling  # every update first, then the gathers
         coalesce = self._coalesce and not compiling  # ... in one call
         if together:  # each param group's buckets in one call (ShardedAdamW, SGD, Lion: one segmented launch)
             self._next_rounding_seeds()
             for gi, buckets in self._buckets_by_group:
+                if gi in idle:
+                    continue
                 with _trace("tritonshard.update[group {}]", gi):
                     self._update_buckets(buckets, self.param_groups[gi], grad_scale, found_inf)
             for pieces in kept.values():
@@ -1388,13 +1392,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             self._next_rounding_seeds()
             merged = set()  # buckets whose param group went in one segmented launch
             for gi, buckets in self._buckets_by_group if self._segments is not None and self._segmented_path() else ():
+                if gi in idle:
+                    continue
                 with _trace("tritonshard.update[group {}]", gi):
                     if self._update_merged(buckets, self.param_groups[gi], grad_scale, found_inf):
                         merged.update(b.index for b in buckets)
             direct = self._direct_collectives and bound
             for i in self._gather_order:
                 b = self.buckets[i]
-                if i not in merged:  # (ShardedMuon, a group of one bucket): its own update, then its gather
+                # (ShardedMuon, a group of one bucket): its own update, then its gather
+                if i not in merged and b.group_index not in idle:
                     with _trace("tritonshard.update[bucket {}]", b.index):
                         self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                 self._restore_pieces(kept.get(i, ()))

@@ -5,8 +5,8 @@ step() skips it: frozen (``requires_grad=False`` after construction) or without 
 does not count a step it skipped, so from then on the parameter counts on a counter of its own, a copy of the
 group's taken before the step's increment. The flat update still runs over the whole bucket with the group's count
 (it has no per-element step); the pieces of a parameter whose own count differs are saved before it, put back
-after it, and updated again by their own launch with their own count, bit for bit what torch.optim computes for
-them. Only update rules that read the count redo pieces (AdamW's bias corrections, SGD's first-step momentum);
+after it, and updated again by a launch of their own with their own count (the update's arithmetic, with the
+coefficients of that count). Only update rules that read the count redo pieces (AdamW's bias corrections, SGD's first-step momentum);
 the others only keep the count, for the state they save.
 
 What that costs, only where a parameter has been skipped while others of its group stepped (a task head not
@@ -50,20 +50,22 @@ class ParamStepsMixin:
             return own
         return self._bucket_of[p][0].step
 
-    def _count_steps(self, skipped: list, not_skipped: torch.Tensor) -> dict:
+    def _count_steps(self, skipped: list, not_skipped: torch.Tensor) -> tuple[dict, frozenset]:
         """Advance the step counts by ``not_skipped`` (1 - found_inf) for this step, where ``skipped`` are the
-        parameters the update leaves unchanged. Returns, by bucket index, the pieces to update again with their
-        own count after the flat update: ``[(param, slice, [(shard view, saved copy), ...]), ...]``, saved now
-        (before the flat update)."""
+        parameters the update leaves unchanged. Returns (by bucket index, the pieces to update again with their
+        own count after the flat update: ``[(param, slice, [(shard view, saved copy), ...]), ...]``, saved now,
+        before it; the indices of the groups none of whose parameters trains this step, which are not updated:
+        their count stays, and an update at count 0 would write NaN into the padding, 0 / sqrt(1 - beta2^0))."""
         if (not skipped and not self._own_steps) or torch.compiler.is_compiling():  # (the steady state)
             for step in self._group_steps.values():  # skipped steps do not count
                 step.add_(not_skipped)
-            return {}
-        skipped = set(skipped)
+            return {}, frozenset()
+        skipped, idle = set(skipped), set()
         for gi, buckets in self._buckets_by_group:
             params = [p for b in buckets for p in b.params]
             left_out = [p for p in params if p in skipped]
             if len(left_out) == len(params):  # none of the group trains: its counter stays, nobody leaves it
+                idle.add(gi)
                 continue
             step = self._group_steps[gi]
             for p in left_out:
@@ -77,7 +79,7 @@ class ParamStepsMixin:
                 b = self._bucket_of[p][0]
                 if self._reads_step(self._group_of_bucket[b.index]):
                     again.append(p)
-        return self._snapshot_pieces(again) if again else {}
+        return (self._snapshot_pieces(again) if again else {}), frozenset(idle)
 
     def _update_again(self, b, redo: list, grad_scale, found_inf: torch.Tensor) -> None:
         """After bucket ``b``'s flat update: its pieces in ``redo`` (from :meth:`_count_steps`) put back and
