@@ -26,6 +26,10 @@ OPTIMIZERS = {  # ours and torch's, same hyper-parameters (SGD's dampening makes
     "adamw, remainders": (lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1,
                                                             store_param_remainders=True, **kw),
                           lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)),
+    # the updates bucket by bucket, each followed by its all-gather (the pieces updated again between the two)
+    "adamw, overlap_comm": (lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1, overlap_comm=True,
+                                                              **kw),
+                            lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)),
     "sgd": (lambda params, **kw: ShardedSGD(params, lr=1e-1, momentum=0.9, dampening=0.3, weight_decay=0.1, **kw),
             lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9, dampening=0.3, weight_decay=0.1,
                                            foreach=False)),
