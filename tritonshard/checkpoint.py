@@ -13,8 +13,9 @@ Two ways to save a :class:`~tritonshard.ShardedOptimizer`:
 DCP has no public tensor type for "this rank holds an arbitrary contiguous range of the flattened tensor" (the
 flat buffer is cut into equal shards regardless of parameter boundaries): ``DTensor``'s ``Shard(0)`` fixes the
 split points and ``ShardedTensor`` is deprecated (it warns on every use in torch 2.13). Two small planners
-(:class:`_PiecesSavePlanner`, :class:`_PiecesLoadPlanner`) therefore emit the write and read items for those
-ranges themselves; the storage format is plain DCP.
+(``_PiecesSavePlanner``, ``_PiecesLoadPlanner`` in ``tritonshard/_dcp.py``) therefore emit the write and read items
+for those ranges themselves; the storage format is plain DCP. DCP itself is imported on the first sharded save or
+load (~2 s of CPU per process: a rank that never saves does not pay it).
 
 Atomicity: a sharded checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` by one rank only once
 every rank has finished; :func:`save_checkpoint` then advances a ``latest`` pointer file (written to a temporary
@@ -33,7 +34,6 @@ into copies that replace the state only once everything succeeded: a load succee
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import pickle
@@ -43,14 +43,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
 
@@ -105,40 +97,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(
             f"{self.path} asks to load {module}.{name}, which a checkpoint's metadata never holds: refused (a "
             "crafted or foreign file; tritonshard never runs code from a checkpoint)")
-
-
-class _SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, its ``.metadata`` read through :class:`_MetadataUnpickler` instead of ``pickle.load``
-    (which would run whatever code a crafted file names)."""
-
-    #: the first refusal or read error (DCP turns it into an AssertionError message inside a CheckpointException;
-    #: load_sharded raises this one instead)
-    error: Optional[CheckpointError] = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
-            return self._read_metadata(kwargs.get("rank"))
-        except CheckpointError as exc:
-            if self.error is None:
-                self.error = exc
-            raise
-
-    def _read_metadata(self, rank) -> Metadata:
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f, str(path)).load()
-            except UnsafeCheckpointError:
-                raise
-            except Exception as exc:  # truncated or corrupt: say which file
-                raise CheckpointError(f"{path} is not readable checkpoint metadata: {type(exc).__name__}: {exc}") \
-                    from exc
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def _fsync_dir(path: str) -> None:
@@ -207,9 +165,10 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             for name, t in (("master", master), *b.state.items()):
                 pieces[_key(index_of[p], name)] = (p.numel(), piece.tensor_start, t[sl].detach())
     if opt.replica_rank == 0:  # hybrid sharding: replicas hold the same shards, the first one writes them
+        from . import _dcp
         with _single_process_ok():
-            dcp.save({}, checkpoint_id=partial, planner=_PiecesSavePlanner(pieces), process_group=_dcp_group(opt),
-                     no_dist=not comm.is_initialized())
+            _dcp.dcp.save({}, checkpoint_id=partial, planner=_dcp._PiecesSavePlanner(pieces),
+                          process_group=_dcp_group(opt), no_dist=not comm.is_initialized())
     if _is_lead(opt):
         # every file DCP wrote, hashed once it is complete (DCP's coordinator returns after every rank's write);
         # meta.pt carries these, and meta.pt's own digest sits beside it (checked on load before anything is used)
@@ -294,65 +253,6 @@ def _single_process_ok():
         yield
 
 
-def _chunk(offset: int, numel: int) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([numel]))
-
-
-class _PiecesSavePlanner(DefaultSavePlanner):
-    """Saves, under each key, this rank's piece of a flattened parameter as a chunk at its global offset.
-
-    DCP stores chunks with offsets natively; what it has no public type for is a tensor split at arbitrary
-    points (DTensor's Shard(0) fixes the split points, ShardedTensor is deprecated), so the write items are made
-    here from ``pieces``: key -> (numel of the whole flattened parameter, offset of the piece, the piece).
-    """
-
-    def __init__(self, pieces: dict):
-        super().__init__()
-        self.pieces = pieces
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        items = [WriteItem(index=MetadataIndex(key, torch.Size([offset])), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(chunk=_chunk(offset, piece.numel()),
-                                                       properties=TensorProperties.create_from_tensor(piece),
-                                                       size=torch.Size([numel])))
-                 for key, (numel, offset, piece) in self.pieces.items()]
-        self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
-        return self.plan
-
-    def resolve_data(self, write_item):
-        if write_item.index.fqn in self.pieces:
-            return self.pieces[write_item.index.fqn][2]
-        return super().resolve_data(write_item)
-
-
-class _PiecesLoadPlanner(DefaultLoadPlanner):
-    """Reads into each of this rank's pieces (key -> (offset, destination)) the parts of the stored chunks that
-    overlap it, whatever the world size and bucket layout that wrote them (DCP's resharding read plan)."""
-
-    def __init__(self, targets: dict):
-        super().__init__()
-        self.targets = targets
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        items = []
-        for key, (offset, dest) in self.targets.items():
-            stored = self.metadata.state_dict_metadata.get(key)
-            if stored is None:
-                raise CheckpointMismatchError(f"the checkpoint has no '{key}' (incomplete checkpoint)")
-            items += create_read_items_for_chunk_list(key, stored, [_chunk(offset, dest.numel())])
-        self.plan = dataclasses.replace(plan, items=list(plan.items) + items)
-        return self.plan
-
-    def resolve_tensor(self, read_item):
-        key = read_item.dest_index.fqn
-        if key not in self.targets:
-            return super().resolve_tensor(read_item)
-        (start,), (length,) = read_item.dest_offsets, read_item.lengths
-        return self.targets[key][1].narrow(0, start, length)
-
-
 def _check_signature(opt, meta) -> None:
     ours, theirs = _param_signature(opt), meta["params"]
     if len(ours) != len(theirs):
@@ -413,13 +313,15 @@ def load_sharded(opt, path: str) -> dict:
                 for name, shard in (("master", master), *state.items()):
                     targets[_key(i, name)] = (piece.tensor_start, shard[sl])
         # each rank reads only the stored chunks that overlap its own pieces (DCP's resharding read plan)
+        from . import _dcp
         with _single_process_ok():
             # the metadata through a restricted unpickler: a crafted .metadata cannot run code (issue 23)
-            reader = _SafeFileSystemReader(path)
+            reader = _dcp._SafeFileSystemReader(path)
             try:
-                dcp.load({}, checkpoint_id=path, storage_reader=reader, planner=_PiecesLoadPlanner(targets),
-                         process_group=_dcp_group(opt), no_dist=not comm.is_initialized())
-            except CheckpointException as exc:  # a BaseException: `except Exception` in a user's loop misses it
+                _dcp.dcp.load({}, checkpoint_id=path, storage_reader=reader,
+                              planner=_dcp._PiecesLoadPlanner(targets), process_group=_dcp_group(opt),
+                              no_dist=not comm.is_initialized())
+            except _dcp.CheckpointException as exc:  # a BaseException: `except Exception` in a loop misses it
                 raise (reader.error or _checkpoint_error(path, exc)) from None
         for b, master, state in zip(opt.buckets, masters, states):
             b.set_master(master)
@@ -435,7 +337,7 @@ def load_sharded(opt, path: str) -> dict:
     return meta["extra"]
 
 
-def _checkpoint_error(path: str, exc: CheckpointException) -> CheckpointError:
+def _checkpoint_error(path: str, exc) -> CheckpointError:
     """DCP's CheckpointException (a BaseException holding every rank's failure) as tritonshard's own error: ours
     as it was raised (e.g. UnsafeCheckpointError), anything else named with its rank and the checkpoint."""
     failures = exc.failures
