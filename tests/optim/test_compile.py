@@ -56,3 +56,35 @@ def test_compiled_step_has_no_graph_break_and_matches_eager(name):
         assert any(f"tritonshard.{op}" in t for t in targets), f"no tritonshard {op} op in {targets}"
     assert any("tritonshard.sum_sq_partials_" in t for t in targets), f"no sum_sq_partials_ op in {targets}"
     assert any("tritonshard.finalize_sum_sq_" in t for t in targets), f"no finalize_sum_sq_ op in {targets}"
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_compiled_step_keeps_the_counts_a_parameter_has_of_its_own(name):
+    # model.unused gets no gradient at the first (eager) step, so from then on it counts steps of its own
+    # (param_steps.py); the compiled steps after it must advance that count and update it with it, as eager steps
+    # do: the same bits, the same counts (before, dynamo could not even trace the step: it inspected the
+    # parameters keying the counts, and their placeholder grads)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = make_model(0)
+        opt = FACTORIES[name](model)
+        step = torch.compile(opt.step, fullgraph=True, backend=capture) if compiled else opt.step
+        for k in range(3):
+            loss = loss_fn(model, batch(0, k, 0))
+            (loss if k == 0 else loss + 0 * model.unused.sum()).backward()  # (unused: a zero gradient from k = 1)
+            opt.step() if k == 0 else step()  # the first step eager in both runs: it finds the unused parameter
+            opt.zero_grad()
+        counts = {i: float(e["step"]) for i, e in opt.state_dict()["state"].items()}
+        order = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]  # (torch.optim numbering)
+        assert counts == {i: 2.0 if p is model.unused else 3.0 for i, p in enumerate(order)}, counts
+        results.append([b.param_buffer.get_data().clone() for b in opt.buckets])
+    for a, b in zip(*results):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "compiled step != eager step"
+    assert graphs, "nothing was compiled"

@@ -360,6 +360,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         for b in self.buckets:
             b.step = self._group_steps.setdefault(b.group_index, b.step)
         self._own_steps: dict = {}  # ... and one per parameter whose count left its group's (param_steps.py)
+        self._own_plan: list = []
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
         # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
         # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
@@ -1433,7 +1434,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         pieces are saved and restored around the update) or counting steps of their own (param_steps.py), a
         multiplier that is not a 0-d tensor on our device, an lr given as a tensor, or a hyper-parameter that is a
         tensor or unhashable (a list, e.g. ``betas=[0.9, 0.95]``, counts as the tuple of its items)."""
-        if amp_scale is not None or amp_found_inf is not None or frozen or self._own_steps:
+        if amp_scale is not None or amp_found_inf is not None or frozen or self._own_plan:
             return None
         if multiplier is not None and not (isinstance(multiplier, torch.Tensor) and multiplier.dim() == 0
                                            and multiplier.device == self.device):

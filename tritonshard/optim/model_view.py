@@ -149,14 +149,20 @@ class ModelViewMixin:
         ``[(param, shard slice, [(shard view, saved copy), ...]), ...]``."""
         wanted, kept = set(params), {}
         for b in sorted({self._bucket_of[p][0] for p in params}, key=lambda b: b.index):  # (their buckets only)
-            targets = [b.master if b.master_remainder is None else b.master_remainder,
-                       b.param_buffer.get_local_shard(), *b.state.values()]
             for piece in b.param_buffer.shard_pieces():
                 p = b.params[piece.tensor_index]
                 if p in wanted and piece.numel:
                     sl = slice(piece.shard_start, piece.shard_end)
-                    kept.setdefault(b.index, []).append((p, sl, [(t[sl], t[sl].clone()) for t in targets]))
+                    kept.setdefault(b.index, []).append((p, sl, self._piece_copies(b, sl)))
         return kept
+
+    @staticmethod
+    def _piece_copies(b, sl: slice) -> list:
+        """[(shard view, saved copy)] of elements ``sl`` of bucket ``b``'s master (or remainders), bf16 shard and
+        states (see _snapshot_pieces)."""
+        targets = [b.master if b.master_remainder is None else b.master_remainder, b.param_buffer.get_local_shard(),
+                   *b.state.values()]
+        return [(t[sl], t[sl].clone()) for t in targets]
 
     @staticmethod
     def _restore_pieces(kept) -> None:

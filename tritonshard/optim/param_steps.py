@@ -30,6 +30,8 @@ class ParamStepsMixin:
 
     #: parameter -> its own step count (0-d fp32 device tensor), for those whose count left their group's
     _own_steps: dict
+    #: the same without the parameters, for step() (see _plan_own_steps)
+    _own_plan: list
 
     def _reads_step(self, group: dict) -> bool:
         """Whether ``group``'s update reads the step count (then a parameter with its own count is updated
@@ -53,41 +55,47 @@ class ParamStepsMixin:
     def _count_steps(self, skipped: list, not_skipped: torch.Tensor) -> tuple[dict, frozenset]:
         """Advance the step counts by ``not_skipped`` (1 - found_inf) for this step, where ``skipped`` are the
         parameters the update leaves unchanged. Returns (by bucket index, the pieces to update again with their
-        own count after the flat update: ``[(param, slice, [(shard view, saved copy), ...]), ...]``, saved now,
-        before it; the indices of the groups none of whose parameters trains this step, which are not updated:
-        their count stays, and an update at count 0 would write NaN into the padding, 0 / sqrt(1 - beta2^0))."""
-        if (not skipped and not self._own_steps) or torch.compiler.is_compiling():  # (the steady state)
-            for step in self._group_steps.values():  # skipped steps do not count
+        own count after the flat update: ``[(slice, own count, [(shard view, saved copy), ...]), ...]``, saved
+        now, before it; the indices of the groups none of whose parameters trains this step, which are not
+        updated: their count stays, and an update at count 0 would write NaN into the padding,
+        0 / sqrt(1 - beta2^0)).
+
+        Traceable by torch.compile (where step() finds no skipped parameters): what it reads then is the group
+        counters and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its placeholder grad)."""
+        idle = set()
+        if skipped:  # (eager only)
+            left = set(skipped)
+            for gi, buckets in self._buckets_by_group:
+                params = [p for b in buckets for p in b.params]
+                left_out = [p for p in params if p in left]
+                if len(left_out) == len(params):  # none of the group trains: its counter stays, nobody leaves it
+                    idle.add(gi)
+                    continue
+                for p in left_out:
+                    if p not in self._own_steps:
+                        self._set_own_step(p, self._group_steps[gi].clone())
+        for gi, step in self._group_steps.items():  # skipped steps do not count
+            if gi not in idle:
                 step.add_(not_skipped)
-            return {}, frozenset()
-        skipped, idle = set(skipped), set()
-        for gi, buckets in self._buckets_by_group:
-            params = [p for b in buckets for p in b.params]
-            left_out = [p for p in params if p in skipped]
-            if len(left_out) == len(params):  # none of the group trains: its counter stays, nobody leaves it
-                idle.add(gi)
-                continue
-            step = self._group_steps[gi]
-            for p in left_out:
-                if p not in self._own_steps:
-                    self._set_own_step(p, step.clone())
-            step.add_(not_skipped)
-        again = []
-        for p, own in self._own_steps.items():
-            if p not in skipped:
+        redo: dict = {}
+        if self._own_plan:
+            left_ids = {id(p) for p in skipped}
+            for param_id, b_index, sl, own, reads in self._own_plan:
+                if param_id in left_ids:
+                    continue
                 own.add_(not_skipped)
-                b = self._bucket_of[p][0]
-                if self._reads_step(self._group_of_bucket[b.index]):
-                    again.append(p)
-        return (self._snapshot_pieces(again) if again else {}), frozenset(idle)
+                if reads and sl is not None:
+                    redo.setdefault(b_index, []).append((sl, own, self._piece_copies(self.buckets[b_index], sl)))
+        return redo, frozenset(idle)
 
     def _update_again(self, b, redo: list, grad_scale, found_inf: torch.Tensor) -> None:
         """After bucket ``b``'s flat update: its pieces in ``redo`` (from :meth:`_count_steps`) put back and
         updated with their parameter's own count."""
         group = self._group_of_bucket[b.index]
-        for p, sl, saved in redo:
-            self._restore_pieces([(p, sl, saved)])
-            self._update_slice(b, group, sl, self._own_steps[p], self._piece_seed(b, sl), grad_scale, found_inf)
+        for sl, own, saved in redo:
+            for dst, copy in saved:
+                dst.copy_(copy)
+            self._update_slice(b, group, sl, own, self._piece_seed(b, sl), grad_scale, found_inf)
 
     @staticmethod
     def _piece_seed(b, sl: slice):
@@ -103,11 +111,25 @@ class ParamStepsMixin:
         self._own_steps[p] = step
         if self._state_exposed:  # opt.state[p]["step"] shows the live counter
             self.state[p]["step"] = step
+        self._plan_own_steps()
+
+    def _plan_own_steps(self) -> None:
+        """:attr:`_own_plan`, what a step reads of the parameters with their own count: (id of the parameter,
+        bucket index, the slice of this rank's piece of it or None, its count, whether its group's update reads
+        the count), in the order they got their count."""
+        self._own_plan = []
+        for p, own in self._own_steps.items():
+            b = self._bucket_of[p][0]
+            pieces = [piece for piece in b.param_buffer.shard_pieces()
+                      if b.params[piece.tensor_index] is p and piece.numel]  # (at most one per rank and bucket)
+            sl = slice(pieces[0].shard_start, pieces[0].shard_end) if pieces else None
+            self._own_plan.append((id(p), b.index, sl, own, self._reads_step(self._group_of_bucket[b.index])))
 
     def _load_steps(self, steps: dict) -> None:
         """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): per param
         group, the most common count becomes the group's counter (the larger on a tie), the others own ones."""
         self._own_steps.clear()
+        self._plan_own_steps()
         for gi, buckets in self._buckets_by_group:
             params = [p for b in buckets for p in b.params]
             counts = collections.Counter(float(steps[p]) for p in params)
