@@ -21,14 +21,19 @@ OPS = {"adamw": ["adamw_step_"], "sgd": ["sgd_step_"], "lion": ["lion_step_"],
        "muon": ["muon_momentum_", "muon_update_", "adamw_step_"]}
 
 
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_compiled_step_has_no_graph_break_and_matches_eager(name):
+def _recording_backend():
+    """(the graphs dynamo traced, a backend that records them and then runs each as is)."""
     graphs = []
 
-    def capture(gm, example_inputs):  # a backend that records what dynamo traced, then runs it as is
+    def capture(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
+    return graphs, capture
 
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_compiled_step_has_no_graph_break_and_matches_eager(name):
+    graphs, capture = _recording_backend()
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -64,12 +69,7 @@ def test_a_compiled_step_keeps_the_counts_a_parameter_has_of_its_own(name):
     # (param_steps.py); the compiled steps after it must advance that count and update it with it, as eager steps
     # do: the same bits, the same counts (before, dynamo could not even trace the step: it inspected the
     # parameters keying the counts, and their placeholder grads)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, capture = _recording_backend()
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
