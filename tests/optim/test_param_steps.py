@@ -1,7 +1,8 @@
 """A step count per parameter, as torch.optim keeps one: a parameter step() skipped (no gradient on any rank, or
 frozen) does not count that step, so when it trains again its bias correction (AdamW) or its first momentum step
-(SGD) is its own, not its group's. Compared bit for bit with torch.optim on an fp32 master copy, step by step,
-through runs where heads of a model train on some steps only; and kept by every way of saving the state."""
+(SGD) is its own, not its group's. Compared with torch.optim on an fp32 master copy, step by step, through runs
+where heads of a model train on some steps only (counts exactly, state and master to fp32 op order), and bit for bit
+with an optimizer holding the late parameter alone; kept by every way of saving the state."""
 
 import copy
 
@@ -94,7 +95,8 @@ def _assert_like_torch(ours: dict, twin: _Twin, what: str):
                 f"{what}: {name} step {float(entry['step'])}, torch {float(theirs['step'])}"
         for key, value in theirs.items():
             if key != "step":
-                torch.testing.assert_close(entry[key], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: {name} {key}: {m}")
+                torch.testing.assert_close(entry[key], value, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, key=key: f"{what}: {name} {key}: {m}")
         torch.testing.assert_close(entry["master"], m.detach(), rtol=0, atol=1e-6, msg=f"{what}: {name} master")
     assert len(ours["state"]) == len(list(twin.master.parameters()))
 
@@ -273,7 +275,8 @@ def _on_ranks(rank, world_size):
     model = _Heads()
     opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    # a backward (hooks, buckets completing) on every rank; head b: used on the last rank only at step 1 (so every rank counts it), head c never until step 2
+    # a backward (hooks, buckets completing) on every rank; head b: used on the last rank only at step 1 (so every
+    # rank counts it), head c never until step 2
     schedule = [("a",), ("a", "b") if rank == world_size - 1 else ("a",), HEADS]
     expected = []
     for used in schedule:

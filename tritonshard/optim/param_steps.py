@@ -6,14 +6,16 @@ does not count a step it skipped, so from then on the parameter counts on a coun
 group's taken before the step's increment. The flat update still runs over the whole bucket with the group's count
 (it has no per-element step); the pieces of a parameter whose own count differs are saved before it, put back
 after it, and updated again by a launch of their own with their own count (the update's arithmetic, with the
-coefficients of that count). Only update rules that read the count redo pieces (AdamW's bias corrections, SGD's first-step momentum);
-the others only keep the count, for the state they save.
+coefficients of that count). Only update rules that read the count redo pieces (AdamW's bias corrections, SGD's
+first-step momentum); the others only keep the count, for the state they save.
 
 What that costs, only where a parameter has been skipped while others of its group stepped (a task head not
 used, a branch not taken, a parameter frozen and unfrozen): per step and such parameter that trains, an
 increment, a copy of its pieces and one more update launch over them; a step with one runs eagerly under
 ``cuda_graph=True``. A step that skips every parameter of a group (``step()`` without a backward) leaves the
-group's counter as it is and costs nothing after it.
+group's counter as it is, launches no update for the group and costs nothing after it. A step compiled by
+torch.compile finds no skipped parameters (README), but keeps and advances the counts of their own that earlier
+eager steps or a load gave.
 """
 
 from __future__ import annotations
