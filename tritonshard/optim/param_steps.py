@@ -66,7 +66,7 @@ class ParamStepsMixin:
         counters and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its placeholder grad)."""
         idle = set()
         if skipped:  # (eager only)
-            left = set(skipped)
+            left, added = set(skipped), False
             for gi, buckets in self._buckets_by_group:
                 params = [p for b in buckets for p in b.params]
                 left_out = [p for p in params if p in left]
@@ -75,7 +75,10 @@ class ParamStepsMixin:
                     continue
                 for p in left_out:
                     if p not in self._own_steps:
-                        self._set_own_step(p, self._group_steps[gi].clone())
+                        self._set_own_step(p, self._group_steps[gi].clone(), replan=False)
+                        added = True
+            if added:
+                self._plan_own_steps()
         for gi, step in self._group_steps.items():  # skipped steps do not count
             if gi not in idle:
                 step.add_(not_skipped)
@@ -109,11 +112,14 @@ class ParamStepsMixin:
         mix = ((sl.start * 0x9E3779B1) & 0x7FFF_FFFF) << 32
         return torch.bitwise_xor(b.sr_seed, mix - (1 << 63))
 
-    def _set_own_step(self, p: torch.Tensor, step: torch.Tensor) -> None:
+    def _set_own_step(self, p: torch.Tensor, step: torch.Tensor, replan: bool = True) -> None:
+        """Give ``p`` its own count ``step``; ``replan=False``: the caller rebuilds :attr:`_own_plan` once after
+        setting several."""
         self._own_steps[p] = step
         if self._state_exposed:  # opt.state[p]["step"] shows the live counter
             self.state[p]["step"] = step
-        self._plan_own_steps()
+        if replan:
+            self._plan_own_steps()
 
     def _plan_own_steps(self) -> None:
         """:attr:`_own_plan`, what a step reads of the parameters with their own count: (id of the parameter,
@@ -131,7 +137,6 @@ class ParamStepsMixin:
         """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): per param
         group, the most common count becomes the group's counter (the larger on a tie), the others own ones."""
         self._own_steps.clear()
-        self._plan_own_steps()
         for gi, buckets in self._buckets_by_group:
             params = [p for b in buckets for p in b.params]
             counts = collections.Counter(float(steps[p]) for p in params)
@@ -139,7 +144,9 @@ class ParamStepsMixin:
             self._group_steps[gi].fill_(common)
             for p in params:
                 if float(steps[p]) != common:
-                    self._set_own_step(p, torch.full((), float(steps[p]), dtype=torch.float32, device=self.device))
+                    self._set_own_step(p, torch.full((), float(steps[p]), dtype=torch.float32, device=self.device),
+                                       replan=False)
+        self._plan_own_steps()
         if self._state_exposed:
             for p in self._bucket_of:
                 self.state[p]["step"] = self._param_step(p)
