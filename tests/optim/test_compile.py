@@ -31,14 +31,19 @@ def _recording_backend():
     return graphs, capture
 
 
+def _eager_then_compiled(name):
+    """(compiled, model, optimizer): an eager run, then a compiled one, each from the same fresh model."""
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = make_model(0)
+        yield compiled, model, FACTORIES[name](model)
+
+
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_compiled_step_has_no_graph_break_and_matches_eager(name):
     graphs, capture = _recording_backend()
     results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        model = make_model(0)
-        opt = FACTORIES[name](model)
+    for compiled, model, opt in _eager_then_compiled(name):
 
         def clip_and_step(opt=opt):  # the optimizer half of a training step: reduce, norm, clip, update
             norm = opt.clip_grad_norm_(0.5)
@@ -71,10 +76,7 @@ def test_a_compiled_step_keeps_the_counts_a_parameter_has_of_its_own(name):
     # parameters keying the counts, and their placeholder grads)
     graphs, capture = _recording_backend()
     results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        model = make_model(0)
-        opt = FACTORIES[name](model)
+    for compiled, model, opt in _eager_then_compiled(name):
         step = torch.compile(opt.step, fullgraph=True, backend=capture) if compiled else opt.step
         for k in range(3):
             loss = loss_fn(model, batch(0, k, 0))
