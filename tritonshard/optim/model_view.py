@@ -145,15 +145,14 @@ class ModelViewMixin:
 
     def _snapshot_pieces(self, params: list) -> dict:
         """Copies of this rank's master / state / bf16 pieces of ``params``, by bucket index, for
-        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments):
-        ``[(param, shard slice, [(shard view, saved copy), ...]), ...]``."""
+        ``_restore_pieces`` after the flat update (which would decay their weights and move their moments): a
+        list per bucket of each piece's :meth:`_piece_copies`."""
         wanted, kept = set(params), {}
         for b in sorted({self._bucket_of[p][0] for p in params}, key=lambda b: b.index):  # (their buckets only)
             for piece in b.param_buffer.shard_pieces():
-                p = b.params[piece.tensor_index]
-                if p in wanted and piece.numel:
+                if b.params[piece.tensor_index] in wanted and piece.numel:
                     sl = slice(piece.shard_start, piece.shard_end)
-                    kept.setdefault(b.index, []).append((p, sl, self._piece_copies(b, sl)))
+                    kept.setdefault(b.index, []).append(self._piece_copies(b, sl))
         return kept
 
     @staticmethod
@@ -166,9 +165,9 @@ class ModelViewMixin:
 
     @staticmethod
     def _restore_pieces(kept) -> None:
-        for _, _, saved in kept:
-            for dst, copy in saved:
-                dst.copy_(copy)
+        for piece in kept:
+            for dst, saved in piece:
+                dst.copy_(saved)
 
     def _common_multiplier(self):
         """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every

@@ -98,8 +98,7 @@ class ParamStepsMixin:
         updated with their parameter's own count."""
         group = self._group_of_bucket[b.index]
         for sl, own, saved in redo:
-            for dst, copy in saved:
-                dst.copy_(copy)
+            self._restore_pieces([saved])
             self._update_slice(b, group, sl, own, self._piece_seed(b, sl), grad_scale, found_inf)
 
     @staticmethod
