@@ -1351,7 +1351,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         bound = self._hot_path()
         # the bound (or segmented) update launches read found_inf and grad_scale from these tensors (__init__)
         found_inf = self._found_inf_buf.copy_(found_inf)
-        kept = self._snapshot_pieces(frozen) if frozen else {}
         # The updates (one segmented launch per param group where the rule has one), then the all-gathers. With
         # overlap_comm, one gather per bucket in the order the next forward needs the buckets (the first module's
         # first): on NCCL one group's collectives run in issue order, so the gather of the embedding's bucket must
@@ -1360,8 +1359,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
         # the step counts (skipped steps do not count), and the pieces of parameters whose own count differs from
         # their group's, saved now and updated again after the flat update with their count (param_steps.py); a
-        # group none of whose parameters trains this step (idle) is not updated at all
-        redo, idle = self._count_steps(frozen, not_skipped)
+        # group none of whose parameters trains this step (idle) is not updated at all; the pieces of the other
+        # skipped parameters are saved before the update and put back after it
+        redo, idle, keep = self._count_steps(frozen, not_skipped)
+        kept = self._snapshot_pieces(keep) if keep else {}
         compiling = torch.compiler.is_compiling()
         together = self._update_together and not compiling  # every update first, then the gathers
         coalesce = self._coalesce and not compiling  # ... in one call

@@ -54,25 +54,29 @@ class ParamStepsMixin:
             return own
         return self._bucket_of[p][0].step
 
-    def _count_steps(self, skipped: list, not_skipped: torch.Tensor) -> tuple[dict, frozenset]:
+    def _count_steps(self, skipped: list, not_skipped: torch.Tensor) -> tuple[dict, frozenset, list]:
         """Advance the step counts by ``not_skipped`` (1 - found_inf) for this step, where ``skipped`` are the
         parameters the update leaves unchanged. Returns (by bucket index, the pieces to update again with their
         own count after the flat update: ``[(slice, own count, [(shard view, saved copy), ...]), ...]``, saved
         now, before it; the indices of the groups none of whose parameters trains this step, which are not
         updated: their count stays, and an update at count 0 would write NaN into the padding,
-        0 / sqrt(1 - beta2^0)).
+        0 / sqrt(1 - beta2^0); the skipped parameters of the other groups, whose pieces the flat update reaches
+        and the caller must save and put back).
 
         Traceable by torch.compile (where step() finds no skipped parameters): what it reads then is the group
         counters and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its placeholder grad)."""
-        idle = set()
-        if skipped:  # (eager only)
-            left, added = set(skipped), False
-            for gi, buckets in self._buckets_by_group:
-                params = [p for b in buckets for p in b.params]
-                left_out = [p for p in params if p in left]
-                if len(left_out) == len(params):  # none of the group trains: its counter stays, nobody leaves it
+        idle, kept = set(), []
+        if skipped:  # (eager only; the work is per skipped parameter and per bucket, not per parameter)
+            by_group: dict = {}
+            for p in skipped:
+                by_group.setdefault(self._bucket_of[p][0].group_index, []).append(p)
+            sizes = {gi: sum(len(b.params) for b in buckets) for gi, buckets in self._buckets_by_group}
+            added = False
+            for gi, left_out in by_group.items():
+                if len(left_out) == sizes[gi]:  # none of the group trains: its counter stays, nobody leaves it
                     idle.add(gi)
                     continue
+                kept += left_out
                 for p in left_out:
                     if p not in self._own_steps:
                         self._set_own_step(p, self._group_steps[gi].clone(), replan=False)
@@ -91,7 +95,7 @@ class ParamStepsMixin:
                 own.add_(not_skipped)
                 if reads and sl is not None:
                     redo.setdefault(b_index, []).append((sl, own, self._piece_copies(self.buckets[b_index], sl)))
-        return redo, frozenset(idle)
+        return redo, frozenset(idle), kept
 
     def _update_again(self, b, redo: list, grad_scale, found_inf: torch.Tensor) -> None:
         """After bucket ``b``'s flat update: its pieces in ``redo`` (from :meth:`_count_steps`) put back and
