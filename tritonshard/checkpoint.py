@@ -141,12 +141,34 @@ def _param_signature(opt) -> list[dict]:
             for i, gi, p in opt._indexed_params()]
 
 
+def _refuse_dict_hooks(opt, call: str, kinds: tuple[str, ...]) -> None:
+    """torch.optim's state-dict hooks act on the full dict that ``state_dict()`` builds and ``load_state_dict()``
+    reads. A sharded checkpoint never builds it: rather than a checkpoint without what a hook adds (or a load
+    without what it adapts), an error."""
+    for kind in kinds:
+        hooks = getattr(opt, f"_optimizer_{kind}_hooks", None)
+        if hooks:
+            raise RuntimeError(
+                f"{call}: the optimizer has {len(hooks)} hook(s) from register_{kind}_hook, which act "
+                f"on the full dict of opt.{'load_' if kind.startswith('load') else ''}state_dict(); a sharded "
+                f"checkpoint writes and reads each rank's pieces and never builds that dict, so the hooks would not "
+                f"run. Save with torch.save(opt.state_dict(), ...) (load with opt.load_state_dict) instead, or "
+                f"remove the hooks (handle.remove())")
+
+
+_SAVE_HOOKS = ("state_dict_pre", "state_dict_post")
+_LOAD_HOOKS = ("load_state_dict_pre", "load_state_dict_post")
+
+
 def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     """Write ``opt``'s state as a sharded checkpoint directory ``path`` (a collective: every rank calls it).
 
     ``extra``: small picklable-free data (numbers, strings, tensors, lists, dicts) stored in the metadata by rank 0,
-    e.g. the training step and RNG states.
+    e.g. the training step and RNG states. An optimizer with torch.optim state-dict hooks
+    (``register_state_dict_pre_hook``/``post_hook``) is an error: they act on the full dict, which a sharded save
+    never builds.
     """
+    _refuse_dict_hooks(opt, "save_sharded", _SAVE_HOOKS)
     opt._entry("save")
     opt.sync_from_model()
     opt.wait_for_params()
@@ -275,8 +297,10 @@ def load_sharded(opt, path: str) -> dict:
     """Load a :func:`save_sharded` checkpoint into ``opt`` at any world size / bucket size (a collective).
 
     Returns the ``extra`` dict saved with it. Raises :class:`CheckpointMismatchError` naming the difference when
-    the checkpoint does not fit the optimizer, and ``FileNotFoundError`` when ``path`` is not a checkpoint.
+    the checkpoint does not fit the optimizer, and ``FileNotFoundError`` when ``path`` is not a checkpoint. An
+    optimizer with torch.optim load-state-dict hooks is an error, as in :func:`save_sharded`.
     """
+    _refuse_dict_hooks(opt, "load_sharded", _LOAD_HOOKS)
     opt._entry("load")
     opt._prepared_state = None
     meta_path = os.path.join(path, "meta.pt")
@@ -358,6 +382,7 @@ def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = N
     timeline that ``latest`` must never point back to). Returns the checkpoint's path. The pointer moves only
     after the checkpoint is complete on every rank.
     """
+    _refuse_dict_hooks(opt, "save_checkpoint", _SAVE_HOOKS)
     opt._entry("save")
     if _is_lead(opt):
         os.makedirs(directory, exist_ok=True)

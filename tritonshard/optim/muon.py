@@ -200,9 +200,6 @@ class ShardedMuon(ShardedOptimizer):
                 raise ValueError(f"param_groups[{gi}] was saved with use_muon={sg.get('use_muon', True)} but has "
                                  f"use_muon={g['use_muon']} here: Muon and AdamW keep different states")
         super()._apply_hparams(saved_groups)
-        for sg, g in zip(saved_groups, self.param_groups):
-            if "betas" in sg:  # the AdamW groups' key that the Muon defaults do not have
-                g["betas"] = tuple(sg["betas"])
 
     # ------------------------------------------------------------------ planning report
     @staticmethod

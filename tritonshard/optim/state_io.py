@@ -46,10 +46,18 @@ class StateDictMixin:
         tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
         use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as it runs them
+            pre_hook(self)
         prepared, self._prepared_state = self._prepared_state, None
         if prepared is not None and prepared[0] == self._param_version_key():
-            return self._with_groups(prepared[1])  # gathered by prepare_state_dict() on every rank; unchanged since
-        return self._with_groups(self._gather_state())
+            state_dict = self._with_groups(prepared[1])  # gathered by prepare_state_dict() on every rank; unchanged
+        else:
+            state_dict = self._with_groups(self._gather_state())
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _with_groups(self, gathered: dict) -> dict:
         """torch.optim's ``param_groups`` (hyper-parameters as they are now, e.g. after a scheduler) around the
@@ -107,10 +115,27 @@ class StateDictMixin:
         The bf16 parameters are re-derived from the loaded master weights (round to nearest even), exactly as
         every step writes them, so a resumed run continues bit for bit.
 
+        As in torch.optim, the hooks of ``register_load_state_dict_pre_hook`` see (and may replace) a shallow copy
+        of ``state_dict`` first, those of ``register_load_state_dict_post_hook`` run after the load, and every
+        hyper-parameter of the saved groups (a scheduler's ``initial_lr``, ``max_lr``..., keys of the user's own)
+        replaces the group's, but for torch.optim's implementation switches (``foreach``, ``fused``...), which this
+        optimizer does not have.
+
         Raises:
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
                 or unknown parameter).
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # as torch.optim: the hooks may change the copy, never the caller's dict
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict) -> None:
         self._entry("load_state_dict")
         self._prepared_state = None
         self.sync_from_model()
@@ -202,12 +227,19 @@ class StateDictMixin:
             self._growth_tracker.fill_(int(extra["growth_tracker"]))
             self._overflows_at_min.fill_(int(extra.get("overflows_at_min_scale", 0)))
 
+    #: torch.optim's implementation switches, in the groups of its state dicts: not hyper-parameters of this
+    #: optimizer, so a torch.optim dict's values are not copied into its groups
+    _TORCH_ONLY_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "amsgrad",
+                                  "decoupled_weight_decay"})
+
     def _apply_hparams(self, saved_groups) -> None:
-        """Restore the hyper-parameters this optimizer has (its defaults' keys; LR schedulers add initial_lr)."""
+        """Every saved key of each group replaces the group's, as torch.optim's ``load_state_dict`` does (the
+        hyper-parameters, what LR schedulers keep there: ``initial_lr``, OneCycleLR's ``max_lr``..., keys of the
+        user's own), but ``params`` and :attr:`_TORCH_ONLY_KEYS`."""
         for sg, g in zip(saved_groups, self.param_groups):
-            for k in (*self.defaults, "initial_lr"):
-                if k in sg:
-                    g[k] = tuple(sg[k]) if k == "betas" else sg[k]
+            for k, v in sg.items():
+                if k != "params" and k not in self._TORCH_ONLY_KEYS:
+                    g[k] = tuple(v) if k == "betas" and isinstance(v, list) else v
 
     def _refresh_params_from_master(self) -> None:
         """All-gather the param shards, which set_master() rounded from the master (what every step ends with)."""
