@@ -3,8 +3,12 @@
     python -m benchmarks.e2e --model 85M --nproc 1 --steps 25          # one GPU (NCCL world size 1)
     python -m benchmarks.e2e --model tiny --nproc 2 --steps 6          # the CPU smoke run CI does (gloo)
 
-Every configuration trains ``examples/train_gpt.py`` on the same model, data, seed and lr schedule, as a fresh
-``torchrun`` (so one run's allocator state or compile cache cannot help the next):
+Every configuration trains ``examples/train_gpt.py`` on the same model, data, seed and lr schedule, in fresh
+processes (so one run's allocator state or compile cache cannot help the next): a ``torchrun``, or with
+``--nproc 1`` the one worker such a torchrun would start, with the environment torchrun gives it (a process group
+of one rank: NCCL world size 1 on a GPU), without the agent process, which cost ~4 s per run here (importing torch
+a second time) and on the GPU machine too. Each run writes no plot of its own (~2 s of matplotlib); this script
+plots them all together:
 
 * ``amp``: torch AMP: fp32 weights, bf16 autocast, DDP, fused ``torch.optim.AdamW``, torch's ``clip_grad_norm_``;
 * ``fsdp2``: ``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(param_dtype=bfloat16,
@@ -26,6 +30,7 @@ import argparse
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,15 +70,31 @@ def _train_gpt():
     return module
 
 
+def one_worker_env() -> dict:
+    """What ``torchrun --standalone --nproc-per-node 1`` puts in its worker's environment for
+    ``init_process_group``: rank 0 of 1, and a free port on this host for the store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def run_config(name: str, args, out_dir: str) -> dict:
     n_layer, n_head, n_embd, block, batch, accum = MODELS[args.model]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           EXAMPLE, *CONFIGS[name], "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
-           "--block-size", str(block), "--batch-size", str(batch), "--grad-accum", str(accum),
-           "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 5)), "--no-progress", "--no-save",
-           "--out-dir", os.path.join(out_dir, name), *args.example_args]
+    example = [EXAMPLE, *CONFIGS[name], "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
+               "--block-size", str(block), "--batch-size", str(batch), "--grad-accum", str(accum),
+               "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 5)), "--no-progress", "--no-save",
+               "--no-plot", "--out-dir", os.path.join(out_dir, name), *args.example_args]
+    env = None
+    if args.nproc == 1:  # torchrun's one worker, without the agent (see the module's docstring)
+        cmd = [sys.executable, *example]
+        env = {**os.environ, **one_worker_env()}
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               *example]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
     row = {"config": name, "wall_s": time.perf_counter() - t0}
     run_dir = os.path.join(out_dir, name, CONFIGS[name][1])
     with open(os.path.join(out_dir, f"{name}.log"), "w") as f:

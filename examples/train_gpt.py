@@ -213,6 +213,8 @@ def parse_args(argv=None):
                    help="--optimizer tritonshard: capture the step in CUDA graphs (needs a GPU and --no-overlap)")
     p.add_argument("--ckpt-interval", type=int, default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--no-save", action="store_true", help="write no checkpoints at all (benchmark runs)")
+    p.add_argument("--no-plot", action="store_true",
+                   help="write no loss.png (benchmark runs plot every run together; matplotlib costs ~2 s here)")
     p.add_argument("--out-dir", default="runs/gpt")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     p.add_argument("--stop-after", type=int, default=0,
@@ -411,8 +413,11 @@ def main(argv=None):
             json.dump(summary, f, indent=1)
         print(f"peak memory per rank: {fmt_bytes(summary['peak_memory_bytes_per_rank'])} "
               f"({summary['peak_memory_kind']})")
-        plot_losses({args.optimizer: metrics_path}, os.path.join(out_dir, "loss.png"))
-        print(f"metrics: {metrics_path}; loss curve: {os.path.join(out_dir, 'loss.png')}")
+        if args.no_plot:
+            print(f"metrics: {metrics_path}")
+        else:
+            plot_losses({args.optimizer: metrics_path}, os.path.join(out_dir, "loss.png"))
+            print(f"metrics: {metrics_path}; loss curve: {os.path.join(out_dir, 'loss.png')}")
     if dist.is_initialized():
         # Teardown: while rank 0 saves and plots, the others must not destroy the group under it, and nothing that
         # holds the group (DDP's reducer, the optimizer) may outlive it into interpreter shutdown: 2 of 6 runs of
