@@ -200,6 +200,7 @@ ENTRIES = {
     "load_state_dict": "load_state_dict()",
     "save": "a checkpoint save (save_sharded / save_checkpoint)",
     "load": "a checkpoint load (load_sharded)",
+    "add_param_group": "add_param_group() after construction",
 }
 
 
@@ -208,7 +209,7 @@ def _code(key: str) -> int:
 
 
 _DESCRIBE = {_code(k): v for k, v in ENTRIES.items()}
-_COLD = frozenset({"state_dict", "load_state_dict", "save", "load"})  # off the training loop's path
+_COLD = frozenset({"state_dict", "load_state_dict", "save", "load", "add_param_group"})  # off the training loop's path
 #: a rank waiting this long in a handshake of a cold entry (state_dict, loads, saves) logs what it waits for
 WARN_AFTER_S = 10.0
 _log = logging.getLogger("tritonshard")

@@ -347,61 +347,29 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self.device = trainable[0].device if trainable else torch.device("cpu")
 
-        cap_elems = max(1, int(bucket_cap_mb * 2 ** 20) // torch.empty((), dtype=param_dtype).element_size())
+        self._align = align
         self.buckets: list[_Bucket] = []
-        for gi, group in enumerate(self.param_groups):
-            trainable = [p for p in group["params"] if p.requires_grad]
-            for params in split_into_buckets(trainable, self._group_bucket_cap(group, cap_elems)):
-                self.buckets.append(self._make_bucket(gi, params, align))
+        for gi in range(len(self.param_groups)):
+            self.buckets += self._lay_out_group(gi)
         # one step counter per param group, shared by its buckets and by every parameter that took each of the
         # group's steps: one increment per group and step, and per-group coefficients computed once (see
         # _once_per_step)
         self._group_steps: dict[int, torch.Tensor] = {}
-        for b in self.buckets:
-            b.step = self._group_steps.setdefault(b.group_index, b.step)
         self._own_steps: dict = {}  # ... and one per parameter whose count left its group's (param_steps.py)
         self._own_plan: list = []
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
-        # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
-        # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
-        self._norm_workspace, slices = shared_sum_sq_workspace(
-            [b.grad_buffer.shard_numel for b in self.buckets], self.device)
         # fp64 [sum_sq, non-finite]: all-reduced in fp64, so the per-rank sums' grouping (the layout) cannot show
         self._norm_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for b, partials in zip(self.buckets, slices):
-            b.norm_partials = partials
-        # ordered_reduce: the all-to-all's (d, shard) outputs, two of them: the third launch in a step first
-        # consumes (folds) the bucket that used its scratch two launches before (see _consume_reduced)
         if not isinstance(ordered_reduce, bool):
             raise TypeError(f"ordered_reduce must be a bool, got {type(ordered_reduce).__name__}")
         self.ordered_reduce = ordered_reduce
-        self._ordered = ordered_reduce and self.world_size > 2 and bool(self.buckets)
         if ordered_reduce and self.replica_size > 2:
             raise ValueError(f"ordered_reduce=True with a replica group of {self.replica_size} ranks is not supported "
                              "(the replicas' all-reduce would still add in the ring's order); use at most 2 replicas")
-        largest = max((b.grad_buffer.padded_numel for b in self.buckets), default=0)
-        self._scratch = ([torch.empty(largest, dtype=grad_dtype, device=self.device) for _ in range(2)]
-                         if self._ordered else [])
+        self._scratch: list = []
         self._scratch_user: list = [None, None]  # the bucket whose all-to-all output a scratch holds
-        self._bucket_of = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._bucket_by_id = {id(p): b for b in self.buckets for p in b.params}  # (the optimizer keeps p alive)
-        for i, b in enumerate(self.buckets):
-            b.index = i
-        # the param-group dicts themselves (LR schedulers and load_state_dict update them in place), reached without
-        # going through self.param_groups: under torch.compile that attribute makes dynamo wrap every parameter's
-        # .grad, which holds a ShardedGrad placeholder after backward
-        self._group_of_bucket = [self.param_groups[b.group_index] for b in self.buckets]
-        #: (index, dict) of the groups with buckets, which step() validates (a group with nothing to train never
-        #: reaches a kernel); held here for the same reason as _group_of_bucket
-        self._trained_groups = sorted({b.group_index: g for b, g in zip(self.buckets, self._group_of_bucket)}.items())
-        # all-gather (and update) order: the order the forward uses parameters, approximated by their order in the
-        # param groups here and by the model's registration order once attach() knows the model
-        self._set_gather_order([p for g in self.param_groups for p in g["params"]])
         self.overlap_comm = bool(overlap_comm)
-        # reduce-scatters are launched in _launch_order (the same on every rank): bucket order at first, then the
-        # order in which buckets completed in the first backward (rank 0's, broadcast), adopted from step 2 on
-        self._launch_order = list(range(len(self.buckets)))
-        self._observed_order: Optional[list[int]] = [] if self.overlap_comm else None
+        self._launch_order: list[int] = []  # (filled by _index_buckets, which says how)
         self._next_launch = 0  # _launch_order[:_next_launch] have their reduce-scatter launched this step
         self._defer_gathers = False  # attach() with overlap_comm: all-gathers are waited for in the next forward
         #: reduce-scatters launched so far (observable: lets a trace or test see them start during backward)
@@ -460,28 +428,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._direct_collectives = comm.is_initialized()
         #: ... straight through the ProcessGroup's methods (comm.reduce_scatter_async: not even torch's wrapper)
         self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
-        # Without overlap_comm every bucket is reduced at once, in step() (or clip_grad_norm_), on every rank, and
-        # gathered at once after the updates: one coalesced call each instead of one per bucket (issue 20.3: a
-        # collective cost ~67 us of host time per bucket on the H200, the reduce-scatter and the all-gather
-        # alike). With overlap_comm, buckets are launched as backward completes them (how many at once depends on
-        # timing, which differs between ranks: no coalescing there, as gloo pairs calls one to one); ordered_reduce
-        # launches all-to-alls into two scratch buffers in turn
-        self._coalesce = (not self.overlap_comm and not self._ordered and self._direct_collectives
-                          and comm.coalesced_available() and len(self.buckets) > 1)
-        # Each param group's buckets are updated by one segmented launch where the update rule has one (ShardedAdamW,
-        # SGD, Lion; _update_buckets), groups in the order of their first bucket in the gather order; the merged
-        # launches are kept per group (_launch_segmented). Without overlap_comm the gathers follow, all at once
-        # (_update_together). With it they follow too, one per bucket in the forward's order: the next forward's
-        # kernels queue behind every update on the stream anyway, so per-bucket updates would only start the first
-        # gather one bucket's update earlier, at a launch per bucket of host time (issue 20.3)
-        self._update_together = not self.overlap_comm and len(self.buckets) > 1
-        self._rounding_seeds = [b.sr_seed for b in self.buckets if b.sr_seed is not None]  # (kept, written in place)
-        self._merge_updates = len(self.buckets) > 1
-        self._segmented: dict = {}
-        self._flush_launches: dict = {}  # the flatten launches of _flush_buckets (several buckets' gradients)
-        self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
-        self._norm_launches: dict = {}
-        self._finalize_spec = None  # its finalize, bound on the hot path
         self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
@@ -489,35 +435,125 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._lr_filled = False
 
         # ---- the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
-        self._param_list = [p for b in self.buckets for p in b.params]
-        self._param_index = {p: i for i, p in enumerate(self._param_list)}
-        self._param_names = {p: param_name(g, gi, j, p) for gi, g in enumerate(self.param_groups)
-                             for j, p in enumerate(g["params"])}
+        self._param_list: list = []
+        self._param_names: dict = {}
         # what step() checks against: the view each parameter must alias, and its version counter (bumped by
         # every in-place write through the parameter, e.g. model.load_state_dict; not by our buffer writes)
-        self._param_views = {p: view for b in self.buckets for p, view in zip(b.params, b.param_buffer.get_views())}
-        # (per parameter, in _param_list's order)
-        self._param_ptrs = [self._param_views[p].data_ptr() for p in self._param_list]
-        self._param_versions = [p._version for p in self._param_list]
-        self._frozen_at_build = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._param_views: dict = {}
+        self._param_ptrs: list = []  # (per parameter, in _param_list's order)
+        self._param_versions: list = []
+        self._frozen_at_build: list = []
         self._model_params: list = []  # (module, attribute name, parameter), filled by attach()
         self._named_by_model: set = set()
-        self._placeholders = {p: ShardedGrad(p, self) for p in self._param_list}
+        self._attached: Optional[tuple] = None  # (model, the handles attach() returned), for add_param_group
+        self._placeholders: dict = {}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
-        self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
         self._state_exposed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self))
-                       for p in self._param_list]
-        self._hooks += [p.register_hook(model_sync.ClearPlaceholderHook(self, p)) for p in self._param_list]
+        self._hooks: list = []
+        # every structure derived from the buckets (norm workspace, lookups, launch order and plans, the model's
+        # view), rebuilt for the new buckets by add_param_group after construction
+        self._index_buckets(self.buckets, range(len(self.param_groups)))
 
     # ------------------------------------------------------------------ construction helpers
-    def _make_bucket(self, gi, params, align) -> _Bucket:
+    def _lay_out_group(self, gi: int) -> list[_Bucket]:
+        """The buckets of param group ``gi``'s trainable parameters (appended to ``self.buckets`` by the caller;
+        each bucket's Philox key depends on how many buckets exist before it)."""
+        group = self.param_groups[gi]
+        cap = max(1, int(self.bucket_cap_mb * 2 ** 20) // torch.empty((), dtype=self.param_dtype).element_size())
+        trainable = [p for p in group["params"] if p.requires_grad]
+        made = []
+        for params in split_into_buckets(trainable, self._group_bucket_cap(group, cap)):
+            made.append(self._make_bucket(gi, params, self._align, len(self.buckets) + len(made)))
+        return made
+
+    def _index_buckets(self, new: list, groups) -> None:
+        """Everything derived from ``self.buckets``, once buckets ``new`` (of param groups ``groups``) are in it:
+        every bucket at construction, a new group's by :meth:`add_param_group` after it. Launch plans, fused
+        launches and captured graphs that covered the old set of buckets are dropped (rebuilt at the next step)."""
+        buckets = self.buckets
+        for i, b in enumerate(buckets):
+            b.index = i
+        for b in new:  # (a group's counter is its first bucket's)
+            b.step = self._group_steps.setdefault(b.group_index, b.step)
+        # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
+        # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
+        self._norm_workspace, slices = shared_sum_sq_workspace([b.grad_buffer.shard_numel for b in buckets],
+                                                               self.device)
+        for b, partials in zip(buckets, slices):
+            b.norm_partials = partials
+        # ordered_reduce: the all-to-all's (d, shard) outputs, two of them: the third launch in a step first
+        # consumes (folds) the bucket that used its scratch two launches before (see _consume_reduced)
+        self._ordered = self.ordered_reduce and self.world_size > 2 and bool(buckets)
+        largest = max((b.grad_buffer.padded_numel for b in buckets), default=0)
+        if self._ordered and (not self._scratch or self._scratch[0].numel() < largest):
+            self._scratch = [torch.empty(largest, dtype=self.grad_dtype, device=self.device) for _ in range(2)]
+        self._bucket_of = {p: (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._bucket_by_id = {id(p): b for b in buckets for p in b.params}  # (the optimizer keeps p alive)
+        # the param-group dicts themselves (LR schedulers and load_state_dict update them in place), reached without
+        # going through self.param_groups: under torch.compile that attribute makes dynamo wrap every parameter's
+        # .grad, which holds a ShardedGrad placeholder after backward
+        self._group_of_bucket = [self.param_groups[b.group_index] for b in buckets]
+        #: (index, dict) of the groups with buckets, which step() validates (a group with nothing to train never
+        #: reaches a kernel); held here for the same reason as _group_of_bucket
+        self._trained_groups = sorted({b.group_index: g for b, g in zip(buckets, self._group_of_bucket)}.items())
+        # all-gather (and update) order: the order the forward uses parameters, approximated by their order in the
+        # param groups here and by the model's registration order once attach() knows the model
+        self._set_gather_order([p for g in self.param_groups for p in g["params"]])
+        # reduce-scatters are launched in _launch_order (the same on every rank): bucket order at first, then the
+        # order in which buckets completed in the first backward (rank 0's, broadcast), adopted from step 2 on
+        # (after add_param_group: observed again in the next backward)
+        self._launch_order += [b.index for b in new]
+        self._observed_order: Optional[list[int]] = [] if self.overlap_comm else None
+        # Without overlap_comm every bucket is reduced at once, in step() (or clip_grad_norm_), on every rank, and
+        # gathered at once after the updates: one coalesced call each instead of one per bucket (issue 20.3: a
+        # collective cost ~67 us of host time per bucket on the H200, the reduce-scatter and the all-gather
+        # alike). With overlap_comm, buckets are launched as backward completes them (how many at once depends on
+        # timing, which differs between ranks: no coalescing there, as gloo pairs calls one to one); ordered_reduce
+        # launches all-to-alls into two scratch buffers in turn
+        self._coalesce = (not self.overlap_comm and not self._ordered and self._direct_collectives
+                          and comm.coalesced_available() and len(buckets) > 1)
+        # Each param group's buckets are updated by one segmented launch where the update rule has one (ShardedAdamW,
+        # SGD, Lion; _update_buckets), groups in the order of their first bucket in the gather order; the merged
+        # launches are kept per group (_launch_segmented). Without overlap_comm the gathers follow, all at once
+        # (_update_together). With it they follow too, one per bucket in the forward's order: the next forward's
+        # kernels queue behind every update on the stream anyway, so per-bucket updates would only start the first
+        # gather one bucket's update earlier, at a launch per bucket of host time (issue 20.3)
+        self._update_together = not self.overlap_comm and len(buckets) > 1
+        self._rounding_seeds = [b.sr_seed for b in buckets if b.sr_seed is not None]  # (kept, written in place)
+        self._merge_updates = len(buckets) > 1
+        self._segmented: dict = {}
+        self._flush_launches: dict = {}  # the flatten launches of _flush_buckets (several buckets' gradients)
+        self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
+        self._norm_launches: dict = {}
+        self._finalize_spec = None  # its finalize, bound on the hot path
+        self._step_cache.clear()
+        if self._graphs is not None:
+            self._graphs.forget()
+        # the model's view (model_sync.py): names, aliasing and versions, gradient placeholders
+        added = [p for b in new for p in b.params]
+        self._param_list += added
+        self._param_index = {p: i for i, p in enumerate(self._param_list)}
+        for gi in groups:
+            for j, p in enumerate(self.param_groups[gi]["params"]):
+                self._param_names[p] = param_name(self.param_groups[gi], gi, j, p)
+                if not p.requires_grad:
+                    self._frozen_at_build.append(p)
+        for b in new:
+            self._param_views.update(zip(b.params, b.param_buffer.get_views()))
+        self._param_ptrs += [self._param_views[p].data_ptr() for p in added]
+        self._param_versions += [p._version for p in added]
+        self._placeholders.update({p: ShardedGrad(p, self) for p in added})
+        self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
+        self._hooks += [p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)) for p in added]
+        self._hooks += [p.register_hook(model_sync.ClearPlaceholderHook(self, p)) for p in added]
+
+    def _make_bucket(self, gi, params, align, index: int) -> _Bucket:
         # Stochastic rounding: the 64-bit Philox key of this bucket at step t is seed + t (step() advances it on
         # the device), distinct for every (rank, bucket, step) until 2^32 steps: rank in bits 48+, bucket in bits
         # 32-47. The state tensors of one update use disjoint 16-bit halves of each element's random word.
         rank_id = self.rank + self.world_size * self.replica_rank
-        seed = ((rank_id + 1) << 48) + (len(self.buckets) << 32) + 0x5EED
+        seed = ((rank_id + 1) << 48) + (index << 32) + 0x5EED
         group = self.param_groups[gi]
         return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
                        align, self.process_group, self._group_state_names(group), self.store_param_remainders,
@@ -567,9 +603,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         """Whether torch.optim's state for ``group`` has a ``step`` entry (state_dict() writes it then)."""
         return True
 
-    def _check_options_agree(self, options: dict) -> None:
+    def _check_options_agree(self, options: dict, verb: str = "built") -> None:
         """One all-gather of a hash of ``options`` per group; on a mismatch, the options themselves, and a
-        ValueError on every rank naming the first option that differs and the ranks' values."""
+        ValueError on every rank naming the first option that differs and the ranks' values (``verb``: what the
+        ranks did with them, for the message)."""
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         device = trainable[0].device if trainable else comm.local_device()
         groups = [(self.process_group, self.world_size)]
@@ -590,9 +627,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                 values = [t.get(key) for t in theirs]
                 if len(set(map(repr, values))) > 1:
                     listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-                    raise ValueError(f"the ranks built {type(self).__name__} with different {key} ({listing}); every "
-                                     "rank must pass the same options (they decide the collectives)")
-            raise ValueError("the ranks built the optimizer with different options")
+                    raise ValueError(f"the ranks {verb} {type(self).__name__} with different {key} ({listing}); "
+                                     "every rank must pass the same options (they decide the collectives)")
+            raise ValueError(f"the ranks {verb} the optimizer with different options")
 
     def _check_params(self) -> None:
         devices = set()
@@ -614,10 +651,72 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             raise ValueError(f"all trainable parameters must be on one device, got {sorted(map(str, devices))}")
 
     def add_param_group(self, param_group: dict) -> None:
-        if hasattr(self, "buckets"):
-            raise RuntimeError("param groups cannot be added after construction: the buffers are laid out once")
-        super().add_param_group(param_group)  # fills in the defaults
-        self._check_group(self.param_groups[-1], f" (param_groups[{len(self.param_groups) - 1}])")
+        """As ``torch.optim.Optimizer.add_param_group``: a new group (its keys, or the defaults) whose parameters
+        train from the next ``step()`` on. Typical use: unfreezing part of a model during training (Lightning's
+        ``BackboneFinetuning``), the parameters left out of the optimizer until then.
+
+        After construction it is a collective (every rank adds the same group, as in a data-parallel loop), between
+        steps: not between a backward and its ``step()`` (the gradients of that backward are in the old buffers'
+        reduction). The group's trainable parameters become bf16 views of new buffers, with their fp32 master taken
+        from their current values and fresh state (step count 0), exactly as at construction; the other groups'
+        buffers, masters and state are untouched. With ``attach``, the new parameters get their names, guards and
+        hooks in the attached model. Launch plans and CUDA graphs are rebuilt at the next step.
+        """
+        if not hasattr(self, "buckets"):  # (torch.optim's __init__ adds the constructor's groups)
+            super().add_param_group(param_group)  # fills in the defaults
+            self._check_group(self.param_groups[-1], f" (param_groups[{len(self.param_groups) - 1}])")
+            return
+        self._add_group_after_construction(param_group)
+
+    def _add_group_after_construction(self, param_group: dict) -> None:
+        busy = self._reduced is not None or any(b.has_grads or b.rs_launched or b.placed for b in self.buckets)
+        if busy:
+            raise RuntimeError("add_param_group() between a backward and its step(): the gradients of that backward "
+                               "are already in the buffers; add the group after step() (or zero_grad())")
+        self._entry("add_param_group")
+        self.wait_for_params()
+        gi = len(self.param_groups)
+        error, trainable = None, []
+        try:  # every rank checks, then they compare: a group wrong on one rank only is an error on all of them
+            super().add_param_group(param_group)  # torch.optim's checks (a parameter in two groups...), defaults
+            group = self.param_groups[gi]
+            self._check_group(group, f" (param_groups[{gi}])")
+            self._check_params()
+            trainable = [p for p in group["params"] if p.requires_grad]
+            moved = next((p for p in trainable if p.device != self.device), None)
+            if moved is not None and self.buckets:
+                raise ValueError(f"param_groups[{gi}] has a parameter on {moved.device}, the optimizer's are on "
+                                 f"{self.device}")
+            self._check_new_group(group, f" (param_groups[{gi}])")
+        except Exception as exc:
+            error = exc
+        try:
+            self._check_options_agree({"add_param_group": gi, "error": None if error is None else repr(error),
+                                       "trainable": [(tuple(p.shape), str(p.dtype)) for p in trainable]},
+                                      verb="added param groups to")
+        except BaseException:
+            del self.param_groups[gi:]  # nothing was laid out: the optimizer is as it was
+            raise
+        if error is not None:
+            del self.param_groups[gi:]
+            raise error
+        if not self.buckets and trainable:  # (an optimizer built without anything to train)
+            self.device = trainable[0].device
+        new = self._lay_out_group(gi)
+        self.buckets += new
+        self._index_buckets(new, [gi])
+        self._new_buckets_added(new)
+        if self._attached is not None:
+            model, handles = self._attached
+            handles += self._attach_buckets(model, new)
+        self._prepared_state = None
+        self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
+
+    def _check_new_group(self, group: dict, where: str) -> None:
+        """What a subclass cannot add after construction (its state names are fixed, say): a ValueError."""
+
+    def _new_buckets_added(self, new: list) -> None:
+        """Per-bucket plans of a subclass for buckets made after construction (add_param_group)."""
 
     def _check_group(self, group: dict, where: str) -> None:
         """Validate one group's hyper-parameters (subclasses); ``where`` names the group in the message."""
@@ -1137,6 +1236,21 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             model = model.module
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() takes the torch.nn.Module being trained, got {type(model).__name__}")
+        if not isinstance(cast_forward_inputs, bool):
+            raise TypeError(f"cast_forward_inputs must be a bool, got {type(cast_forward_inputs).__name__}")
+        cast_to = self.param_dtype if cast_forward_inputs else None
+        handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
+        if self.overlap_comm:
+            handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
+            self._defer_gathers = True
+        handles += self._attach_buckets(model, self.buckets)
+        self._attached = (model, handles)
+        return handles
+
+    def _attach_buckets(self, model: torch.nn.Module, buckets: list) -> list:
+        """attach()'s work per bucket, for ``buckets`` (all of them, or those add_param_group made after attach):
+        the parameters' names in the model, the gather order, the guards, and with overlap_comm a forward pre-hook
+        on each module owning some of them that waits for their gathers. Returns the new hook handles."""
         known = set(self._bucket_of) | set(self._frozen_at_build)
         for name, p in model.named_parameters(remove_duplicate=False):
             if p in known and p not in self._named_by_model:
@@ -1144,18 +1258,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                 self._param_names[p] = repr(name)
         self._model_params = [(module, local, p) for module in model.modules()
                               for local, p in module._parameters.items() if p is not None and p in known]
-        if not isinstance(cast_forward_inputs, bool):
-            raise TypeError(f"cast_forward_inputs must be a bool, got {type(cast_forward_inputs).__name__}")
-        cast_to = self.param_dtype if cast_forward_inputs else None
-        handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
+        handles = []
         if self.overlap_comm:
+            indices = {b.index for b in buckets}
             for module in model.modules():
                 owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
-                                if p in self._bucket_of})
+                                if p in self._bucket_of} & indices)
                 if owned:
                     handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
-            handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
-            self._defer_gathers = True
         self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
         self._guard_modules(model)
         return handles

@@ -93,6 +93,11 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
 
+    def forget(self) -> None:
+        """Drop every capture (they cover a set of buckets that changed: ShardedOptimizer.add_param_group)."""
+        self._graphs.clear()
+        self._seen.clear()
+
     def run(self, phase: str, key, body: Callable[[], None], after_replay: Callable[[], None]) -> None:
         """``body()`` (the phase's device work) eagerly, or captured, or replayed. ``key`` (hashable) names what the
         capture froze (None: never capture this step). ``after_replay()`` sets the host state ``body`` would have

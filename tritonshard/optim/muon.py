@@ -52,6 +52,27 @@ def _muon_owners(params: list, world_size: int, ns_steps: int, loads: list) -> l
                           world_size, loads)
 
 
+def _with_adamw_defaults(group: dict) -> dict:
+    """A copy of ``group``; an AdamW group (``use_muon=False``) gets torch.optim.AdamW's defaults for the keys it does
+    not set, before the Muon defaults fill the gaps."""
+    group = dict(group)
+    if not group.get("use_muon", True):
+        for k, v in ADAMW_DEFAULTS.items():
+            group.setdefault(k, v)
+    return group
+
+
+def _check_matrices(group: dict, gi: int) -> None:
+    """A Muon group holds matrices only (its ``params`` a list)."""
+    if group.get("use_muon", True):
+        for j, p in enumerate(group["params"]):
+            if isinstance(p, torch.Tensor) and p.ndim != 2:
+                raise ValueError(
+                    f"Muon only supports 2-D parameters, but {param_name(group, gi, j, p)} in param_groups[{gi}] is "
+                    f"{p.ndim}-D: put norms, biases and other non-matrix parameters (and the embeddings and head, "
+                    "which Muon is not meant for) in a group with use_muon=False (AdamW)")
+
+
 class ShardedMuon(ShardedOptimizer):
     """Muon (momentum orthogonalized by Newton-Schulz) for the groups with ``use_muon=True`` (the default), AdamW
     for the groups with ``use_muon=False``, with bf16 weights and gradients and fp32 master weights and states
@@ -87,24 +108,13 @@ class ShardedMuon(ShardedOptimizer):
                  process_group: Optional[dist.ProcessGroup] = None, **pipeline):
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-        if groups is params:  # AdamW groups: torch.optim.AdamW's defaults, before the Muon ones fill the gaps
-            params = groups = [dict(g) for g in groups]
-            for g in groups:
-                if not g.get("use_muon", True):
-                    for k, v in ADAMW_DEFAULTS.items():
-                        g.setdefault(k, v)
+        if groups is params:
+            params = groups = [_with_adamw_defaults(g) for g in groups]
         # before any buffer exists: a failed construction must leave the model untouched
         for gi, g in enumerate(groups):
             ps = g["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            g["params"] = ps
-            if g.get("use_muon", True):
-                for j, p in enumerate(ps):
-                    if isinstance(p, torch.Tensor) and p.ndim != 2:
-                        raise ValueError(
-                            f"Muon only supports 2-D parameters, but {param_name(g, gi, j, p)} in param_groups[{gi}] is "
-                            f"{p.ndim}-D: put norms, biases and other non-matrix parameters (and the embeddings and "
-                            "head, which Muon is not meant for) in a group with use_muon=False (AdamW)")
+            g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            _check_matrices(g, gi)
         self._ns_loads: Optional[list] = None  # NS FLOPs per rank so far, while the buckets are laid out
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
@@ -114,6 +124,17 @@ class ShardedMuon(ShardedOptimizer):
         for b in self.buckets:
             if self._group_of_bucket[b.index]["use_muon"]:
                 self._plan_matrices(b)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group`` (after construction: see
+        :meth:`ShardedOptimizer.add_param_group`); a group with ``use_muon=False`` takes torch.optim.AdamW's
+        defaults for the keys it does not set, as at construction."""
+        if hasattr(self, "buckets") and isinstance(param_group, dict):
+            param_group = _with_adamw_defaults(param_group)
+        super().add_param_group(param_group)
+
+    def _check_new_group(self, group: dict, where: str) -> None:
+        _check_matrices(group, len(self.param_groups) - 1)
 
     # ------------------------------------------------------------------ hyper-parameters
     def _check_group(self, g: dict, where: str) -> None:
@@ -154,6 +175,12 @@ class ShardedMuon(ShardedOptimizer):
         if self._ns_loads is None:
             self._ns_loads = [0.0] * self.world_size
         return _muon_owners(params, self.world_size, group["ns_steps"], self._ns_loads)
+
+    def _new_buckets_added(self, new: list) -> None:
+        self._ns_loads = None  # (the new group's matrices were balanced over the ranks among themselves)
+        for b in new:
+            if self._group_of_bucket[b.index]["use_muon"]:
+                self._plan_matrices(b)
 
     def _group_keeps_step(self, group: dict) -> bool:
         return not group["use_muon"]  # torch.optim.Muon keeps no step

@@ -41,6 +41,11 @@ class ShardedSGD(ShardedOptimizer):
         require(not g["nesterov"] or (g["momentum"] > 0 and g["dampening"] == 0),
                 "nesterov=True requires momentum > 0 and dampening == 0", where)
 
+    def _check_new_group(self, group: dict, where: str) -> None:
+        require(group["momentum"] == 0 or bool(self._state_names),
+                "a group with momentum cannot be added to a ShardedSGD built without momentum in any group (it keeps "
+                "no momentum buffers); build it with momentum > 0 in some group, which gives every group buffers", where)
+
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
 
