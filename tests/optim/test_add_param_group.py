@@ -328,3 +328,59 @@ def test_a_compiled_step_takes_the_added_group():
     for a, b in zip(*runs):
         assert_bitwise_equal(b, a, "compiled against eager, with a group added")
     assert not torch.equal(runs[1][0], _model()[0].weight.detach()), "the added backbone trained"
+
+
+def _twins():
+    """Our model with the backbone outside the optimizer (trainable: it may hold a gradient), and torch.optim.AdamW
+    on an fp32 copy."""
+    model = _model()
+    twin = copy.deepcopy(model).float()
+    opt = ShardedAdamW(model[2].parameters(), lr=1e-2, weight_decay=0.1)
+    topt = torch.optim.AdamW(twin[2].parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    return model, twin, opt, topt
+
+
+def _assert_like_twin(opt, topt, what):
+    ours, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
+    assert sorted(ours) == list(range(4)), what
+    for i, q in enumerate(p for g in topt.param_groups for p in g["params"]):
+        if i not in theirs:  # torch never stepped it: count 0 here, and the initial weights
+            assert float(ours[i]["step"]) == 0, f"{what}: parameter {i} stepped"
+            torch.testing.assert_close(ours[i]["master"], q.detach(), rtol=0, atol=0)
+            continue
+        assert float(ours[i]["step"]) == float(theirs[i]["step"]), f"{what}: parameter {i}'s count"
+        torch.testing.assert_close(ours[i]["master"], q.detach(), rtol=0, atol=1e-6, msg=f"{what}: {i}")
+
+
+def test_a_gradient_held_before_the_add_is_used_by_the_next_step_as_in_torch_optim():
+    model, twin, opt, topt = _twins()
+    _set_grads(dict(model.named_parameters()), 0)  # the backbone's too: trainable, outside the optimizer
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = p.grad.float()
+    opt.add_param_group({"params": model[0].parameters(), **LATE})
+    topt.add_param_group({"params": twin[0].parameters(), **LATE})
+    assert model[0].weight.grad is not None and model[0].weight.grad.dtype == torch.bfloat16
+    opt.step()
+    topt.step()
+    _assert_like_twin(opt, topt, "a held gradient")
+
+
+def test_an_add_after_zero_grad_set_to_none_false_skips_the_new_group_as_torch_optim():
+    """zero_grad(set_to_none=False) leaves zero gradients in the buffers (the head steps on them, as in torch): not
+    the middle of a reduction, so the add works, and the new group, with no gradient, is skipped."""
+    model, twin, opt, topt = _twins()
+    for p in (*model[0].parameters(), *twin[0].parameters()):
+        p.requires_grad_(False)
+    _set_grads(dict(model.named_parameters()), 0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = None if p.grad is None else p.grad.float()
+    for o in (opt, topt):
+        o.step()
+        o.zero_grad(set_to_none=False)
+    for m, o in ((model, opt), (twin, topt)):
+        for p in m[0].parameters():
+            p.requires_grad_(True)
+        o.add_param_group({"params": m[0].parameters(), **LATE})
+    opt.step()
+    topt.step()
+    _assert_like_twin(opt, topt, "after zero_grad(set_to_none=False)")

@@ -656,9 +656,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         ``BackboneFinetuning``), the parameters left out of the optimizer until then.
 
         After construction it is a collective (every rank adds the same group, as in a data-parallel loop), between
-        steps: not between a backward and its ``step()`` (the gradients of that backward are in the old buffers'
-        reduction). The group's trainable parameters become bf16 views of new buffers, with their fp32 master taken
-        from their current values and fresh state (step count 0), exactly as at construction; the other groups'
+        steps: not between a backward and its ``step()`` (that backward's gradients are on their way through the
+        old buffers' reduction; after ``zero_grad()``, of either kind, is fine). The group's trainable parameters
+        become bf16 views of new buffers, with their fp32 master taken from their current values and fresh state
+        (step count 0), exactly as at construction; a gradient one of them already holds (trainable outside the
+        optimizer until now) is kept, in bf16, for the next step, as torch.optim would use it. The other groups'
         buffers, masters and state are untouched. With ``attach``, the new parameters get their names, guards and
         hooks in the attached model. Launch plans and CUDA graphs are rebuilt at the next step.
         """
@@ -669,7 +671,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._add_group_after_construction(param_group)
 
     def _add_group_after_construction(self, param_group: dict) -> None:
-        busy = self._reduced is not None or any(b.has_grads or b.rs_launched or b.placed for b in self.buckets)
+        # mid-reduction: a backward's gradients taken into the buffers (placeholders placed), or reduced already
+        # (zero_grad(set_to_none=False) leaves zero-filled buffers, which are not in the way)
+        busy = self._reduced is not None or any(b.rs_launched or b.placed for b in self.buckets)
         if busy:
             raise RuntimeError("add_param_group() between a backward and its step(): the gradients of that backward "
                                "are already in the buffers; add the group after step() (or zero_grad())")
@@ -702,7 +706,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             raise error
         if not self.buckets and trainable:  # (an optimizer built without anything to train)
             self.device = trainable[0].device
+        # a gradient a parameter holds from before (trainable outside the optimizer until now) is used by the next
+        # step(), as torch.optim would use it: laying the group out drops it, so it is put back, in bf16
+        held = [(p, p.grad) for p in trainable if p.grad is not None]
         new = self._lay_out_group(gi)
+        for p, g in held:
+            p.grad = g.detach().to(dtype=p.dtype)
         self.buckets += new
         self._index_buckets(new, [gi])
         self._new_buckets_added(new)
