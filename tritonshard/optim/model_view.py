@@ -59,8 +59,9 @@ class ModelViewMixin:
                     f"parameter {self._param_names[p]} was frozen (requires_grad=False) when the optimizer was built, "
                     "so tritonshard laid out no buffer, master weights or state for it, and it is trainable now. "
                     "Build the optimizer with every parameter that will ever train set to requires_grad=True (freeze "
-                    "later instead: a parameter frozen after construction is left unchanged by step()), or give the "
-                    "unfrozen parameters an optimizer of their own.")
+                    "later instead: a parameter frozen after construction is left unchanged by step()), or leave the "
+                    "parameters that unfreeze later out of the optimizer's groups and add them when they do, with "
+                    "opt.add_param_group({'params': [...]}), as torch.optim allows.")
         dirty = set()
         # (lists in _param_list's order, not dicts keyed by the parameters: Tensor.__hash__ is a Python method, and
         # this loop runs over every parameter every step)
