@@ -688,9 +688,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             self._check_params()
             trainable = [p for p in group["params"] if p.requires_grad]
             moved = next((p for p in trainable if p.device != self.device), None)
-            if moved is not None and self.buckets:
-                raise ValueError(f"param_groups[{gi}] has a parameter on {moved.device}, the optimizer's are on "
-                                 f"{self.device}")
+            if moved is not None:
+                raise ValueError(f"param_groups[{gi}] has a parameter on {moved.device}, but the optimizer keeps its "
+                                 f"buffers on {self.device} (an optimizer built with nothing to train: on the CPU)")
             self._check_new_group(group, f" (param_groups[{gi}])")
         except Exception as exc:
             error = exc
@@ -704,8 +704,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         if error is not None:
             del self.param_groups[gi:]
             raise error
-        if not self.buckets and trainable:  # (an optimizer built without anything to train)
-            self.device = trainable[0].device
         # a gradient a parameter holds from before (trainable outside the optimizer until now) is used by the next
         # step(), as torch.optim would use it: laying the group out drops it, so it is put back, in bf16
         held = [(p, p.grad) for p in trainable if p.grad is not None]
