@@ -201,6 +201,8 @@ ENTRIES = {
     "save": "a checkpoint save (save_sharded / save_checkpoint)",
     "load": "a checkpoint load (load_sharded)",
     "add_param_group": "add_param_group() after construction",
+    "unfreeze": "laying out parameters frozen at construction and trainable now (at the end of a backward, or at "
+                "step())",
 }
 
 

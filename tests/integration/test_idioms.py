@@ -306,17 +306,24 @@ def test_a_parameter_frozen_after_building_is_left_unchanged():
     assert not torch.equal(flat_weights(model), others), "the other parameters trained"
 
 
-def test_a_parameter_unfrozen_after_building_is_an_error_and_zero_grad_clears_it():
-    """Before the fix it was never updated and its .grad accumulated forever (zero_grad() skipped it)."""
+def test_a_parameter_frozen_at_building_and_unfrozen_later_trains_and_zero_grad_clears_it():
+    """Before session 13 an error at step() (and before that, never updated, its .grad accumulating forever: zero_grad()
+    skipped it). Now it trains from its first gradient on, with a count of its own, as with torch.optim
+    (bit for bit against an optimizer built when it was unfrozen: tests/optim/test_unfrozen_params.py)."""
     model = tiny_llama(0).to(torch.bfloat16)  # frozen parameters keep their dtype: the model is bf16 throughout
     model.lm_head.weight.requires_grad_(False)
     opt = ShardedAdamW(model.parameters(), lr=1e-3)
     opt.attach(model)
+    _train(model, opt, steps=1)
+    before = model.lm_head.weight.detach().clone()
     model.lm_head.weight.requires_grad_(True)  # progressive unfreezing, the torch way
-    lm_loss(model, tokens(0)).backward()
+    lm_loss(model, tokens(1)).backward()
     assert model.lm_head.weight.grad is not None
-    with pytest.raises(RuntimeError, match=r"'lm_head\.weight' was frozen .* trainable now"):
-        opt.step()
+    opt.step()
+    assert not torch.equal(model.lm_head.weight.detach(), before), "the unfrozen head trained"
+    assert float(opt.state[model.lm_head.weight]["step"]) == 1
+    assert float(opt.state[model.model.embed_tokens.weight]["step"]) == 2
+    lm_loss(model, tokens(2)).backward()
     opt.zero_grad()
     assert model.lm_head.weight.grad is None, "zero_grad() clears every parameter of the param groups"
 

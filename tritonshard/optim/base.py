@@ -456,16 +456,67 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._index_buckets(self.buckets, range(len(self.param_groups)))
 
     # ------------------------------------------------------------------ construction helpers
-    def _lay_out_group(self, gi: int) -> list[_Bucket]:
-        """The buckets of param group ``gi``'s trainable parameters (appended to ``self.buckets`` by the caller;
-        each bucket's Philox key depends on how many buckets exist before it)."""
+    def _lay_out_group(self, gi: int, params: Optional[list] = None) -> list[_Bucket]:
+        """The buckets of ``params`` of param group ``gi`` (default: its trainable ones), appended to
+        ``self.buckets`` by the caller (each bucket's Philox key depends on how many buckets exist before it)."""
         group = self.param_groups[gi]
         cap = max(1, int(self.bucket_cap_mb * 2 ** 20) // torch.empty((), dtype=self.param_dtype).element_size())
-        trainable = [p for p in group["params"] if p.requires_grad]
+        if params is None:
+            params = [p for p in group["params"] if p.requires_grad]
         made = []
-        for params in split_into_buckets(trainable, self._group_bucket_cap(group, cap)):
-            made.append(self._make_bucket(gi, params, self._align, len(self.buckets) + len(made)))
+        for chunk in split_into_buckets(params, self._group_bucket_cap(group, cap)):
+            made.append(self._make_bucket(gi, chunk, self._align, len(self.buckets) + len(made)))
         return made
+
+    def _add_buckets(self, new: list, groups) -> None:
+        """Buckets ``new`` (made by :meth:`_lay_out_group`) join the optimizer after construction."""
+        self.buckets += new
+        self._index_buckets(new, groups)
+        self._new_buckets_added(new)
+        if self._attached is not None:
+            model, handles = self._attached
+            handles += self._attach_buckets(model, new)
+        self._prepared_state = None
+        self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
+
+    def _adopt_unfrozen(self) -> None:
+        """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and
+        are trainable now start to train, as with torch.optim: laid out in new buckets of their group, with their
+        fp32 master taken from their current values, zero state and a step count of their own from 0 (torch.optim
+        counts from their first step), and any gradient they hold kept for the step. Runs at the end of the
+        backward that first gives them a gradient, before anything is reduced (or at the next ``step()`` or
+        state_dict, where nothing is reduced yet). A collective: every rank unfreezes the same parameters."""
+        unfrozen = [p for p in self._frozen_at_build if p.requires_grad]
+        if not unfrozen:
+            return
+        if self._reduced is not None:  # unfrozen after this step's reduction (clip_grad_norm_ before step())
+            with_grad = [p for p in unfrozen if p.grad is not None]
+            if not with_grad:
+                return  # torch.optim would skip them in this step too (no gradient): taken in at the next backward
+            names = ", ".join(self._param_names[p] for p in with_grad[:3]) + (", ..." if len(with_grad) > 3 else "")
+            raise RuntimeError(
+                f"{names}: frozen when the optimizer was built, trainable now and holding a gradient, but this step's "
+                "gradients were already reduced (by clip_grad_norm_ or grad_norm) without it; unfreeze before the "
+                "backward")
+        for p in unfrozen:
+            if p.device != self.device or not p.is_floating_point():
+                raise RuntimeError(f"{self._param_names[p]} was frozen when the optimizer was built and is trainable "
+                                   f"now, but it is a {p.dtype} tensor on {p.device}; the optimizer's buffers are on "
+                                   f"{self.device}")
+        self._entry("unfreeze")
+        self._frozen_at_build = [p for p in self._frozen_at_build if not p.requires_grad]
+        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        by_group: dict = {}
+        for p in unfrozen:
+            by_group.setdefault(group_of[p], []).append(p)
+        held = [(p, p.grad) for p in unfrozen if p.grad is not None]
+        for gi, params in by_group.items():
+            self._add_buckets(self._lay_out_group(gi, params), [])
+        for p, g in held:
+            p.grad = g.detach().to(dtype=p.dtype)
+        for p in unfrozen:  # their count starts now; the group's counter may be anywhere
+            self._set_own_step(p, torch.zeros((), dtype=torch.float32, device=self.device), replan=False)
+        self._plan_own_steps()
 
     def _index_buckets(self, new: list, groups) -> None:
         """Everything derived from ``self.buckets``, once buckets ``new`` (of param groups ``groups``) are in it:
@@ -707,17 +758,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         # a gradient a parameter holds from before (trainable outside the optimizer until now) is used by the next
         # step(), as torch.optim would use it: laying the group out drops it, so it is put back, in bf16
         held = [(p, p.grad) for p in trainable if p.grad is not None]
-        new = self._lay_out_group(gi)
+        self._add_buckets(self._lay_out_group(gi), [gi])
         for p, g in held:
             p.grad = g.detach().to(dtype=p.dtype)
-        self.buckets += new
-        self._index_buckets(new, [gi])
-        self._new_buckets_added(new)
-        if self._attached is not None:
-            model, handles = self._attached
-            handles += self._attach_buckets(model, new)
-        self._prepared_state = None
-        self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
 
     def _check_new_group(self, group: dict, where: str) -> None:
         """What a subclass cannot add after construction (its state names are fixed, say): a ValueError."""
@@ -759,6 +802,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
     def _end_of_backward(self) -> None:
         self._flush_queued = False
         got_grads, self._grads_this_backward = self._grads_this_backward, False
+        if self._frozen_at_build:  # (parameters unfrozen since: their buckets are flushed and launched below)
+            self._adopt_unfrozen()
         self._flush_buckets(self.buckets)  # buckets some of whose parameters got no gradient in this backward
         for b in self.buckets:
             b.ready.clear()
@@ -1040,6 +1085,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
     def _reduce_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce-scatter + 1/d scale + global sum of squares and non-finite flag; once per step."""
         if self._reduced is not None:
+            if self._frozen_at_build and not torch.compiler.is_compiling():
+                self._adopt_unfrozen()  # (unfrozen since the reduction: an error if it would miss a gradient)
             return self._reduced
         if self._no_sync_depth:
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")

@@ -41,8 +41,8 @@ class ModelViewMixin:
           is made a view of it again, then as above;
         * an error, naming the parameter, the cause and the fix, for what cannot be followed: a parameter moved to
           another device or converted to another dtype, a parameter replaced in the model by another object
-          (``load_state_dict(..., assign=True)``; needs ``attach``), a parameter frozen when the optimizer was
-          built and trainable now.
+          (``load_state_dict(..., assign=True)``; needs ``attach``);
+        * a parameter frozen when the optimizer was built and trainable now starts to train (``_adopt_unfrozen``).
         """
         if torch.compiler.is_compiling():
             return
@@ -53,15 +53,8 @@ class ModelViewMixin:
                     "optimizer was built (e.g. model.load_state_dict(..., assign=True) or setattr), so the optimizer "
                     "would keep updating the old one. Load with assign=False (the default: it copies into the "
                     "existing parameters, which tritonshard follows), or build the optimizer after loading.")
-        for p in self._frozen_at_build:
-            if p.requires_grad:
-                raise RuntimeError(
-                    f"parameter {self._param_names[p]} was frozen (requires_grad=False) when the optimizer was built, "
-                    "so tritonshard laid out no buffer, master weights or state for it, and it is trainable now. "
-                    "Build the optimizer with every parameter that will ever train set to requires_grad=True (freeze "
-                    "later instead: a parameter frozen after construction is left unchanged by step()), or leave the "
-                    "parameters that unfreeze later out of the optimizer's groups and add them when they do, with "
-                    "opt.add_param_group({'params': [...]}), as torch.optim allows.")
+        if self._frozen_at_build:
+            self._adopt_unfrozen()
         dirty = set()
         # (lists in _param_list's order, not dicts keyed by the parameters: Tensor.__hash__ is a Python method, and
         # this loop runs over every parameter every step)

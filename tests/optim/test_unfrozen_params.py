@@ -1,0 +1,145 @@
+"""A parameter frozen when the optimizer was built (in its groups, ``requires_grad=False``) and unfrozen later
+trains from then on, as with torch.optim (until session 13: an error at ``step()``). It is laid out in new
+buckets of its group at the end of the backward that first gives it a gradient (or at the next step), with its
+master from its current values, zero state and a step count of its own from 0.
+
+The reference is bitwise, as in test_add_param_group: an optimizer holding only that parameter, built when it was
+unfrozen, fed the same gradients (here from a real backward of an identical bf16 model, the same input on every
+rank); the other parameters against an optimizer of their own from the start."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tests.helpers import assert_bitwise_equal
+from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
+
+MAKE = {
+    "adamw": lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+    "sgd": lambda params, **kw: ShardedSGD(params, lr=1e-1, momentum=0.9, dampening=0.3, weight_decay=0.1, **kw),
+    "lion": lambda params, **kw: ShardedLion(params, lr=1e-3, weight_decay=0.1, **kw),
+}
+UNFROZEN_AT = 2
+STEPS = 5
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5)).to(torch.bfloat16)
+
+
+def _loss(model, step):
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+    return model(x).float().square().mean()
+
+
+def _unfreeze_run(rank, world_size, kind, options):
+    options = dict(options)
+    clip = options.pop("torch_clip", False)
+    model = _model()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)  # the references train this copy: the same forward, so the same gradients
+    make = MAKE[kind]
+    opt = make(list(model.parameters()), **options)  # the frozen backbone is in the group from the start
+    if options.get("overlap_comm"):
+        opt.attach(model)
+    opt_head, opt_backbone = make(list(ref[2].parameters())), None
+    for step in range(STEPS):
+        if step == UNFROZEN_AT:
+            for m in (model, ref):
+                for p in m[0].parameters():
+                    p.requires_grad_(True)  # progressive unfreezing, the torch way: nothing else
+            opt_backbone = make(list(ref[0].parameters()))
+        _loss(model, step).backward()
+        _loss(ref, step).backward()
+        if clip:  # torch's clipping over model.parameters(): the unfrozen weight's gradient is ours by then
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05) for m in (model, ref)]
+            assert_bitwise_equal(norms[0], norms[1], f"step {step}: the total norm")
+        for o in (opt, opt_head, opt_backbone):
+            if o is not None:
+                o.step()
+                o.zero_grad()
+        opt.wait_for_params()
+        what = f"{kind} {options}, rank {rank} of {world_size}, after step {step}"
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert_bitwise_equal(a.detach(), b.detach(), f"{what}: the weights")
+        if opt_backbone is None:
+            continue
+        ours = opt.state_dict()["state"]  # torch.optim numbering: the backbone (0, 1), the head (2, 3)
+        for i, theirs in ((0, opt_backbone.state_dict()["state"][0]), (1, opt_backbone.state_dict()["state"][1]),
+                          (2, opt_head.state_dict()["state"][0]), (3, opt_head.state_dict()["state"][1])):
+            assert set(ours[i]) == set(theirs), what
+            for key in theirs:
+                assert_bitwise_equal(ours[i][key], theirs[key], f"{what}: state {i} {key}")
+        if kind != "lion":  # (Lion's update reads no count, but keeps it)
+            assert float(ours[0]["step"]) == step + 1 - UNFROZEN_AT and float(ours[2]["step"]) == step + 1
+    assert float(opt.state[model[0].weight]["step"]) == STEPS - UNFROZEN_AT
+
+
+@pytest.mark.parametrize("options", [{}, {"bucket_cap_mb": 1e-9}, {"overlap_comm": True}, {"torch_clip": True}],
+                         ids=["one bucket", "a bucket per parameter", "overlap_comm + attach", "torch's clipping"])
+@pytest.mark.parametrize("kind", list(MAKE))
+def test_a_parameter_unfrozen_after_building_trains_as_in_an_optimizer_built_then(kind, options):
+    _unfreeze_run(0, 1, kind, options)
+
+
+def test_a_parameter_unfrozen_after_building_on_two_ranks():
+    run_on_ranks(_unfreeze_run, 2, "adamw", {"bucket_cap_mb": 1e-9, "overlap_comm": True})
+
+
+def test_unfrozen_with_gradients_set_by_hand_is_taken_at_step():
+    """No backward reaches the optimizer's hooks (gradients set by hand): the unfrozen parameter is laid out at
+    step(), its gradient kept; the same bits as a backward's."""
+    runs = []
+    for by_hand in (False, True):
+        model = _model()
+        model[0].weight.requires_grad_(False)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            if step == 1:
+                model[0].weight.requires_grad_(True)
+            if by_hand:
+                grads = torch.autograd.grad(_loss(model, step), [p for p in model.parameters() if p.requires_grad])
+                for p, g in zip([p for p in model.parameters() if p.requires_grad], grads):
+                    p.grad = g
+            else:
+                _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert_bitwise_equal(b, a, "unfrozen with gradients set by hand against a backward")
+
+
+def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_is_an_error():
+    """Unfrozen after clip_grad_norm_ reduced this step's gradients: without a gradient it is skipped in this step
+    (as torch.optim skips it) and taken in at the next backward; holding one (set by hand), step() raises rather
+    than leave it out of the reduction."""
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    before = model[0].weight.detach().clone()
+    _loss(model, 0).backward()
+    opt.clip_grad_norm_(1.0)  # reduces this step's gradients, without the frozen weight
+    model[0].weight.requires_grad_(True)
+    opt.step()
+    assert_bitwise_equal(model[0].weight.detach(), before, "skipped in the step it was unfrozen in")
+    opt.zero_grad()
+    _loss(model, 1).backward()
+    opt.step()
+    assert float(opt.state[model[0].weight]["step"]) == 1
+    assert not torch.equal(model[0].weight.detach(), before)
+    opt.zero_grad()
+
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    _loss(model, 0).backward()
+    opt.clip_grad_norm_(1.0)
+    model[0].weight.requires_grad_(True)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    with pytest.raises(RuntimeError, match=r"params'\]\[0\].*holding a gradient.*already reduced"):
+        opt.step()
