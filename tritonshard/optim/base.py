@@ -519,8 +519,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._plan_own_steps()
 
     def _index_buckets(self, new: list, groups) -> None:
-        """Everything derived from ``self.buckets``, once buckets ``new`` (of param groups ``groups``) are in it:
-        every bucket at construction, a new group's by :meth:`add_param_group` after it. Launch plans, fused
+        """Everything derived from ``self.buckets``, once buckets ``new`` are in it: every bucket at construction,
+        after it a new group's (:meth:`add_param_group`, ``groups`` its index: names and frozen parameters are read
+        from the groups in ``groups``) or unfrozen parameters' (:meth:`_adopt_unfrozen`). Launch plans, fused
         launches and captured graphs that covered the old set of buckets are dropped (rebuilt at the next step)."""
         buckets = self.buckets
         for i, b in enumerate(buckets):
