@@ -286,8 +286,10 @@ def _check_signature(opt, meta) -> None:
     for a, b in zip(ours, theirs):
         for key, what in (("shape", "shape"), ("group", "param group"), ("trainable", "trainable flag")):
             if a[key] != b[key]:
+                hint = (" (unfrozen in the saved run: set its requires_grad=True before loading)"
+                        if key == "trainable" and b[key] else "")
                 raise CheckpointMismatchError(f"parameter {a['index']}: {what} is {b[key]} in the checkpoint but "
-                                              f"{a[key]} in the optimizer")
+                                              f"{a[key]} in the optimizer{hint}")
     if list(meta["state_names"]) != list(opt._state_names):
         raise CheckpointMismatchError(f"the checkpoint holds state {meta['state_names']}, this optimizer needs "
                                       f"{list(opt._state_names)}")
@@ -319,6 +321,7 @@ def load_sharded(opt, path: str) -> dict:
     _verify_files(opt, path, meta.get("checksums"))
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
+    opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
     _check_signature(opt, meta)
     opt._entry("save")
     opt.sync_from_model()

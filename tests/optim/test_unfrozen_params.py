@@ -143,3 +143,47 @@ def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_
     model[0].weight.grad = torch.ones_like(model[0].weight)
     with pytest.raises(RuntimeError, match=r"params'\]\[0\].*holding a gradient.*already reduced"):
         opt.step()
+
+
+def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
+    """Saved after the unfreeze (state_dict and save_sharded), loaded into a fresh optimizer built as the run was
+    (the backbone frozen) once the loop has unfrozen it again: the run continues bit for bit. Before it is unfrozen,
+    the sharded load is an error that says so."""
+    from tritonshard.checkpoint import CheckpointMismatchError, load_sharded, save_sharded
+
+    def build():
+        model = _model()
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        return model, ShardedAdamW(list(model.parameters()), lr=1e-2)
+
+    def train(model, opt, steps):
+        for step in steps:
+            if step == UNFROZEN_AT:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(UNFROZEN_AT + 1))
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    save_sharded(opt, str(tmp_path / "ckpt"))
+    train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+    truth = [p.detach().clone() for p in model.parameters()]
+    for how in ("state_dict", "save_sharded"):
+        model, opt = build()
+        model.load_state_dict(weights)
+        if how == "save_sharded":
+            with pytest.raises(CheckpointMismatchError, match="unfrozen in the saved run"):
+                load_sharded(opt, str(tmp_path / "ckpt"))
+        for p in model[0].parameters():
+            p.requires_grad_(True)  # the loop unfreezes at its step, as before the save
+        if how == "state_dict":
+            opt.load_state_dict(saved)
+        else:
+            load_sharded(opt, str(tmp_path / "ckpt"))
+        train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+        for a, b in zip(model.parameters(), truth):
+            assert_bitwise_equal(a.detach(), b, f"resumed through {how} after an unfreeze")
