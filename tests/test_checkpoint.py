@@ -143,6 +143,34 @@ def test_plain_torch_adamw_state_dict_loads():
         assert torch.equal(ours[i]["master"], fp32_weights[i]), "master: the model's weights at construction"
 
 
+def test_our_state_dict_loads_into_torch_adamw_which_carries_on():
+    """The way off tritonshard: an fp32 model given the masters, torch.optim.AdamW given our state_dict. torch's
+    load takes our groups (and fills in its own switches), our moments and counts as they are, and steps."""
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR)
+    params = [p for g in param_groups(model) for p in g["params"]]
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    fp32 = make_model(1)
+    fp32_params = [p for g in param_groups(fp32) for p in g["params"]]
+    with torch.no_grad():
+        for i, p in enumerate(fp32_params):
+            p.copy_(sd["state"][i]["master"])
+    torch_opt = torch.optim.AdamW(param_groups(fp32), lr=1.0)
+    torch_opt.load_state_dict(sd)
+    assert torch_opt.param_groups[0]["lr"] == LR and torch_opt.param_groups[1]["lr"] == LR / 2
+    for i, p in enumerate(fp32_params):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch_opt.state[p][key], sd["state"][i][key]), (i, key)
+        p.grad = torch.ones_like(p)
+    torch_opt.step()
+    assert float(torch_opt.state[fp32_params[0]]["step"]) == 3
+
+
 def _other_models():
     class Fewer(torch.nn.Module):  # one parameter missing
         def __init__(self):
