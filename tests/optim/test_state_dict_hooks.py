@@ -153,3 +153,16 @@ def test_a_sharded_checkpoint_with_state_dict_hooks_is_an_error(tmp_path, kind):
     handle.remove()
     for call in calls:
         call()
+
+
+def test_a_loaded_tensor_lr_is_the_optimizers_own_not_the_dicts():
+    """torch.optim deep-copies the saved groups: a scheduler that fills the lr tensor in place must not change the
+    dict it was loaded from (a checkpoint kept in memory, loaded again later)."""
+    model = _model()
+    opt = ShardedAdamW(model.parameters(), lr=torch.tensor(1e-2))
+    _train(model, opt, steps=1)
+    sd = opt.state_dict()
+    fresh = ShardedAdamW(_model().parameters(), lr=torch.tensor(5e-3))
+    fresh.load_state_dict(sd)
+    fresh.param_groups[0]["lr"].fill_(0.5)
+    assert float(sd["param_groups"][0]["lr"]) == pytest.approx(1e-2)

@@ -7,6 +7,8 @@ Sharded checkpoints, which write each rank's pieces only, are :mod:`tritonshard.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .. import comm
@@ -239,6 +241,7 @@ class StateDictMixin:
         for sg, g in zip(saved_groups, self.param_groups):
             for k, v in sg.items():
                 if k != "params" and k not in self._TORCH_ONLY_KEYS:
+                    v = copy.deepcopy(v)  # as torch.optim: an lr tensor a scheduler fills must not be the dict's
                     g[k] = tuple(v) if k == "betas" and isinstance(v, list) else v
 
     def _refresh_params_from_master(self) -> None:
