@@ -449,6 +449,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._placeholders: dict = {}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
+        self._clamped = False  # clip_grad_value_ clamped this step's reduced gradients (the reduction's sum_sq is stale)
         self._state_exposed = False
         self._hooks: list = []
         # every structure derived from the buckets (norm workspace, lookups, launch order and plans, the model's
@@ -1244,6 +1245,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._next_launch = 0
         self._reduce_entered = self._lr_filled = False
         self._reduced, self._clip_coef = None, None
+        self._clamped = False
         self._step_cache.clear()
         self._grad_multipliers.clear()
         self._norm_cache.clear()
@@ -1374,7 +1376,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         norm_type = float(norm_type)
         sum_sq, _ = self._reduce_grads()
-        if norm_type == 2.0:
+        if norm_type == 2.0 and not self._clamped:
             total = sum_sq.sqrt()
             if self._scale is not None:
                 total = total / self._scale  # the norm of the true (unscaled) gradients
@@ -1398,6 +1400,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged) gradients, without clipping; reduces the gradients if not yet done."""
         norm = self._reduce_grads()[0].sqrt()
+        if self._clamped:  # (clip_grad_value_ changed them since the reduction's sums of squares)
+            return self._param_grad_norms(2.0).square().sum().sqrt()
         return norm / self._scale if self._scale is not None else norm
 
     @property

@@ -184,8 +184,10 @@ class ShardedGrad(torch.Tensor):
 
     Supported, with torch.optim's meaning: ``torch.linalg.vector_norm`` / ``.norm()`` / ``torch._foreach_norm``
     (the parameter's gradient norm over all ranks, after averaging, unscaled), ``mul_`` / ``_foreach_mul_`` by one
-    coefficient for every parameter (``torch.nn.utils.clip_grad_norm_``: folded into the update), ``zero_()``
-    (discards this parameter's gradient), metadata (``shape``, ``dtype``...). Anything else raises.
+    coefficient for every parameter (``torch.nn.utils.clip_grad_norm_``: folded into the update), ``clamp_`` /
+    ``clamp_min_`` / ``clamp_max_`` / ``_foreach_clamp_min_`` / ``_foreach_clamp_max_``
+    (``torch.nn.utils.clip_grad_value_``: the reduced gradient clamped where it lives), ``zero_()`` (discards this
+    parameter's gradient), metadata (``shape``, ``dtype``...). Anything else raises.
     """
 
     @staticmethod
@@ -238,6 +240,15 @@ class ShardedGrad(torch.Tensor):
             for i, t in enumerate(args[0]):
                 _mul(t, scalars[i] if isinstance(scalars, (list, tuple)) else scalars)
             return None
+        if func in _CLAMPS:  # torch.nn.utils.clip_grad_value_ (one tensor at a time where foreach is not used)
+            low, high = _clamp_bounds(func, args, kwargs)
+            opt, param = args[0]._owner()
+            opt._clamp_grads([param], low, high)
+            return args[0]
+        if func in _FOREACH_CLAMPS:  # ... and with foreach
+            tensors, value = args[0], (args[1] if len(args) > 1 else kwargs.get("scalar", kwargs.get("scalars")))
+            _foreach_clamp(func, tensors, value)
+            return None
         if func is torch._amp_foreach_non_finite_check_and_unscale_:  # torch.amp.GradScaler
             grads, found_inf, inv_scale = (list(args) + [kwargs.get(k) for k in ("found_inf", "inv_scale")])[:3]
             _amp_unscale(grads, found_inf, inv_scale)
@@ -289,6 +300,40 @@ def _mul(t, coef) -> None:
     opt._fold_grad_multiplier(param, coef)
 
 
+_CLAMPS = {torch.Tensor.clamp_, torch.Tensor.clip_, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_}
+_FOREACH_CLAMPS = {torch._foreach_clamp_min_, torch._foreach_clamp_max_}
+
+
+def _clamp_bounds(func, args, kwargs) -> tuple:
+    """(min, max) of an in-place clamp call, None for a side it leaves open."""
+    if func is torch.Tensor.clamp_min_:
+        return (args[1] if len(args) > 1 else kwargs["min"]), None
+    if func is torch.Tensor.clamp_max_:
+        return None, (args[1] if len(args) > 1 else kwargs["max"])
+    low = args[1] if len(args) > 1 else kwargs.get("min")
+    high = args[2] if len(args) > 2 else kwargs.get("max")
+    return low, high
+
+
+def _foreach_clamp(func, tensors, value) -> None:
+    """``torch._foreach_clamp_min_/max_`` over a mix of placeholders (each optimizer clamps its own, once per list
+    and bound) and tensors."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * len(tensors)
+    plain = [(t, v) for t, v in zip(tensors, values) if not isinstance(t, ShardedGrad)]
+    with torch._C.DisableTorchFunctionSubclass():
+        for t, v in plain:
+            (t.clamp_min_ if func is torch._foreach_clamp_min_ else t.clamp_max_)(v)
+    by_call: dict = {}
+    for t, v in zip(tensors, values):
+        if isinstance(t, ShardedGrad):
+            opt, param = t._owner()
+            key = (id(opt), id(v) if torch.is_tensor(v) else float(v))
+            by_call.setdefault(key, (opt, v, []))[2].append(param)
+    for opt, v, params in by_call.values():
+        opt._clamp_grads(params, v if func is torch._foreach_clamp_min_ else None,
+                         v if func is torch._foreach_clamp_max_ else None)
+
+
 def _amp_unscale(grads, found_inf, inv_scale) -> None:
     """GradScaler's check-and-unscale over a mix of placeholders (each optimizer handles its own) and tensors."""
     plain = [g for g in grads if not isinstance(g, ShardedGrad)]
@@ -315,8 +360,9 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
             "second time. Call opt.attach(model) before wrapping (it switches the wrapper's gradient reduction "
             "off), or don't wrap the model: tritonshard is the data parallelism.")
     return RuntimeError(
-        where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, and zero_(); for "
-        "anything else read opt.grad_norm(), or clip with opt.clip_grad_norm_(max_norm).")
+        where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, the clamps of "
+        "clip_grad_value_, and zero_(); for anything else read opt.grad_norm(), or clip with "
+        "opt.clip_grad_norm_(max_norm).")
 
 
 # ---------------------------------------------------------------------------------------------- the model

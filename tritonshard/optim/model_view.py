@@ -191,6 +191,47 @@ class ModelViewMixin:
         self._grad_multipliers.setdefault(p, []).append(coef)
         self._norm_cache.clear()
 
+    @torch.no_grad()
+    def _clamp_grads(self, params: list, low, high) -> None:
+        """``p.grad.clamp_(low, high)`` for each of ``params`` (``torch.nn.utils.clip_grad_value_``): on the reduced
+        gradient, in the buffers. What torch code sees as ``p.grad`` is the shard times the factors the update
+        applies so far (the average over ranks, 1 / the loss scale, the multipliers torch code folded in,
+        ``opt.clip_grad_norm_``'s coefficient), so the shard is clamped to the bounds divided by them (one rounding
+        of each bound to the gradient dtype: within one bf16 ulp of torch's clamp of bf16 gradients). A whole bucket
+        at once where every parameter of it is clamped (the padding is zeros, which stay zeros when low <= 0 <=
+        high), else piece by piece. Norms computed before are dropped: the next ones see the clamped values."""
+        self._reduce_grads()
+        if low is None and high is None:
+            raise ValueError("clamp: at least one of min and max must be given")
+        factor = self._grad_average
+        if self._scale is not None:
+            factor = factor / self._scale
+        if self._clip_coef is not None:
+            factor = self._clip_coef * factor
+        factors = {}  # the multipliers differ by parameter only in an error case (_common_multiplier says so)
+        by_bucket: dict = {}
+        for p in params:
+            by_bucket.setdefault(self._bucket_of[p][0].index, []).append(p)
+        for index, ps in by_bucket.items():
+            b = self.buckets[index]
+            shard = b.grad_buffer.get_local_shard()
+            for p in ps:
+                f = factor
+                for c in self._grad_multipliers.get(p, ()):
+                    f = f * c
+                factors[p] = f
+            f = factors[ps[0]]
+            whole = (len(ps) == len(b.params) and all(factors[p] is f for p in ps)
+                     and (low is None or _le(low, 0)) and (high is None or _le(0, high)))
+            targets = [(shard, f)] if whole else [
+                (shard[piece.shard_start:piece.shard_end], factors[b.params[piece.tensor_index]])
+                for piece in b.param_buffer.shard_pieces() if b.params[piece.tensor_index] in factors and piece.numel]
+            for t, f in targets:
+                lo, hi = _bounds(low, high, f, t)
+                t.clamp_(min=lo, max=hi)
+        self._clamped = True
+        self._norm_cache.clear()
+
     def _param_grad_norm(self, p: torch.Tensor, norm_type: float) -> torch.Tensor:
         """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier):
         what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All parameters' norms are computed at once
@@ -253,3 +294,24 @@ class ModelViewMixin:
                          "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)}
                 self.state[p] = entry
         self._state_exposed = True
+
+
+def _le(a, b) -> bool:
+    """a <= b for numbers or 0-d tensors (a host read for a tensor bound: value clipping takes numbers)."""
+    return bool(a <= b)
+
+
+def _bounds(low, high, factor, t: torch.Tensor) -> tuple:
+    """The clamp bounds of gradient values ``t`` that the update multiplies by ``factor``: ``low / factor`` and
+    ``high / factor`` (swapped for a negative number), as numbers or as 0-d tensors of ``t``'s dtype."""
+    if not torch.is_tensor(factor) and not torch.is_tensor(low) and not torch.is_tensor(high):
+        lo = None if low is None else low / factor
+        hi = None if high is None else high / factor
+        if factor < 0:
+            lo, hi = hi, lo
+        return lo, hi
+    # (a tensor factor: clip coefficients, GradScaler's inverse scale, the loss scale: all positive)
+    factor = torch.as_tensor(factor, dtype=torch.float32, device=t.device)
+    lo = None if low is None else (torch.as_tensor(low, dtype=torch.float32, device=t.device) / factor).to(t.dtype)
+    hi = None if high is None else (torch.as_tensor(high, dtype=torch.float32, device=t.device) / factor).to(t.dtype)
+    return lo, hi
