@@ -112,7 +112,7 @@ def test_converting_the_dtype_after_building_is_an_error(convert):
 
 
 # ---------------------------------------------------------------------------------------------- 3. clipping
-def _torch_clip_vs_reference(rank, world_size):
+def _torch_clip_vs_reference(rank, world_size, how="clip_grad_norm_"):
     model = make_model(0)
     opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=200 * 2 / 2 ** 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -120,7 +120,11 @@ def _torch_clip_vs_reference(rank, world_size):
     for step in range(3):
         for micro in range(3):  # the accumulation of tests/optim/training.py, without no_sync (overlap is off)
             loss_fn(model, batch(rank, step, micro)).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # what HF Trainer / accelerate call
+        if how == "clip_grad_norm_":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # what HF Trainer / accelerate call
+        else:  # torchtitan's two halves of it (torch >= 2.6): the norm, then the clipping with it
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], 2.0)
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_NORM, norm)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -136,11 +140,12 @@ def _torch_clip_vs_reference(rank, world_size):
         assert_close_rel(masters[i]["master"], q, 1e-5, what=f"master {i}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_torch_clip_grad_norm_on_model_parameters_clips_with_the_global_norm(world_size):
+@pytest.mark.parametrize("world_size, how", [(1, "clip_grad_norm_"), (2, "clip_grad_norm_"),
+                                             (2, "get_total_norm + clip_grads_with_norm_")])
+def test_torch_clip_grad_norm_on_model_parameters_clips_with_the_global_norm(world_size, how):
     """Before the fix torch.nn.utils.clip_grad_norm_ saw no gradients (param.grad None): it returned 0.0 and
     clipped nothing."""
-    run_on_ranks(_torch_clip_vs_reference, world_size)
+    run_on_ranks(_torch_clip_vs_reference, world_size, how)
 
 
 def test_clipping_only_some_parameters_is_an_error():
