@@ -469,8 +469,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             made.append(self._make_bucket(gi, chunk, self._align, len(self.buckets) + len(made)))
         return made
 
-    def _add_buckets(self, new: list, groups) -> None:
-        """Buckets ``new`` (made by :meth:`_lay_out_group`) join the optimizer after construction."""
+    def _add_buckets(self, gi: int, params: list, groups) -> None:
+        """New buckets of ``params`` (of param group ``gi``) join the optimizer after construction (``groups``: see
+        :meth:`_index_buckets`). A gradient one of them already holds is kept, in bf16, for the next step, as
+        torch.optim would use it (laying the buckets out drops it)."""
+        held = [(p, p.grad) for p in params if p.grad is not None]
+        new = self._lay_out_group(gi, params)
         self.buckets += new
         self._index_buckets(new, groups)
         self._new_buckets_added(new)
@@ -479,6 +483,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             handles += self._attach_buckets(model, new)
         self._prepared_state = None
         self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
+        for p, g in held:
+            p.grad = g.detach().to(dtype=p.dtype)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and
@@ -510,11 +516,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         by_group: dict = {}
         for p in unfrozen:
             by_group.setdefault(group_of[p], []).append(p)
-        held = [(p, p.grad) for p in unfrozen if p.grad is not None]
         for gi, params in by_group.items():
-            self._add_buckets(self._lay_out_group(gi, params), [])
-        for p, g in held:
-            p.grad = g.detach().to(dtype=p.dtype)
+            self._add_buckets(gi, params, [])
         for p in unfrozen:  # their count starts now; the group's counter may be anywhere
             self._set_own_step(p, torch.zeros((), dtype=torch.float32, device=self.device), replan=False)
         self._plan_own_steps()
@@ -757,18 +760,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         if error is not None:
             del self.param_groups[gi:]
             raise error
-        # a gradient a parameter holds from before (trainable outside the optimizer until now) is used by the next
-        # step(), as torch.optim would use it: laying the group out drops it, so it is put back, in bf16
-        held = [(p, p.grad) for p in trainable if p.grad is not None]
-        self._add_buckets(self._lay_out_group(gi), [gi])
-        for p, g in held:
-            p.grad = g.detach().to(dtype=p.dtype)
+        self._add_buckets(gi, trainable, [gi])
 
     def _check_new_group(self, group: dict, where: str) -> None:
         """What a subclass cannot add after construction (its state names are fixed, say): a ValueError."""
 
     def _new_buckets_added(self, new: list) -> None:
-        """Per-bucket plans of a subclass for buckets made after construction (add_param_group)."""
+        """Per-bucket plans of a subclass for buckets ``new`` once they are laid out and indexed (after an add or an
+        unfreeze; ShardedMuon calls it for every bucket at the end of its construction too)."""
 
     def _check_group(self, group: dict, where: str) -> None:
         """Validate one group's hyper-parameters (subclasses); ``where`` names the group in the message."""

@@ -120,10 +120,7 @@ class ShardedMuon(ShardedOptimizer):
                         ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
                         else ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, use_muon=True)
         super().__init__(params, defaults, process_group=process_group, **pipeline)
-        self._ns_loads = None
-        for b in self.buckets:
-            if self._group_of_bucket[b.index]["use_muon"]:
-                self._plan_matrices(b)
+        self._new_buckets_added(self.buckets)
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group`` (after construction: see
@@ -177,7 +174,9 @@ class ShardedMuon(ShardedOptimizer):
         return _muon_owners(params, self.world_size, group["ns_steps"], self._ns_loads)
 
     def _new_buckets_added(self, new: list) -> None:
-        self._ns_loads = None  # (the new group's matrices were balanced over the ranks among themselves)
+        """The matrices of the Muon buckets ``new`` (all of them at construction, a group's added after it), once
+        the layout is done (a group's matrices are balanced over the ranks among themselves)."""
+        self._ns_loads = None
         for b in new:
             if self._group_of_bucket[b.index]["use_muon"]:
                 self._plan_matrices(b)
