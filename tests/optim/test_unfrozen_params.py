@@ -16,6 +16,8 @@ from tests.distributed import run_on_ranks
 from tests.helpers import assert_bitwise_equal
 from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
 
+from . import graph_emulation
+
 MAKE = {
     "adamw": lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
     "sgd": lambda params, **kw: ShardedSGD(params, lr=1e-1, momentum=0.9, dampening=0.3, weight_decay=0.1, **kw),
@@ -36,8 +38,11 @@ def _loss(model, step):
 
 
 def _unfreeze_run(rank, world_size, kind, options):
+    """``options``: the optimizer's, and ``torch_clip`` (torch's clip_grad_norm_ every step), ``frozen_at`` (step ->
+    names of the backbone's parameters frozen again in that step, after the unfreeze)."""
     options = dict(options)
     clip = options.pop("torch_clip", False)
+    frozen_at = options.pop("frozen_at", {})
     model = _model()
     for p in model[0].parameters():
         p.requires_grad_(False)
@@ -47,11 +52,12 @@ def _unfreeze_run(rank, world_size, kind, options):
     if options.get("overlap_comm"):
         opt.attach(model)
     opt_head, opt_backbone = make(list(ref[2].parameters())), None
-    for step in range(STEPS):
+    for step in range(STEPS + (3 if frozen_at else 0)):
+        if step >= UNFROZEN_AT:
+            for m in (model, ref):  # progressive unfreezing, the torch way: nothing else
+                for name, p in m[0].named_parameters():
+                    p.requires_grad_(name not in frozen_at.get(step, ()))
         if step == UNFROZEN_AT:
-            for m in (model, ref):
-                for p in m[0].parameters():
-                    p.requires_grad_(True)  # progressive unfreezing, the torch way: nothing else
             opt_backbone = make(list(ref[0].parameters()))
         _loss(model, step).backward()
         _loss(ref, step).backward()
@@ -66,6 +72,7 @@ def _unfreeze_run(rank, world_size, kind, options):
         what = f"{kind} {options}, rank {rank} of {world_size}, after step {step}"
         for a, b in zip(model.parameters(), ref.parameters()):
             assert_bitwise_equal(a.detach(), b.detach(), f"{what}: the weights")
+            assert torch.isfinite(a).all(), what
         if opt_backbone is None:
             continue
         ours = opt.state_dict()["state"]  # torch.optim numbering: the backbone (0, 1), the head (2, 3)
@@ -74,9 +81,11 @@ def _unfreeze_run(rank, world_size, kind, options):
             assert set(ours[i]) == set(theirs), what
             for key in theirs:
                 assert_bitwise_equal(ours[i][key], theirs[key], f"{what}: state {i} {key}")
-        if kind != "lion":  # (Lion's update reads no count, but keeps it)
+        if kind != "lion" and not frozen_at:  # (Lion's update reads no count, but keeps it)
             assert float(ours[0]["step"]) == step + 1 - UNFROZEN_AT and float(ours[2]["step"]) == step + 1
-    assert float(opt.state[model[0].weight]["step"]) == STEPS - UNFROZEN_AT
+    if not frozen_at:
+        assert float(opt.state[model[0].weight]["step"]) == STEPS - UNFROZEN_AT
+    return opt, model
 
 
 @pytest.mark.parametrize("options", [{}, {"bucket_cap_mb": 1e-9}, {"overlap_comm": True}, {"torch_clip": True}],
@@ -184,6 +193,83 @@ def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
             opt.load_state_dict(saved)
         else:
             load_sharded(opt, str(tmp_path / "ckpt"))
+        assert not opt._own_steps, "the unfrozen parameters count on their buckets' counter after the load too"
         train(model, opt, range(UNFROZEN_AT + 1, STEPS))
         for a, b in zip(model.parameters(), truth):
             assert_bitwise_equal(a.detach(), b, f"resumed through {how} after an unfreeze")
+
+
+# --------------------------------------------------------------------------- the unfrozen parameters' own counter
+def _no_update_by_slice(monkeypatch):
+    """Make the second update of a parameter counting on its own (param_steps.py) an error: parameters unfrozen
+    together count on their buckets' counter, so their flat update is their only one."""
+    def second_update(*args, **kwargs):
+        raise AssertionError("a piece was updated a second time, with a count of its own")
+    for cls in (ShardedAdamW, ShardedSGD):
+        monkeypatch.setattr(cls, "_update_slice", second_update)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])  # (the rules whose update reads the count)
+def test_parameters_unfrozen_together_are_updated_once_per_step(monkeypatch, kind):
+    """Unfrozen parameters start at count 0 while their group's counter is at 2: they are laid out in buckets
+    with a counter of their own (one update launch per counter), not updated a second time with a count per
+    parameter (until session 14: a checked launch per parameter and step, for as long as they trained). The
+    bits are those of the optimizer built when they were unfrozen (_unfreeze_run)."""
+    _no_update_by_slice(monkeypatch)
+    for options in ({}, {"bucket_cap_mb": 1e-9}, {"overlap_comm": True}):
+        _unfreeze_run(0, 1, kind, options)
+
+
+def test_cuda_graph_captures_the_steps_after_an_unfreeze_and_keeps_the_eager_bits(monkeypatch):
+    """With the unfrozen parameters on a counter of their own, nothing in the step depends on a parameter's own
+    count, so the steps after the unfreeze are captured (until session 14 they ran eagerly) and replay the eager
+    bits (CPU graph emulation: graph_emulation.py)."""
+    graph_emulation.install(monkeypatch)
+    runs = []
+    for graphed in (False, True):
+        model = _model()
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9, cuda_graph=graphed)
+        for step in range(STEPS + 3):
+            if step == UNFROZEN_AT:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+            _loss(model, step).backward()
+            if graphed and step > UNFROZEN_AT + 1:  # (a capture runs at the second sight of a phase's key)
+                graphs = opt._graphs
+                assert any(phase == "update" for phase, _ in graphs._graphs), \
+                    f"step {step}: the update phase after the unfreeze was not captured"
+                replays = graphs.replays
+            opt.step()
+            if graphed and step > UNFROZEN_AT + 1:
+                assert graphs.replays > replays, f"step {step} ran eagerly"
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert_bitwise_equal(b, a, "graphed against eager, after an unfreeze")
+
+
+def _refreeze_run(rank, world_size, options):
+    """Unfrozen at UNFROZEN_AT; then the bias frozen again for one step (its counter's other parameter trains: the
+    bias counts on its own from there), then the whole unfrozen layer for one step (its counter idle: not updated,
+    not counted, while the head trains), then both trainable again. Against AdamW optimizers built at the unfreeze
+    and for the head, on the same gradients: every weight and state tensor bit for bit, every step
+    (_unfreeze_run)."""
+    frozen_at = {UNFROZEN_AT + 1: ["bias"], UNFROZEN_AT + 2: ["weight", "bias"]}
+    opt, model = _unfreeze_run(rank, world_size, "adamw", {**options, "frozen_at": frozen_at})
+    # the cost: only the bias, skipped while its counter's other parameter trained, counts (and is updated) on its
+    # own; the step that skipped both left their counter as it was instead of giving the weight a count of its own
+    assert list(opt._own_steps) == [model[0].bias], [opt._param_names[p] for p in opt._own_steps]
+    # torch.optim's counts: the weight skipped one step, the bias two
+    assert float(opt.state[model[0].weight]["step"]) == STEPS + 3 - UNFROZEN_AT - 1
+    assert float(opt.state[model[0].bias]["step"]) == STEPS + 3 - UNFROZEN_AT - 2
+
+
+@pytest.mark.parametrize("options", [{}, {"bucket_cap_mb": 1e-9}], ids=["one bucket", "a bucket per parameter"])
+def test_unfrozen_parameters_skipped_later_count_as_in_an_optimizer_built_then(options):
+    _refreeze_run(0, 1, options)
+
+
+def test_unfrozen_parameters_skipped_later_on_two_ranks():
+    run_on_ranks(_refreeze_run, 2, {"bucket_cap_mb": 1e-9, "overlap_comm": True})

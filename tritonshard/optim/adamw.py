@@ -107,6 +107,7 @@ def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
     beta1, beta2 = group["betas"]
     persistent = opt._persistent_args()
     gi = bucket.group_index
+    counter = (gi, bucket.counter_index)  # the coefficients depend on the step count: one set per counter
 
     def coefficients_now():
         lr = group["lr"]
@@ -115,15 +116,16 @@ def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
             if not persistent:
                 return coef
         # a bound launch reads the group's coefficients from one tensor that keeps its storage, computed in place
-        out = opt._persistent_tensor(("adamw", gi), lambda: torch.empty(3, dtype=torch.float32, device=opt.device))
+        out = opt._persistent_tensor(("adamw", counter),
+                                     lambda: torch.empty(3, dtype=torch.float32, device=opt.device))
         if isinstance(lr, torch.Tensor):
             return out.copy_(coef)
-        views, scratch = opt._persistent_tensor(("adamw views", gi), lambda: (
+        views, scratch = opt._persistent_tensor(("adamw views", counter), lambda: (
             tuple(out.unbind()), tuple(torch.empty((), dtype=torch.float64, device=opt.device) for _ in range(3))))
         adamw_coefficients_into(views, scratch, opt._lr_source(group, gi), bucket.step, beta1, beta2,
                                 group["weight_decay"])
         return out
-    coefficients = opt._once_per_step(("adamw", gi), coefficients_now)
+    coefficients = opt._once_per_step(("adamw", counter), coefficients_now)
     param, param_out, remainders = bucket.update_target()
     grad, state_kwargs = bucket.grad_buffer.get_local_shard(), bucket.state_kwargs()
 

@@ -351,11 +351,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self.buckets: list[_Bucket] = []
         for gi in range(len(self.param_groups)):
             self.buckets += self._lay_out_group(gi)
-        # one step counter per param group, shared by its buckets and by every parameter that took each of the
-        # group's steps: one increment per group and step, and per-group coefficients computed once (see
-        # _once_per_step)
-        self._group_steps: dict[int, torch.Tensor] = {}
-        self._own_steps: dict = {}  # ... and one per parameter whose count left its group's (param_steps.py)
+        # step counters (b.step): one per param group, shared by its buckets and by every parameter that took each
+        # of the group's steps (one increment per counter and step, and coefficients computed once per counter:
+        # _once_per_step); buckets laid out later for parameters unfrozen after construction share one of their own
+        # (_adopt_unfrozen). _step_units lists the buckets of each counter (_set_gather_order)
+        self._own_steps: dict = {}  # ... and one per parameter whose count left its bucket's (param_steps.py)
         self._own_plan: list = []
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
         # fp64 [sum_sq, non-finite]: all-reduced in fp64, so the per-rank sums' grouping (the layout) cannot show
@@ -490,7 +490,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and
         are trainable now start to train, as with torch.optim: laid out in new buckets of their group, with their
         fp32 master taken from their current values, zero state and a step count of their own from 0 (torch.optim
-        counts from their first step), and any gradient they hold kept for the step. Runs at the end of the
+        counts from their first step: the new buckets' counter, so the flat update of those buckets applies it, one
+        launch per counter as for any group), and any gradient they hold kept for the step. Runs at the end of the
         backward that first gives them a gradient, before anything is reduced (or at the next ``step()`` or
         state_dict, where nothing is reduced yet). A collective: every rank unfreezes the same parameters."""
         unfrozen = [p for p in self._frozen_at_build if p.requires_grad]
@@ -516,11 +517,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         by_group: dict = {}
         for p in unfrozen:
             by_group.setdefault(group_of[p], []).append(p)
-        for gi, params in by_group.items():
+        for gi, params in by_group.items():  # (their new buckets' counter, from 0, is not the group's: see above)
             self._add_buckets(gi, params, [])
-        for p in unfrozen:  # their count starts now; the group's counter may be anywhere
-            self._set_own_step(p, torch.zeros((), dtype=torch.float32, device=self.device), replan=False)
-        self._plan_own_steps()
 
     def _index_buckets(self, new: list, groups) -> None:
         """Everything derived from ``self.buckets``, once buckets ``new`` are in it: every bucket at construction,
@@ -530,8 +528,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         buckets = self.buckets
         for i, b in enumerate(buckets):
             b.index = i
-        for b in new:  # (a group's counter is its first bucket's)
-            b.step = self._group_steps.setdefault(b.group_index, b.step)
+        first: dict = {}
+        for b in new:  # new buckets of one group share a counter, the first one's: a new one, whatever came before
+            lead = first.setdefault(b.group_index, b)
+            b.step, b.counter_index = lead.step, lead.index  # (the index names the counter in keys: stable, an int)
         # the read-only norm pass: every bucket writes its per-program partials into its slice of one workspace,
         # then one finalize per step adds them all into [sum_sq, non-finite]: no allocation, one launch per bucket
         self._norm_workspace, slices = shared_sum_sq_workspace([b.grad_buffer.shard_numel for b in buckets],
@@ -1346,11 +1346,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             position.setdefault(p, i)
         first_use = [min((position.get(p, len(position)) for p in b.params), default=0) for b in self.buckets]
         self._gather_order = sorted(range(len(self.buckets)), key=lambda i: (first_use[i], i))
-        by_group: dict = {}
+        units: dict = {}
         for i in self._gather_order:
-            by_group.setdefault(self.buckets[i].group_index, []).append(self.buckets[i])
-        #: (group index, its buckets in gather order), groups in the order of their first bucket
-        self._buckets_by_group = list(by_group.items())
+            b = self.buckets[i]
+            units.setdefault(b.counter_index, []).append(b)
+        #: (group index, its buckets that share a step counter, in gather order), in the order of their first
+        #: bucket: what one segmented update launch covers (one per param group, but where parameters unfrozen
+        #: after construction count their own steps: param_steps.py)
+        self._step_units = [(buckets[0].group_index, buckets) for buckets in units.values()]
 
     def _before_model_forward(self, module: torch.nn.Module) -> None:
         """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
@@ -1526,9 +1529,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
         not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
         # the step counts (skipped steps do not count), and the pieces of parameters whose own count differs from
-        # their group's, saved now and updated again after the flat update with their count (param_steps.py); a
-        # group none of whose parameters trains this step (idle) is not updated at all; the pieces of the other
-        # skipped parameters are saved before the update and put back after it
+        # their bucket's, saved now and updated again after the flat update with their count (param_steps.py); the
+        # buckets of a counter none of whose parameters trains this step (idle) are not updated at all; the pieces
+        # of the other skipped parameters are saved before the update and put back after it
         redo, idle, keep = self._count_steps(frozen, not_skipped)
         kept = self._snapshot_pieces(keep) if keep else {}
         compiling = torch.compiler.is_compiling()
@@ -1536,8 +1539,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         coalesce = self._coalesce and not compiling  # ... in one call
         if together:  # each param group's buckets in one call (ShardedAdamW, SGD, Lion: one segmented launch)
             self._next_rounding_seeds()
-            for gi, buckets in self._buckets_by_group:
-                if gi in idle:
+            for gi, buckets in self._step_units:
+                if buckets[0].index in idle:
                     continue
                 with _trace("tritonshard.update[group {}]", gi):
                     self._update_buckets(buckets, self.param_groups[gi], grad_scale, found_inf)
@@ -1561,8 +1564,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         else:  # with overlap_comm (or one bucket, or torch.compile): the gathers one by one (see above)
             self._next_rounding_seeds()
             merged = set()  # buckets whose param group went in one segmented launch
-            for gi, buckets in self._buckets_by_group if self._segments is not None and self._segmented_path() else ():
-                if gi in idle:
+            for gi, buckets in self._step_units if self._segments is not None and self._segmented_path() else ():
+                if buckets[0].index in idle:
                     continue
                 with _trace("tritonshard.update[group {}]", gi):
                     if self._update_merged(buckets, self.param_groups[gi], grad_scale, found_inf):
@@ -1571,7 +1574,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             for i in self._gather_order:
                 b = self.buckets[i]
                 # (ShardedMuon, a group of one bucket): its own update, then its gather
-                if i not in merged and b.group_index not in idle:
+                if i not in merged and i not in idle:
                     with _trace("tritonshard.update[bucket {}]", b.index):
                         self._update(b, self._group_of_bucket[b.index], grad_scale, found_inf)
                 self._restore_pieces(kept.get(i, ()))

@@ -63,6 +63,9 @@ class _Bucket:
                         if state_dtype == torch.bfloat16 and state_rounding == "stochastic" else None)
         self.sr_base = seed  # sr_seed - sr_base = the steps taken so far (saved, so a resume draws the same bits)
         self.step = torch.zeros((), dtype=torch.float32, device=device)  # steps taken (skipped ones excluded)
+        #: the optimizer shares one ``step`` among buckets (a param group's, or parameters unfrozen together) and
+        #: sets this to the index of the first bucket that shares it (ShardedOptimizer._index_buckets)
+        self.counter_index = -1
         for p, view in zip(params, self.param_buffer.get_views()):
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does
             p.data = view  # the Parameter object stays (module and optimizer references keep working)

@@ -1,21 +1,23 @@
 """``ParamStepsMixin``: a step count per parameter, as torch.optim keeps one (``state[p]["step"]``).
 
-Every parameter of a param group shares the group's counter (one device scalar, one increment per step) until
-step() skips it: frozen (``requires_grad=False`` after construction) or without a gradient on every rank. torch.optim
-does not count a step it skipped, so from then on the parameter counts on a counter of its own, a copy of the
-group's taken before the step's increment. The flat update still runs over the whole bucket with the group's count
-(it has no per-element step); the pieces of a parameter whose own count differs are saved before it, put back
-after it, and updated again by a launch of their own with their own count (the update's arithmetic, with the
+Every parameter shares its bucket's counter (``b.step``, one device scalar, one increment per step), which all
+buckets of a param group share (but parameters unfrozen after construction, laid out in buckets of their own with a
+counter of their own from 0: ``_adopt_unfrozen``; ``_step_units`` lists the buckets of each counter), until step()
+skips it: frozen (``requires_grad=False`` after construction) or without a gradient on every rank. torch.optim
+does not count a step it skipped, so from then on the parameter counts on a counter of its own, a copy of its
+bucket's taken before the step's increment. The flat update still runs over the whole bucket with the bucket's
+count (it has no per-element step); the pieces of a parameter whose own count differs are saved before it, put
+back after it, and updated again by a launch of their own with their own count (the update's arithmetic, with the
 coefficients of that count). Only update rules that read the count redo pieces (AdamW's bias corrections, SGD's
 first-step momentum); the others only keep the count, for the state they save.
 
-What that costs, only where a parameter has been skipped while others of its group stepped (a task head not
-used, a branch not taken, a parameter frozen and unfrozen): per step and such parameter that trains, an
-increment, a copy of its pieces and one more update launch over them; a step with one runs eagerly under
-``cuda_graph=True``. A step that skips every parameter of a group (``step()`` without a backward) leaves the
-group's counter as it is, launches no update for the group and costs nothing after it. A step compiled by
-torch.compile finds no skipped parameters (README), but keeps and advances the counts of their own that earlier
-eager steps or a load gave.
+What that costs, only where a parameter has been skipped while others of its counter stepped (a task head not
+used, a branch not taken, a parameter frozen and unfrozen after the optimizer's first steps): per step and such
+parameter that trains, an increment, a copy of its pieces and one more update launch over them; a step with one
+runs eagerly under ``cuda_graph=True``. A step that skips every parameter of a counter (``step()`` without a
+backward, every parameter unfrozen together frozen again) leaves the counter as it is, launches no update for its
+buckets and costs nothing after it. A step compiled by torch.compile finds no skipped parameters (README), but
+keeps and advances the counts of their own that earlier eager steps or a load gave.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class ParamStepsMixin:
                                   "slice with another one (_update_slice)")
 
     def _param_step(self, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s step count: its own, or its group's."""
+        """``p``'s step count: its own, or its bucket's."""
         own = self._own_steps.get(p)
         if own is not None:
             return own
@@ -58,34 +60,37 @@ class ParamStepsMixin:
         """Advance the step counts by ``not_skipped`` (1 - found_inf) for this step, where ``skipped`` are the
         parameters the update leaves unchanged. Returns (by bucket index, the pieces to update again with their
         own count after the flat update: ``[(slice, own count, [(shard view, saved copy), ...]), ...]``, saved
-        now, before it; the indices of the groups none of whose parameters trains this step, which are not
-        updated: their count stays, and an update at count 0 would write NaN into the padding,
-        0 / sqrt(1 - beta2^0); the skipped parameters of the other groups, whose pieces the flat update reaches
-        and the caller must save and put back).
+        now, before it; the indices of the buckets of the counters none of whose parameters trains this step
+        (idle), which are not updated: their count stays, and an update at count 0 would write NaN into the
+        padding, 0 / sqrt(1 - beta2^0); the skipped parameters of the other counters, whose pieces the flat update
+        reaches and the caller must save and put back).
 
-        Traceable by torch.compile (where step() finds no skipped parameters): what it reads then is the group
-        counters and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its placeholder grad)."""
+        Traceable by torch.compile (where step() finds no skipped parameters): what it reads then is the counters
+        (through :attr:`_step_units`) and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its
+        placeholder grad)."""
         idle, kept = set(), []
         if skipped:  # (eager only; the work is per skipped parameter and per bucket, not per parameter)
-            by_group: dict = {}
+            by_unit: dict = {}
             for p in skipped:
-                by_group.setdefault(self._bucket_of[p][0].group_index, []).append(p)
-            sizes = {gi: sum(len(b.params) for b in buckets) for gi, buckets in self._buckets_by_group}
+                by_unit.setdefault(self._bucket_of[p][0].counter_index, []).append(p)
             added = False
-            for gi, left_out in by_group.items():
-                if len(left_out) == sizes[gi]:  # none of the group trains: its counter stays, nobody leaves it
-                    idle.add(gi)
+            for _, buckets in self._step_units:
+                left_out = by_unit.get(buckets[0].counter_index)
+                if not left_out:
+                    continue
+                if len(left_out) == sum(len(b.params) for b in buckets):  # none trains: the counter stays
+                    idle.update(b.index for b in buckets)
                     continue
                 kept += left_out
                 for p in left_out:
                     if p not in self._own_steps:
-                        self._set_own_step(p, self._group_steps[gi].clone(), replan=False)
+                        self._set_own_step(p, self._bucket_of[p][0].step.clone(), replan=False)
                         added = True
             if added:
                 self._plan_own_steps()
-        for gi, step in self._group_steps.items():  # skipped steps do not count
-            if gi not in idle:
-                step.add_(not_skipped)
+        for _, buckets in self._step_units:  # skipped steps do not count
+            if buckets[0].index not in idle:
+                buckets[0].step.add_(not_skipped)
         redo: dict = {}
         if self._own_plan:
             left_ids = {id(p) for p in skipped}
@@ -137,14 +142,15 @@ class ParamStepsMixin:
             self._own_plan.append((id(p), b.index, sl, own, self._reads_step(self._group_of_bucket[b.index])))
 
     def _load_steps(self, steps: dict) -> None:
-        """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): per param
-        group, the most common count becomes the group's counter (the larger on a tie), the others own ones."""
+        """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): per counter
+        (:attr:`_step_units`), the most common count of its parameters becomes the counter's (the larger on a
+        tie), the others own ones."""
         self._own_steps.clear()
-        for gi, buckets in self._buckets_by_group:
+        for _, buckets in self._step_units:
             params = [p for b in buckets for p in b.params]
             counts = collections.Counter(float(steps[p]) for p in params)
             common = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
-            self._group_steps[gi].fill_(common)
+            buckets[0].step.fill_(common)
             for p in params:
                 if float(steps[p]) != common:
                     self._set_own_step(p, torch.full((), float(steps[p]), dtype=torch.float32, device=self.device),
