@@ -59,7 +59,9 @@ def _assert_same(ours: dict, i: int, theirs: dict, j: int, what: str) -> None:
 
 
 def _late_group_run(rank, world_size, kind, options):
-    """The backbone's group added before step ADDED_AT; every parameter compared with an optimizer of its own."""
+    """The backbone's group added before step ADDED_AT; every parameter compared with an optimizer of its own
+    (``options``: the optimizer's, and ``hybrid``: 2 replicas x 2 shards of a 4-rank DeviceMesh)."""
+    options = _hybrid_options(options)
     model = _model()
     head, backbone = copy.deepcopy(model[2]), copy.deepcopy(model[0])  # the references' parameters
     make = MAKE[kind]
@@ -128,9 +130,27 @@ def test_a_group_added_during_training_trains_as_an_optimizer_built_then(kind, o
     _late_group_run(0, 1, kind, options)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_a_group_added_during_training_on_several_ranks(world_size):
-    run_on_ranks(_late_group_run, world_size, "adamw", {"bucket_cap_mb": 1e-9, "overlap_comm": True})
+def _hybrid_options(options: dict) -> dict:
+    """``options`` with ``hybrid=True`` turned into a 2 x 2 DeviceMesh (replicas x shards), made on this rank."""
+    options = dict(options)
+    if options.pop("hybrid", False):
+        from torch.distributed.device_mesh import init_device_mesh
+        options["device_mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return options
+
+
+SEVERAL_RANKS = [(2, {"bucket_cap_mb": 1e-9, "overlap_comm": True}),
+                 (4, {"bucket_cap_mb": 1e-9, "overlap_comm": True}),
+                 # (ordered_reduce's all-to-alls and scratch buffers, and hybrid sharding's replica all-reduce:
+                 # the buckets laid out later take the same paths as those laid out at construction)
+                 (4, {"bucket_cap_mb": 1e-9, "overlap_comm": True, "ordered_reduce": True}),
+                 (4, {"bucket_cap_mb": 1e-9, "hybrid": True})]
+SEVERAL_IDS = ["2 ranks, overlap", "4 ranks, overlap", "4 ranks, ordered_reduce + overlap", "2 x 2 hybrid"]
+
+
+@pytest.mark.parametrize("world_size, options", SEVERAL_RANKS, ids=SEVERAL_IDS)
+def test_a_group_added_during_training_on_several_ranks(world_size, options):
+    run_on_ranks(_late_group_run, world_size, "adamw", options)
 
 
 def test_like_torch_optim_on_a_twin():

@@ -17,6 +17,7 @@ from tests.helpers import assert_bitwise_equal
 from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
 
 from . import graph_emulation
+from .test_add_param_group import SEVERAL_IDS, SEVERAL_RANKS, _hybrid_options
 
 MAKE = {
     "adamw": lambda params, **kw: ShardedAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
@@ -39,8 +40,9 @@ def _loss(model, step):
 
 def _unfreeze_run(rank, world_size, kind, options):
     """``options``: the optimizer's, and ``torch_clip`` (torch's clip_grad_norm_ every step), ``frozen_at`` (step ->
-    names of the backbone's parameters frozen again in that step, after the unfreeze)."""
-    options = dict(options)
+    names of the backbone's parameters frozen again in that step, after the unfreeze), ``hybrid``
+    (test_add_param_group._hybrid_options)."""
+    options = _hybrid_options(options)
     clip = options.pop("torch_clip", False)
     frozen_at = options.pop("frozen_at", {})
     model = _model()
@@ -95,8 +97,9 @@ def test_a_parameter_unfrozen_after_building_trains_as_in_an_optimizer_built_the
     _unfreeze_run(0, 1, kind, options)
 
 
-def test_a_parameter_unfrozen_after_building_on_two_ranks():
-    run_on_ranks(_unfreeze_run, 2, "adamw", {"bucket_cap_mb": 1e-9, "overlap_comm": True})
+@pytest.mark.parametrize("world_size, options", SEVERAL_RANKS, ids=SEVERAL_IDS)
+def test_a_parameter_unfrozen_after_building_on_several_ranks(world_size, options):
+    run_on_ranks(_unfreeze_run, world_size, "adamw", options)
 
 
 def test_unfrozen_with_gradients_set_by_hand_is_taken_at_step():
