@@ -57,7 +57,8 @@ def test_step_benchmark_smoke(tmp_path):
 def test_overlap_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "benchmarks.overlap", "--tiny", "--out", str(tmp_path)], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO},
+                          # the PyTorch reference kernels, as a CPU user runs it (the interpreter: ~4 s more)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "TRITON_INTERPRET": "0"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.load(open(tmp_path / "overlap.json"))
@@ -168,6 +169,7 @@ def test_gpu_check_reports_a_stage_that_times_out_and_runs_only_the_stages_asked
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "XDIST": "", "OMP_NUM_THREADS": "1",
            "STAGES": "2 4", "T2": "1", "T4": "300", "MODELS": "tiny",
            "STEP_ARGS": "--reps 1 --skip fsdp2 muon torch_muon", "BUCKET_CAPS": "25"}
+    env.pop("TRITON_INTERPRET", None)  # the reference kernels, as in _gpu_check (the interpreter: 25 s, not 11)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 1, "a timed-out stage fails the check"
