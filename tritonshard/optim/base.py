@@ -1461,6 +1461,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         for gi, group in self._trained_groups:
             self._check_group(group, f" (param_groups[{gi}], at step())")
         _, found_inf = self._reduce_grads()
+        if self._clamped and self._scale is None:  # clip_grad_value_ may have made an inf finite
+            self._recheck_finite()
         # torch.amp.GradScaler.step(opt) sets these two around this call (see _step_supports_amp_scaling): the scale
         # the loss was multiplied by, unless unscale_() folded its inverse in already, and its inf flag
         amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")

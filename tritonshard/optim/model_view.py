@@ -232,6 +232,21 @@ class ModelViewMixin:
         self._clamped = True
         self._norm_cache.clear()
 
+    def _recheck_finite(self) -> None:
+        """The step's non-finite flag from the gradients as they are now, after a clamp (step() calls this once
+        where ``_clamped``, however many clamps the loop made): an inf clamped to a bound is finite, and
+        torch.optim steps with it (a NaN stays NaN, and any non-finite value left still skips the step). Not with
+        the optimizer's own loss scale, whose inf is an overflow that must skip and back off (as GradScaler's
+        flag, taken at ``unscale_``, before any clamp). One read of the shards and one all-reduce."""
+        shards = [s for s in (b.grad_buffer.get_local_shard() for b in self.buckets) if s.numel()]
+        peaks = torch._foreach_norm(shards, math.inf) if shards else []  # (NaN or inf where any element is)
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
+        if peaks:
+            flag = torch.logical_not(torch.isfinite(torch.stack(peaks).float()).all()).float()
+        if comm.is_initialized() and self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._reduced_bufs[1].copy_(flag)
+
     def _param_grad_norm(self, p: torch.Tensor, norm_type: float) -> torch.Tensor:
         """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier):
         what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All parameters' norms are computed at once
