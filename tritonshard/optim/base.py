@@ -95,6 +95,7 @@ import functools
 import hashlib
 import math
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -118,6 +119,10 @@ from .param_steps import ParamStepsMixin
 from .state_io import StateDictMixin
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig", "split_into_buckets"]
+
+#: every ShardedOptimizer alive: a parameter lives in one optimizer's buffers, so one built later over parameters
+#: another still holds takes them over (ShardedOptimizer._take_over)
+_LIVE: "weakref.WeakSet[ShardedOptimizer]" = weakref.WeakSet()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -348,6 +353,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self.device = trainable[0].device if trainable else torch.device("cpu")
 
         self._align = align
+        self._retired_by: Optional[str] = None  # what took this optimizer's parameters over (_take_over)
+        self._take_over(self._holders([p for g in self.param_groups for p in g["params"]]))
         self.buckets: list[_Bucket] = []
         for gi in range(len(self.param_groups)):
             self.buckets += self._lay_out_group(gi)
@@ -455,6 +462,62 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         # every structure derived from the buckets (norm workspace, lookups, launch order and plans, the model's
         # view), rebuilt for the new buckets by add_param_group after construction
         self._index_buckets(self.buckets, range(len(self.param_groups)))
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ another optimizer over the same parameters
+    def _holders(self, params: list) -> list:
+        """The other live optimizers holding some of ``params`` (in their buckets, or frozen in their groups), as
+        ``[(optimizer, [its names of those parameters])]``; a RuntimeError if one of them is between a backward and
+        its step() (that backward's gradients are in its buffers, on their way to an update that would not come)."""
+        ids = {id(p) for p in params}
+        found = []
+        for other in list(_LIVE):
+            if other is self or other._retired_by is not None:
+                continue
+            held = [p for p in (*other._param_list, *other._frozen_at_build) if id(p) in ids]
+            if not held:
+                continue
+            names = [other._param_names[p] for p in held]
+            if other._reduced is not None or any(b.rs_launched or b.placed for b in other.buckets):
+                raise RuntimeError(
+                    f"a {type(self).__name__} over {_names(names)}, which a {type(other).__name__} still holds "
+                    "between a backward and its step(): that backward's gradients are in the other's buffers. Build "
+                    "the new optimizer after step() or zero_grad()")
+            found.append((other, names))
+        return found
+
+    def _take_over(self, holders: list) -> None:
+        """Retire the optimizers of :meth:`_holders`: a tritonshard parameter is a view of one optimizer's buffer,
+        so the optimizer built later over it (replacing the optimizer for a second phase of training, a notebook
+        cell run again while a scheduler still holds the old one) trains it, and the older one no longer can.
+        Its all-gathers in flight are waited for (they write the parameters' values, which the new optimizer takes
+        as its masters), its hooks on the parameters and the model are removed (they would flatten the gradients
+        into its buffers), the model's guards stop pointing at it, and from then on every call that would train,
+        save or load through it raises (:meth:`_check_not_retired`) instead of reading stale buffers or taking the
+        parameters back."""
+        for other, names in holders:
+            other.wait_for_params()
+            for handle in other._hooks:
+                handle.remove()
+            other._hooks = []
+            if other._attached is not None:
+                model, handles = other._attached
+                for handle in handles:
+                    handle.remove()
+                for module in model.modules():
+                    ref = module.__dict__.get("_tritonshard_optimizer")
+                    if ref is not None and ref() is other:
+                        object.__setattr__(module, "_tritonshard_optimizer", None)
+                other._attached = None
+            other._retired_by = (f"a {type(self).__name__} built later over the same parameters "
+                                 f"({_names(names)}) took them over")
+
+    def _check_not_retired(self) -> None:
+        if self._retired_by is not None:
+            raise RuntimeError(
+                f"this {type(self).__name__} no longer trains its parameters: {self._retired_by}. A tritonshard "
+                "parameter lives in one optimizer's buffers; use the new optimizer (and let go of this one, e.g. "
+                "an LR scheduler or a list that still refers to it)")
 
     # ------------------------------------------------------------------ construction helpers
     def _lay_out_group(self, gi: int, params: Optional[list] = None) -> list[_Bucket]:
@@ -729,6 +792,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
     def _add_group_after_construction(self, param_group: dict) -> None:
         # mid-reduction: a backward's gradients taken into the buffers (placeholders placed), or reduced already
         # (zero_grad(set_to_none=False) leaves zero-filled buffers, which are not in the way)
+        self._check_not_retired()
         busy = self._reduced is not None or any(b.rs_launched or b.placed for b in self.buckets)
         if busy:
             raise RuntimeError("add_param_group() between a backward and its step(): the gradients of that backward "
@@ -748,6 +812,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                 raise ValueError(f"param_groups[{gi}] has a parameter on {moved.device}, but the optimizer keeps its "
                                  f"buffers on {self.device} (an optimizer built with nothing to train: on the CPU)")
             self._check_new_group(group, f" (param_groups[{gi}])")
+            holders = self._holders(trainable)
         except Exception as exc:
             error = exc
         try:
@@ -760,6 +825,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         if error is not None:
             del self.param_groups[gi:]
             raise error
+        self._take_over(holders)
         self._add_buckets(gi, trainable, [gi])
 
     def _check_new_group(self, group: dict, where: str) -> None:
@@ -1285,6 +1351,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         The model's class is replaced by a subclass of it (as FSDP2's ``fully_shard`` does; ``isinstance`` holds,
         pickles and deep copies get the original class). Returns the hook handles.
         """
+        self._check_not_retired()
         ddp_type = torch.nn.parallel.DistributedDataParallel
         if isinstance(model, ddp_type):
             model.require_backward_grad_sync = False  # tritonshard reduces the gradients
@@ -1446,6 +1513,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
 
         Never waits on the device: the non-finite flag gates the update inside the kernel.
         """
+        self._check_not_retired()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1791,6 +1859,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         """Forget the accumulated gradients, of every parameter in the param groups (as torch.optim does; frozen
         ones included). ``set_to_none=True`` costs nothing for ours (the next backward overwrites the buffers);
         ``False`` also zero-fills the grad buffers and zeroes any other ``param.grad``."""
+        self._check_not_retired()
         self._reset_step_state()  # placeholders first: they hold no storage to zero
         for g in self.param_groups:
             for p in g["params"]:
@@ -1823,3 +1892,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             out["workspace"] = workspace
         out["total"] = sum(out.values())
         return out
+
+
+def _names(names: list) -> str:
+    """Up to three parameter names, then how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -46,6 +46,7 @@ class ModelViewMixin:
         """
         if torch.compiler.is_compiling():
             return
+        self._check_not_retired()  # (it would take the parameters back into its buffers)
         for module, name, p in self._model_params:
             if module._parameters.get(name) is not p:
                 raise RuntimeError(
