@@ -127,6 +127,8 @@ def test_add_param_group_takes_parameters_over_too():
     twin_old = ShardedAdamW(twin[0].parameters(), lr=1e-2)
     for m, o in ((model, old), (twin, twin_old)):
         _train(m, o, range(2))
+    model.zero_grad()  # (the head, in no optimizer so far, accumulated every backward's gradient: a new
+    #                    optimizer would use them, as torch.optim does, and the fresh copy has none)
     head = ShardedAdamW(model[2].parameters(), lr=1e-2)
     head.add_param_group({"params": model[0].parameters(), "lr": 3e-3})
     fresh = _fresh_copy(twin)

@@ -354,6 +354,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
 
         self._align = align
         self._retired_by: Optional[str] = None  # what took this optimizer's parameters over (_take_over)
+        held = _held_grads(trainable)  # (laying the parameters out drops them; torch.optim's first step uses them)
+        if held and (loss_scale is not None and loss_scale is not False
+                     or loss_scale is None and param_dtype == torch.float16):
+            raise ValueError(
+                f"{len(held)} parameters hold gradients from a backward run before this {type(self).__name__} "
+                "existed, and it scales the loss itself (fp16 weights, or loss_scale given): those gradients were "
+                "not multiplied by its loss scale, so its first step would divide them by it. Zero them first "
+                "(model.zero_grad()), or build the optimizer before the first backward")
         self._take_over(self._holders([p for g in self.param_groups for p in g["params"]]))
         self.buckets: list[_Bucket] = []
         for gi in range(len(self.param_groups)):
@@ -463,6 +471,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         # view), rebuilt for the new buckets by add_param_group after construction
         self._index_buckets(self.buckets, range(len(self.param_groups)))
         _LIVE.add(self)
+        _restore_grads(held)
 
     # ------------------------------------------------------------------ another optimizer over the same parameters
     def _holders(self, params: list) -> list:
@@ -536,7 +545,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         """New buckets of ``params`` (of param group ``gi``) join the optimizer after construction (``groups``: see
         :meth:`_index_buckets`). A gradient one of them already holds is kept, in bf16, for the next step, as
         torch.optim would use it (laying the buckets out drops it)."""
-        held = [(p, p.grad) for p in params if p.grad is not None]
+        held = _held_grads(params)
         new = self._lay_out_group(gi, params)
         self.buckets += new
         self._index_buckets(new, groups)
@@ -546,8 +555,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             handles += self._attach_buckets(model, new)
         self._prepared_state = None
         self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
-        for p, g in held:
-            p.grad = g.detach().to(dtype=p.dtype)
+        _restore_grads(held)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and
@@ -1897,3 +1905,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
 def _names(names: list) -> str:
     """Up to three parameter names, then how many more."""
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _held_grads(params: list) -> list:
+    """``(parameter, its .grad)`` for the parameters among ``params`` that hold a plain gradient (not another
+    optimizer's placeholder), before laying them out in buffers drops it (see :func:`_restore_grads`)."""
+    return [(p, p.grad) for p in params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+
+
+def _restore_grads(held: list) -> None:
+    """The gradients of :func:`_held_grads` back, in the parameters' new dtype (autograd requires it; rounded
+    once), for the next step to use as torch.optim would: it takes them as gradients set by hand."""
+    for p, g in held:
+        p.grad = g.detach().to(dtype=p.dtype)
