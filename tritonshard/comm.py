@@ -196,6 +196,7 @@ ENTRIES = {
     "param_norms": "the per-parameter gradient norms (torch's clip_grad_norm_ on param.grad, or clip_grad_norm_ "
                    "with norm_type != 2)",
     "step": "step()'s updates and parameter all-gathers",
+    "clamp": "step()'s non-finite check of gradients clamped by clip_grad_value_ (every rank must clamp)",
     "state_dict": "state_dict()",
     "load_state_dict": "load_state_dict()",
     "save": "a checkpoint save (save_sharded / save_checkpoint)",

@@ -31,7 +31,7 @@ def _step(model, opt, rank, step, overlap=False):
 
 
 CALLS = [("state_dict", False), ("state_dict", True), ("load_state_dict", False), ("save_checkpoint", False),
-         ("load_sharded", False), ("torch clip", False)]
+         ("load_sharded", False), ("torch clip", False), ("clip value", False)]
 
 
 def _one_rank_calls(rank, world_size, tmp):
@@ -59,6 +59,10 @@ def _one_rank_calls(rank, world_size, tmp):
                     lm_loss(model, tokens(1, rank)).backward()
                     opt.grad_norm()  # the reduction: pairs with rank 1's
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # per-parameter norms: rank 1 steps
+                elif call == "clip value":  # the reduction pairs with rank 1's; the check after the clamp cannot
+                    lm_loss(model, tokens(1, rank)).backward()
+                    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+                    opt.step()
             else:
                 _step(model, opt, rank, 1)  # rank 1 goes on training
         elapsed = time.monotonic() - start
@@ -68,8 +72,8 @@ def _one_rank_calls(rank, world_size, tmp):
 
 
 def test_a_collective_called_on_one_rank_is_an_error_on_every_rank(tmp_path):
-    """state_dict (with and without overlap_comm), load_state_dict, a checkpoint save and load, torch's clipping on
-    rank 0 while rank 1 trains on."""
+    """state_dict (with and without overlap_comm), load_state_dict, a checkpoint save and load, torch's clipping
+    (by norm, or by value, whose step checks the clamped gradients for inf) on rank 0 while rank 1 trains on."""
     run_on_ranks(_one_rank_calls, 2, str(tmp_path))
 
 

@@ -245,6 +245,7 @@ class ModelViewMixin:
         if peaks:
             flag = torch.logical_not(torch.isfinite(torch.stack(peaks).float()).all()).float()
         if comm.is_initialized() and self.world_size > 1:
+            self._entry("clamp")  # (a rank that did not clamp is in another call: an error, not a hang)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         self._reduced_bufs[1].copy_(flag)
 
