@@ -18,8 +18,9 @@ shows the scenario catches an unprotected read on this machine (:func:`race_repr
 
 And ``cuda_graph=True`` (:func:`graph_check`, CUDA only here): real CUDA graphs and NCCL against eager steps, bit
 for bit, through a changing lr, a skipped step, a recapture and three ways of clipping, with the captures and
-replays counted and the last replayed steps under the sync detector. tests/optim/test_cuda_graph.py runs the same
-function on the CPU with emulated graphs.
+replays counted and the last replayed steps under the sync detector; and across an unfreeze
+(:func:`unfreeze_graph_check`). tests/optim/test_cuda_graph.py runs the same functions on the CPU with emulated
+graphs.
 """
 
 from __future__ import annotations
@@ -209,6 +210,56 @@ def graph_check(name: str, make: Callable, device: torch.device, model: Callable
            f"{made[1]} replays)"
 
 
+def unfreeze_graph_check(device: torch.device, model: Callable = None, width: int = 257,
+                         bucket_cap_mb: float = 0.05, steps: int = 8, unfrozen_at: int = 2) -> str:
+    """cuda_graph=True across an unfreeze: the first layer frozen when ShardedAdamW is built and unfrozen before
+    step ``unfrozen_at`` (laid out in new buckets with a step counter of their own: session 14). The steps after it
+    must be captured and replayed (the update phase included) and give the eager bits, weights and state."""
+    model_fn = model or _model
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        net = model_fn(device).to(torch.bfloat16)  # (a frozen parameter keeps its dtype: bf16 from the start)
+        first = list(net[0].parameters())
+        for p in first:
+            p.requires_grad_(False)
+        opt = tritonshard.ShardedAdamW(net.parameters(), lr=1e-3, weight_decay=0.01, cuda_graph=graphed,
+                                       bucket_cap_mb=bucket_cap_mb)
+        opt.attach(net)
+        data = torch.Generator(device=device).manual_seed(1)
+        weights = []
+        for step in range(steps):
+            if step == unfrozen_at:
+                for p in first:
+                    p.requires_grad_(True)
+            x = torch.randn(16, width, device=device, generator=data)
+            net(x).float().square().mean().backward()
+            opt.clip_grad_norm_(0.5)
+            replays = opt._graphs.replays if graphed else 0
+            opt.step()
+            opt.zero_grad()
+            # the reduction replayed from the step after the unfreeze (captured at it), the update from the one
+            # after that: both phases replayed in every later step
+            if graphed and step >= unfrozen_at + 2 and opt._graphs.replays < replays + 1:
+                raise AssertionError(f"unfreeze: step {step}'s update ran eagerly after the unfreeze")
+            weights.append([p.detach().clone() for p in net.parameters()])
+        runs.append((weights, opt.state_dict()["state"], opt))
+    (w0, s0, _), (w1, s1, graphed_opt) = runs
+    for step, (a, b) in enumerate(zip(w0, w1)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                raise AssertionError(f"unfreeze: after step {step}, parameter {i} differs with cuda_graph=True")
+    for key in s0:
+        for field, value in s0[key].items():
+            if isinstance(value, torch.Tensor) and not torch.equal(value, s1[key][field]):
+                raise AssertionError(f"unfreeze: optimizer state {key}.{field} differs with cuda_graph=True")
+    if float(s1[0]["step"]) != steps - unfrozen_at or float(s1[2]["step"]) != steps:
+        raise AssertionError(f"unfreeze: step counts {float(s1[0]['step'])}, {float(s1[2]['step'])}")
+    made = (graphed_opt._graphs.captures, graphed_opt._graphs.replays)
+    return f"ShardedAdamW, a layer unfrozen at step {unfrozen_at}, cuda_graph=True: {steps} steps bit for bit " \
+           f"equal to eager ({made[0]} captures, {made[1]} replays)"
+
+
 def race_reproduces(device: torch.device) -> bool:
     """The control for :func:`side_stream_check`: in the same scenario, a copy of a side-stream tensor enqueued late
     on the default stream, the tensor then freed without any stream action, and a new tensor of its size filled on
@@ -319,6 +370,14 @@ def _check_all(device: torch.device) -> int:
         except Exception as exc:  # noqa: BLE001
             failed += 1
             print(f"sync_check: FAILED {name}, cuda_graph=True: {type(exc).__name__}: {exc}", flush=True)
+    if device.type != "cuda":
+        print("sync_check: unfreeze, cuda_graph=True: needs CUDA, not run", flush=True)
+    else:
+        try:
+            print("sync_check: " + unfreeze_graph_check(device), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            failed += 1
+            print(f"sync_check: FAILED unfreeze, cuda_graph=True: {type(exc).__name__}: {exc}", flush=True)
     for overlap in (False, True):
         try:
             print("sync_check: " + side_stream_check(overlap, device), flush=True)

@@ -36,6 +36,13 @@ def test_graphed_steps_give_the_eager_bits(emulated, name):
     assert "bit for bit" in _check(name)
 
 
+def test_graphed_steps_across_an_unfreeze_give_the_eager_bits(emulated):
+    """A layer frozen at construction and unfrozen at step 2: the steps after it are captured and replayed, update
+    included (its parameters count on their buckets' own counter; until session 14 they ran eagerly)."""
+    assert "bit for bit" in sync_check.unfreeze_graph_check(torch.device("cpu"), model=_small, width=37,
+                                                            bucket_cap_mb=0.005)
+
+
 def test_a_number_a_graph_would_freeze_fails_the_emulated_replay(emulated, monkeypatch):
     """The check can fail: with the lr handed to the coefficients as a number (a fill_ with this step's value, which
     a real graph would replay with the captured step's), the first replay after the lr moved raises."""

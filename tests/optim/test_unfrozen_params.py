@@ -16,7 +16,6 @@ from tests.distributed import run_on_ranks
 from tests.helpers import assert_bitwise_equal
 from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
 
-from . import graph_emulation
 from .test_add_param_group import SEVERAL_IDS, SEVERAL_RANKS, _hybrid_options
 
 MAKE = {
@@ -221,36 +220,6 @@ def test_parameters_unfrozen_together_are_updated_once_per_step(monkeypatch, kin
     _no_update_by_slice(monkeypatch)
     for options in ({}, {"bucket_cap_mb": 1e-9}, {"overlap_comm": True}):
         _unfreeze_run(0, 1, kind, options)
-
-
-def test_cuda_graph_captures_the_steps_after_an_unfreeze_and_keeps_the_eager_bits(monkeypatch):
-    """With the unfrozen parameters on a counter of their own, nothing in the step depends on a parameter's own
-    count, so the steps after the unfreeze are captured (until session 14 they ran eagerly) and replay the eager
-    bits (CPU graph emulation: graph_emulation.py)."""
-    graph_emulation.install(monkeypatch)
-    runs = []
-    for graphed in (False, True):
-        model = _model()
-        for p in model[0].parameters():
-            p.requires_grad_(False)
-        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9, cuda_graph=graphed)
-        for step in range(STEPS + 3):
-            if step == UNFROZEN_AT:
-                for p in model[0].parameters():
-                    p.requires_grad_(True)
-            _loss(model, step).backward()
-            if graphed and step > UNFROZEN_AT + 1:  # (a capture runs at the second sight of a phase's key)
-                graphs = opt._graphs
-                assert any(phase == "update" for phase, _ in graphs._graphs), \
-                    f"step {step}: the update phase after the unfreeze was not captured"
-                replays = graphs.replays
-            opt.step()
-            if graphed and step > UNFROZEN_AT + 1:
-                assert graphs.replays > replays, f"step {step} ran eagerly"
-            opt.zero_grad()
-        runs.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*runs):
-        assert_bitwise_equal(b, a, "graphed against eager, after an unfreeze")
 
 
 def _refreeze_run(rank, world_size, options):
