@@ -324,7 +324,6 @@ def load_sharded(opt, path: str) -> dict:
     opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
     _check_signature(opt, meta)
     opt._entry("save")
-    opt.sync_from_model()
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     with torch.no_grad():

@@ -354,9 +354,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
 
         self._align = align
         self._retired_by: Optional[str] = None  # what took this optimizer's parameters over (_take_over)
+        # dynamic loss scaling: on by default for fp16 weights, whose gradients underflow without it
+        if loss_scale is None and param_dtype == torch.float16:
+            loss_scale = LossScaleConfig()
+        elif loss_scale is False:  # off, also for fp16 weights (e.g. to use torch.amp.GradScaler instead)
+            loss_scale = None
+        self.loss_scale_config = loss_scale
         held = _held_grads(trainable)  # (laying the parameters out drops them; torch.optim's first step uses them)
-        if held and (loss_scale is not None and loss_scale is not False
-                     or loss_scale is None and param_dtype == torch.float16):
+        if held and loss_scale is not None:
             raise ValueError(
                 f"{len(held)} parameters hold gradients from a backward run before this {type(self).__name__} "
                 "existed, and it scales the loss itself (fp16 weights, or loss_scale given): those gradients were "
@@ -390,12 +395,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         #: reduce-scatters launched so far (observable: lets a trace or test see them start during backward)
         self.reduce_scatters_launched = 0
 
-        # dynamic loss scaling: on by default for fp16 weights, whose gradients underflow without it
-        if loss_scale is None and param_dtype == torch.float16:
-            loss_scale = LossScaleConfig()
-        elif loss_scale is False:  # off, also for fp16 weights (e.g. to use torch.amp.GradScaler instead)
-            loss_scale = None
-        self.loss_scale_config = loss_scale
         self._scale = (torch.full((), float(loss_scale.init_scale), dtype=torch.float32, device=self.device)
                        if loss_scale is not None else None)
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=self.device)
@@ -487,7 +486,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             if not held:
                 continue
             names = [other._param_names[p] for p in held]
-            if other._reduced is not None or any(b.rs_launched or b.placed for b in other.buckets):
+            if other._mid_step():
                 raise RuntimeError(
                     f"a {type(self).__name__} over {_names(names)}, which a {type(other).__name__} still holds "
                     "between a backward and its step(): that backward's gradients are in the other's buffers. Build "
@@ -520,6 +519,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                 other._attached = None
             other._retired_by = (f"a {type(self).__name__} built later over the same parameters "
                                  f"({_names(names)}) took them over")
+
+    def _mid_step(self) -> bool:
+        """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
+        placed, a reduce-scatter launched) or reduced already. (zero_grad(set_to_none=False) leaves zero-filled
+        buffers, which are not in the way.)"""
+        return self._reduced is not None or any(b.rs_launched or b.placed for b in self.buckets)
 
     def _check_not_retired(self) -> None:
         if self._retired_by is not None:
@@ -572,9 +577,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             with_grad = [p for p in unfrozen if p.grad is not None]
             if not with_grad:
                 return  # torch.optim would skip them in this step too (no gradient): taken in at the next backward
-            names = ", ".join(self._param_names[p] for p in with_grad[:3]) + (", ..." if len(with_grad) > 3 else "")
             raise RuntimeError(
-                f"{names}: frozen when the optimizer was built, trainable now and holding a gradient, but this step's "
+                f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built, trainable now and holding a gradient, but this step's "
                 "gradients were already reduced (by clip_grad_norm_ or grad_norm) without it; unfreeze before the "
                 "backward")
         for p in unfrozen:
@@ -798,11 +802,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._add_group_after_construction(param_group)
 
     def _add_group_after_construction(self, param_group: dict) -> None:
-        # mid-reduction: a backward's gradients taken into the buffers (placeholders placed), or reduced already
-        # (zero_grad(set_to_none=False) leaves zero-filled buffers, which are not in the way)
         self._check_not_retired()
-        busy = self._reduced is not None or any(b.rs_launched or b.placed for b in self.buckets)
-        if busy:
+        if self._mid_step():
             raise RuntimeError("add_param_group() between a backward and its step(): the gradients of that backward "
                                "are already in the buffers; add the group after step() (or zero_grad())")
         self._entry("add_param_group")
