@@ -1,87 +1,88 @@
-"""Make the Triton interpreter skip work it repeats inside a launch, without changing what a kernel computes.
+"""Make the Triton interpreter skip work it repeats at every launch, without changing what a kernel computes.
 
-Measured on this project's suite (Triton 3.9.0, 2026-12-01): half of the interpreter's time went to re-patching
-``triton.language``. A launch (``GridExecutor.__call__``) patches the language modules the kernel's globals name
-(``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math``...) and restores them at its end.
-Every call of a ``@triton.jit`` helper *inside* the kernel (``InterpretedFunction.__call__``: our rounding, seed
-and coefficient helpers, once per program) patches them again, ~1.5 ms a time, and never restores that scope. In
-``test_idioms``' reads-after-step test that was 8,068 patches for 186 launches, 12.3 s of 23.5 s.
+Measured on this project's suite (Triton 3.9.0): the interpreter spent much of its time on bookkeeping that gives
+the same result every time.
 
-While a launch is running, the modules it patched stay patched until it ends: a helper whose language modules are
-among them finds every builtin already replaced (a replaced one is no longer a builtin, so a second patch skips it,
-and the other attributes are set to the same replacements), so its patch changes nothing, and it is skipped here. A
-helper naming a module the launch did not patch goes through Triton's own code, as before. The kernels' results
-are the same bits: ``tests/kernels/test_interpreter_speed.py`` runs kernels with nested helpers both ways.
+* Patching ``triton.language``. A launch (``GridExecutor.__call__``) patches the language modules the kernel's
+  globals name (``_patch_lang``: ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.tensor``, ``tl.math``...,
+  every builtin replaced by a wrapper that calls it with the interpreter's semantic) and restores them at its end,
+  and every call of a ``@triton.jit`` helper inside the kernel (``InterpretedFunction.__call__``: our rounding,
+  seed and coefficient helpers, ``tl.standard``'s reductions) patches them again, never restoring that scope.
+  Session 12 measured 8,068 patches for 186 launches in ``test_idioms``' reads-after-step test, 12.3 s of 23.5 s,
+  and skipped the helpers' patches; session 15 still found ~6 ms per launch, 17 % of the interpreter's time in
+  ``test_param_steps``. The patch depends on nothing but the modules (the wrappers call the builtins with
+  Triton's one ``interpreter_semantic``), and nothing outside a kernel calls a builtin (outside a launch they
+  raise), so here the modules are patched once, when this is installed, and stay patched: every launch's and
+  helper's patch is then an empty scope. (Triton itself leaves ``tl.core`` patched after the first helper from
+  ``tl.standard`` runs; this does the same for ``tl`` from the start.)
+* ``_get_np_dtype`` builds a dict of 19 ``tl`` dtypes (hashing each) at every call, ~35,000 calls in that test
+  (1.2 s). Its answer depends only on the dtype's class and name (a block type's name holds its element type's),
+  so it is looked up once per (class, name).
 
-Applied by ``tests/conftest.py`` and by the processes of ``tests/distributed.py``; a no-op where the interpreter is
-off (the GPU check's compiled kernels) or its internals are not the ones described above (another Triton).
+The kernels' results are the same bits: ``tests/kernels/test_interpreter_speed.py`` runs every kernel family with
+nested helpers both ways. Applied by ``tests/conftest.py`` and by the processes of ``tests/distributed.py``; a
+no-op where the interpreter is off (the GPU check's compiled kernels) or its internals are not the ones described
+above (another Triton).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import types
 
-_state = threading.local()
-_original = None  # Triton's _patch_lang, once installed
+#: (Triton's _patch_lang, Triton's _get_np_dtype, the standing patch scope), once installed
+_installed = None
 
 
 def install() -> bool:
-    """Install the shortcut once per process; False (doing nothing) where it does not apply."""
-    global _original
-    if _original is not None:
+    """Install the shortcuts once per process; False (doing nothing) where they do not apply."""
+    if _installed is not None:
         return True
     try:
-        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return False
     from tritonshard.kernels._dispatch import interpreter_enabled
-    needed = ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")
+    needed = ("_patch_lang", "_LangPatchScope", "_get_np_dtype")
     if not interpreter_enabled() or not all(hasattr(interpreter, name) for name in needed):
         return False
-    original = _original = interpreter._patch_lang
-
-    langs_of: dict = {}  # a function's language modules, by the function (its globals' modules do not change)
-
-    def _patch_lang(fn):
-        langs = langs_of.get(fn)
-        if langs is None:
-            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
-        active = getattr(_state, "langs", None)
-        if active is None:  # a launch (GridExecutor.__call__), which restores the scope when it ends
-            scope = original(fn)
-            _state.langs = langs
-            return _LaunchScope(scope)
-        if langs <= active:  # a helper called inside the launch: its modules are patched already
-            return interpreter._LangPatchScope()
-        return original(fn)  # (Triton's own behaviour: patched, never restored)
-
-    interpreter._patch_lang = _patch_lang
+    _apply(interpreter)
     return True
+
+
+def _apply(interpreter) -> None:
+    global _installed
+    import triton.language as tl
+
+    original_patch, original_dtype = interpreter._patch_lang, interpreter._get_np_dtype
+    # what Triton patches for a function whose globals name both language modules (it reads only __globals__)
+    scope = original_patch(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
+    interpreter._patch_lang = lambda fn: interpreter._LangPatchScope()  # patched already: nothing to do or undo
+
+    np_dtypes: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        key = (type(tt_dtype), tt_dtype.name)
+        found = np_dtypes.get(key)
+        if found is None:
+            found = np_dtypes[key] = original_dtype(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = _get_np_dtype
+    _installed = (original_patch, original_dtype, scope)
 
 
 @contextlib.contextmanager
 def disabled():
-    """Inside: Triton's own ``_patch_lang`` (the equivalence test's other side)."""
+    """Inside: Triton's own ``_patch_lang`` and ``_get_np_dtype``, the language modules unpatched between launches
+    (the equivalence test's other side)."""
+    global _installed
     from triton.runtime import interpreter
-    installed = interpreter._patch_lang
-    interpreter._patch_lang = _original
+    original_patch, original_dtype, scope = _installed
+    scope.restore()
+    interpreter._patch_lang, interpreter._get_np_dtype = original_patch, original_dtype
+    _installed = None
     try:
         yield
     finally:
-        interpreter._patch_lang = installed
-
-
-class _LaunchScope:
-    """The launch's patch scope; restoring it also ends the launch for :func:`install`'s check."""
-
-    def __init__(self, scope):
-        self._scope = scope
-
-    def restore(self) -> None:
-        _state.langs = None
-        self._scope.restore()
-
-    def __getattr__(self, name):
-        return getattr(self._scope, name)
+        _apply(interpreter)

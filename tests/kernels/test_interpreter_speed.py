@@ -66,5 +66,5 @@ def test_kernels_give_the_same_bits_with_and_without_the_shortcut():
     assert fast.keys() == slow.keys()
     for name in fast:
         assert_bitwise_equal(fast[name], slow[name], name)
-    # and the shortcut is on: Triton patches once per launch instead of once more per helper call and program
-    assert counted["with"] * 3 < counted["without"], counted
+    # and the shortcut is on: no patching at all once installed, where Triton patches at every launch and helper call
+    assert counted["with"] == 0 and counted["without"] > 0, counted
