@@ -393,12 +393,13 @@ def main(argv=None):
         stop_now = stop_now or step == args.stop_after
         if not args.no_save and (stop_now or last or (args.ckpt_interval and step % args.ckpt_interval == 0)):
             save(args, opt, model, ckpt_dir, step, world)
-            if stop_now and not last:
-                if rank == 0:
-                    bar.close()
-                    print(f"stopped at step {step}; " + ("no checkpoint (fsdp2 writes none)" if args.optimizer == "fsdp2"
-                                                         else "checkpoint saved, continue with --resume"))
-                break
+        if stop_now and not last:  # (with --no-save too: Ctrl-C stops a benchmark run)
+            if rank == 0:
+                bar.close()
+                print(f"stopped at step {step}; " + ("no checkpoint (--no-save)" if args.no_save
+                                                     else "no checkpoint (fsdp2 writes none)" if args.optimizer == "fsdp2"
+                                                     else "checkpoint saved, continue with --resume"))
+            break
     peak = torch.tensor([float(peak_memory_bytes(device))], device=device)
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
