@@ -224,17 +224,25 @@ _SAVER = textwrap.dedent("""
 
 
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint_loadable(tmp_path):
-    directory = str(tmp_path / "ckpts")
     rng = random.Random(0)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _SAVER, directory], stdout=subprocess.PIPE, env=env,
-                                text=True)
-        assert proc.stdout.readline().strip(), "the saver completes at least one checkpoint"
-        time.sleep(rng.uniform(0.0, 0.4))  # then dies at an arbitrary point of a later save
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
+    # four savers, each in its own directory, started together (each spends ~5 s importing torch before its first
+    # save: one after the other they took 24 s), each killed at its own arbitrary point of a later save
+    directories = [str(tmp_path / f"ckpts{attempt}") for attempt in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVER, directory], stdout=subprocess.PIPE, env=env, text=True)
+             for directory in directories]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip(), "the saver completes at least one checkpoint"
+            time.sleep(rng.uniform(0.0, 0.4))  # then dies at an arbitrary point of a later save
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+    for directory in directories:
         path = latest_checkpoint(directory)
         assert path is not None
         params = [torch.nn.Parameter(torch.zeros(n)) for n in (1_000_003, 524_287, 3)]
