@@ -201,6 +201,58 @@ def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
             assert_bitwise_equal(a.detach(), b, f"resumed through {how} after an unfreeze")
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])  # (the rules whose update reads the count)
+def test_a_run_that_unfroze_resumed_with_everything_trainable_counts_per_bucket(tmp_path, monkeypatch, kind):
+    """The same checkpoint loaded into an optimizer built with the backbone trainable (the resume script builds
+    the model as the run ended): the layout puts the backbone in buckets with the head, at another count. With a
+    bucket per parameter, the load gives the backbone's buckets a counter of their own (_split_counters): no
+    parameter counts on its own, so no piece is updated twice per step (until session 15 each backbone parameter
+    got its own count at the load and a second, checked update launch in every step for the rest of the run). With
+    one bucket for all, the backbone's parameters count on their own, as before (one bucket has one counter). The
+    bits are the uninterrupted run's either way."""
+    from tritonshard.checkpoint import load_sharded, save_sharded
+
+    def train(model, opt, steps):
+        for step in steps:
+            if step == UNFROZEN_AT:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = _model()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = MAKE[kind](list(model.parameters()))
+    train(model, opt, range(UNFROZEN_AT + 1))
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    save_sharded(opt, str(tmp_path / "ckpt"))
+    train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+    truth = [p.detach().clone() for p in model.parameters()]
+    second = ShardedAdamW._update_slice if kind == "adamw" else ShardedSGD._update_slice
+    for how in ("state_dict", "save_sharded"):
+        for options in ({"bucket_cap_mb": 1e-9}, {}):
+            model = _model()
+            model.load_state_dict(weights)
+            opt = MAKE[kind](list(model.parameters()), **options)
+            if how == "state_dict":
+                opt.load_state_dict(saved)
+            else:
+                load_sharded(opt, str(tmp_path / "ckpt"))
+            what = f"{kind}, {how}, {options or 'one bucket'}"
+            if options:
+                assert len(opt._step_units) == 2 and not opt._own_steps, what
+                _no_update_by_slice(monkeypatch)
+            else:  # one bucket, one counter: the head's count (3 steps) is the common one
+                assert set(opt._own_steps) == set(model[0].parameters()), what
+            assert [float(opt._param_step(p)) for p in model.parameters()] == [1, 1, 3, 3], what
+            train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+            monkeypatch.setattr(type(opt), "_update_slice", second)
+            for a, b in zip(model.parameters(), truth):
+                assert_bitwise_equal(a.detach(), b, f"{what}: resumed with the backbone trainable")
+
+
 # --------------------------------------------------------------------------- the unfrozen parameters' own counter
 def _no_update_by_slice(monkeypatch):
     """Make the second update of a parameter counting on its own (param_steps.py) an error: parameters unfrozen

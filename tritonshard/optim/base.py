@@ -1422,13 +1422,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             position.setdefault(p, i)
         first_use = [min((position.get(p, len(position)) for p in b.params), default=0) for b in self.buckets]
         self._gather_order = sorted(range(len(self.buckets)), key=lambda i: (first_use[i], i))
+        self._group_step_units()
+
+    def _group_step_units(self) -> None:
+        """:attr:`_step_units` from the buckets' counters, in gather order."""
         units: dict = {}
         for i in self._gather_order:
             b = self.buckets[i]
             units.setdefault(b.counter_index, []).append(b)
         #: (group index, its buckets that share a step counter, in gather order), in the order of their first
         #: bucket: what one segmented update launch covers (one per param group, but where parameters unfrozen
-        #: after construction count their own steps: param_steps.py)
+        #: after construction, or loaded with another count, count their own steps: param_steps.py)
         self._step_units = [(buckets[0].group_index, buckets) for buckets in units.values()]
 
     def _before_model_forward(self, module: torch.nn.Module) -> None:

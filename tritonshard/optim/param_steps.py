@@ -2,7 +2,8 @@
 
 Every parameter shares its bucket's counter (``b.step``, one device scalar, one increment per step), which all
 buckets of a param group share (but parameters unfrozen after construction, laid out in buckets of their own with a
-counter of their own from 0: ``_adopt_unfrozen``; ``_step_units`` lists the buckets of each counter), until step()
+counter of their own from 0: ``_adopt_unfrozen``; and buckets whose parameters a checkpoint gives another count:
+``_split_counters``; ``_step_units`` lists the buckets of each counter), until step()
 skips it: frozen (``requires_grad=False`` after construction) or without a gradient on every rank. torch.optim
 does not count a step it skipped, so from then on the parameter counts on a counter of its own, a copy of its
 bucket's taken before the step's increment. The flat update still runs over the whole bucket with the bucket's
@@ -142,10 +143,12 @@ class ParamStepsMixin:
             self._own_plan.append((id(p), b.index, sl, own, self._reads_step(self._group_of_bucket[b.index])))
 
     def _load_steps(self, steps: dict) -> None:
-        """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): per counter
+        """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): first the
+        counters are split where whole buckets count differently (:meth:`_split_counters`); then per counter
         (:attr:`_step_units`), the most common count of its parameters becomes the counter's (the larger on a
         tie), the others own ones."""
         self._own_steps.clear()
+        self._split_counters(steps)
         for _, buckets in self._step_units:
             params = [p for b in buckets for p in b.params]
             counts = collections.Counter(float(steps[p]) for p in params)
@@ -159,3 +162,35 @@ class ParamStepsMixin:
         if self._state_exposed:
             for p in self._bucket_of:
                 self.state[p]["step"] = self._param_step(p)
+
+    def _split_counters(self, steps: dict) -> None:
+        """Give the buckets of a counter whose parameters all have one count, other than the count of the
+        counter's first bucket, a counter of their own (one per count): a run that unfroze parameters during
+        training, resumed by an optimizer built with them trainable, lays them out in buckets with the others, and
+        without this they would count on their own, their pieces updated a second time in every step (and those
+        steps never captured under ``cuda_graph=True``) for the rest of the run. Only a bucket that holds
+        parameters of several counts keeps counts of its own for some of them. Counters are split, never merged;
+        the launch plans that covered a split counter's buckets are dropped (rebuilt at the next step)."""
+        split = False
+        for _, buckets in self._step_units:
+            lead = next(b for b in buckets if b.index == b.counter_index)
+            by_count: dict = {}
+            for b in buckets:
+                counts = {float(steps[p]) for p in b.params}
+                key = counts.pop() if len(counts) == 1 else None  # None: a bucket of several counts
+                by_count.setdefault(key, []).append(b)
+            lead_key = next(k for k, bs in by_count.items() if lead in bs)
+            for key, group in by_count.items():
+                if key is None or key == lead_key:
+                    continue
+                split = True
+                step = torch.zeros((), dtype=torch.float32, device=self.device)
+                index = min(b.index for b in group)  # (not a counter's index: the counters' are their leads')
+                for b in group:
+                    b.step, b.counter_index = step, index
+        if split:
+            self._group_step_units()
+            if self._graphs is not None:  # (first: a captured graph holds the merged launches' tables)
+                self._graphs.forget()
+            self._segmented.clear()  # merged launches over a counter's buckets: the split ones no longer go along
+            self._step_cache.clear()
