@@ -323,7 +323,7 @@ def load_sharded(opt, path: str) -> dict:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
     _check_signature(opt, meta)
-    opt._entry("save")
+    opt._entry("load")  # (again: every rank got through the checks above before DCP's collectives)
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     with torch.no_grad():
