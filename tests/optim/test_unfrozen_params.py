@@ -156,6 +156,17 @@ def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_
         opt.step()
 
 
+def _train_unfreezing(model, opt, steps):
+    """Steps ``steps`` of a loop that unfreezes the first layer at step UNFROZEN_AT."""
+    for step in steps:
+        if step == UNFROZEN_AT:
+            for p in model[0].parameters():
+                p.requires_grad_(True)
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
     """Saved after the unfreeze (state_dict and save_sharded), loaded into a fresh optimizer built as the run was
     (the backbone frozen) once the loop has unfrozen it again: the run continues bit for bit. Before it is unfrozen,
@@ -168,20 +179,11 @@ def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
             p.requires_grad_(False)
         return model, ShardedAdamW(list(model.parameters()), lr=1e-2)
 
-    def train(model, opt, steps):
-        for step in steps:
-            if step == UNFROZEN_AT:
-                for p in model[0].parameters():
-                    p.requires_grad_(True)
-            _loss(model, step).backward()
-            opt.step()
-            opt.zero_grad()
-
     model, opt = build()
-    train(model, opt, range(UNFROZEN_AT + 1))
+    _train_unfreezing(model, opt, range(UNFROZEN_AT + 1))
     saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
     save_sharded(opt, str(tmp_path / "ckpt"))
-    train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+    _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
     truth = [p.detach().clone() for p in model.parameters()]
     for how in ("state_dict", "save_sharded"):
         model, opt = build()
@@ -196,7 +198,7 @@ def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
         else:
             load_sharded(opt, str(tmp_path / "ckpt"))
         assert not opt._own_steps, "the unfrozen parameters count on their buckets' counter after the load too"
-        train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+        _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
         for a, b in zip(model.parameters(), truth):
             assert_bitwise_equal(a.detach(), b, f"resumed through {how} after an unfreeze")
 
@@ -212,23 +214,14 @@ def test_a_run_that_unfroze_resumed_with_everything_trainable_counts_per_bucket(
     bits are the uninterrupted run's either way."""
     from tritonshard.checkpoint import load_sharded, save_sharded
 
-    def train(model, opt, steps):
-        for step in steps:
-            if step == UNFROZEN_AT:
-                for p in model[0].parameters():
-                    p.requires_grad_(True)
-            _loss(model, step).backward()
-            opt.step()
-            opt.zero_grad()
-
     model = _model()
     for p in model[0].parameters():
         p.requires_grad_(False)
     opt = MAKE[kind](list(model.parameters()))
-    train(model, opt, range(UNFROZEN_AT + 1))
+    _train_unfreezing(model, opt, range(UNFROZEN_AT + 1))
     saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
     save_sharded(opt, str(tmp_path / "ckpt"))
-    train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+    _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
     truth = [p.detach().clone() for p in model.parameters()]
     second = ShardedAdamW._update_slice if kind == "adamw" else ShardedSGD._update_slice
     for how in ("state_dict", "save_sharded"):
@@ -247,7 +240,7 @@ def test_a_run_that_unfroze_resumed_with_everything_trainable_counts_per_bucket(
             else:  # one bucket, one counter: the head's count (3 steps) is the common one
                 assert set(opt._own_steps) == set(model[0].parameters()), what
             assert [float(opt._param_step(p)) for p in model.parameters()] == [1, 1, 3, 3], what
-            train(model, opt, range(UNFROZEN_AT + 1, STEPS))
+            _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
             monkeypatch.setattr(type(opt), "_update_slice", second)
             for a, b in zip(model.parameters(), truth):
                 assert_bitwise_equal(a.detach(), b, f"{what}: resumed with the backbone trainable")
