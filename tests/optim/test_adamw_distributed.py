@@ -143,3 +143,45 @@ def _options_disagree(rank, world_size):
 
 def test_ranks_that_disagree_on_an_option_get_a_clear_error_not_a_hang():
     run_on_ranks(_options_disagree, 2)
+
+
+def _order_disagrees(rank, world_size):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 3))
+    params = list(model.parameters())
+    hint = r"different parameters \(rank 0: '4 tensors, \w+', rank 1: '4 tensors, \w+'\); every rank must pass the same"
+    # another order, the shapes differing at each position (until session 15 the first bucket's Buffer caught it,
+    # as a LayoutMismatchError on its shapes: now the optimizer, before any bucket, with what to do)
+    with pytest.raises(ValueError, match=hint):
+        ShardedAdamW(params if rank == 0 else params[::-1], lr=LR)
+    # the same shapes in another order, named (torch.optim takes model.named_parameters()): the names tell them
+    # apart. Until session 15 it built, and every step summed rank 1's 0.bias gradients into rank 0's 1.bias
+    named = list(model[1].named_parameters(prefix="1")) + [("0.bias", model[0].bias)]
+    with pytest.raises(ValueError, match=hint.replace("4 tensors", "3 tensors")):
+        ShardedAdamW(named if rank == 0 else [named[0], named[2], named[1]], lr=LR)
+    # another parameter frozen on one rank only (its count of trainable parameters is compared first)
+    model[1].bias.requires_grad_(rank == 0)
+    with pytest.raises(ValueError, match=r"different trainable_params \(rank 0: 4, rank 1: 3\)"):
+        ShardedAdamW(params, lr=LR)
+    model[1].bias.requires_grad_(True)
+    t = torch.ones(1)  # the process group is still usable: nothing was left half-issued
+    dist.all_reduce(t)
+    assert float(t) == world_size
+    ShardedAdamW(params, lr=LR)  # the same order on both: builds
+
+
+def test_ranks_that_pass_the_parameters_in_another_order_get_a_clear_error():
+    run_on_ranks(_order_disagrees, 2)
+
+
+def test_a_set_of_parameters_is_refused():
+    """A set's order is its elements' addresses: another order on every rank and in every run. torch.optim refuses
+    one inside a param group (but ours listed it before torch.optim looked) and takes one as params; for sharded
+    buffers both are an error."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="params is a set: a set's order differs between processes"):
+        ShardedAdamW(set(model.parameters()), lr=LR)
+    with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\] is a set"):
+        ShardedAdamW([{"params": [model.weight]}, {"params": {model.bias}}], lr=LR)
+    opt = ShardedAdamW([model.weight], lr=LR)
+    with pytest.raises(TypeError, match="ordering of tensors in sets will change"):  # torch.optim's own error
+        opt.add_param_group({"params": {model.bias}})

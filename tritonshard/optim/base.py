@@ -170,11 +170,19 @@ def param_name(group: dict, gi: int, j: int, p) -> str:
     return repr(given) if given else f"param_groups[{gi}]['params'][{j}] {_shape(p)}"
 
 
+_UNORDERED = ("a set's order differs between processes, and the order lays out the flat buffers, which must be "
+              "the same on every rank and in the run a checkpoint resumes; pass a list (model.parameters(), or "
+              "sorted by name)")
+
+
 def _reject_duplicates(params: list) -> None:
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    for group in groups:  # as torch.optim does, in place: a generator ({"params": model.parameters()}) becomes a
-        # list once, here, before anything reads it (reading it here first left torch.optim an empty group)
+    for gi, group in enumerate(groups):  # as torch.optim does, in place: a generator ({"params":
+        # model.parameters()}) becomes a list once, here, before anything reads it (reading it here first left
+        # torch.optim an empty group)
         if isinstance(group, dict) and "params" in group and not isinstance(group["params"], torch.Tensor):
+            if isinstance(group["params"], (set, frozenset)):  # (torch.optim refuses one too, but after this list())
+                raise TypeError(f"param_groups[{gi}]['params'] is a set: {_UNORDERED}")
             group["params"] = list(group["params"])
     seen = set()
     for gi, group in enumerate(groups):
@@ -183,6 +191,17 @@ def _reject_duplicates(params: list) -> None:
             if id(p) in seen:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is passed twice (param_groups[{gi}])")
             seen.add(id(p))
+
+
+def _layout_digest(groups: list) -> str:
+    """The parameters in the order the buffers lay them out, compared across ranks at construction: per group,
+    each one's name where the group has ``param_names``, shape, dtype and whether it trains, as a count and a
+    digest. (Parameters of one shape in another order, without names, look the same: a set is refused for that.)"""
+    items = []
+    for gi, g in enumerate(groups):
+        names = g.get("param_names") or [None] * len(g["params"])
+        items += [(gi, name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in zip(names, g["params"])]
+    return f"{len(items)} tensors, {hashlib.blake2b(repr(items).encode(), digest_size=8).hexdigest()}"
 
 
 def _scale_in_place(grad_scale, factor, buf: torch.Tensor, op):
@@ -311,6 +330,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
                 or not math.isfinite(bucket_cap_mb)):
             raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}")
+        if isinstance(params, (set, frozenset)):  # (torch.optim takes one here and orders it per process)
+            raise TypeError(f"params is a set: {_UNORDERED}")
         params = list(params)
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
@@ -338,7 +359,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             "check_collectives": bool(check_collectives), "cuda_graph": bool(cuda_graph),
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
-            "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"])})
+            "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"]),
+            "parameters": _layout_digest(self.param_groups)},
+            hints={"parameters": "every rank must pass the same parameters in the same order (shapes, dtypes, "
+                                 "names where given, which train): the order lays out the buffers, and a rank whose "
+                                 "order differs would sum one parameter's gradients into another's"})
         # the handshake at every entry point that runs collectives (comm.EntryCheck): ranks in different calls get
         # a CollectiveMismatchError on every rank instead of a hang or gloo's "Received data size doesn't match"
         if not isinstance(check_collectives, bool):
@@ -734,10 +759,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         """Whether torch.optim's state for ``group`` has a ``step`` entry (state_dict() writes it then)."""
         return True
 
-    def _check_options_agree(self, options: dict, verb: str = "built") -> None:
+    def _check_options_agree(self, options: dict, verb: str = "built", hints: Optional[dict] = None) -> None:
         """One all-gather of a hash of ``options`` per group; on a mismatch, the options themselves, and a
         ValueError on every rank naming the first option that differs and the ranks' values (``verb``: what the
-        ranks did with them, for the message)."""
+        ranks did with them, for the message; ``hints``: what to say instead of the default advice, by option)."""
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         device = trainable[0].device if trainable else comm.local_device()
         groups = [(self.process_group, self.world_size)]
@@ -758,8 +783,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                 values = [t.get(key) for t in theirs]
                 if len(set(map(repr, values))) > 1:
                     listing = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                    advice = (hints or {}).get(key, "every rank must pass the same options (they decide the "
+                                                         "collectives)")
                     raise ValueError(f"the ranks {verb} {type(self).__name__} with different {key} ({listing}); "
-                                     "every rank must pass the same options (they decide the collectives)")
+                                     f"{advice}")
             raise ValueError(f"the ranks {verb} the optimizer with different options")
 
     def _check_params(self) -> None:
