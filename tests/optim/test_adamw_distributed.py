@@ -167,6 +167,11 @@ def _order_disagrees(rank, world_size):
     dist.all_reduce(t)
     assert float(t) == world_size
     ShardedAdamW(params, lr=LR)  # the same order on both: builds
+    opt = ShardedAdamW([("0.weight", model[0].weight), named[0]], lr=LR)
+    # and a group added later, likewise (there its shapes were compared, not its names)
+    with pytest.raises(ValueError, match=r"added param groups to ShardedAdamW with different parameters"):
+        opt.add_param_group({"params": named[1:] if rank == 0 else named[:0:-1]})
+    opt.add_param_group({"params": named[1:]})
 
 
 def test_ranks_that_pass_the_parameters_in_another_order_get_a_clear_error():

@@ -193,6 +193,11 @@ def _reject_duplicates(params: list) -> None:
             seen.add(id(p))
 
 
+_LAYOUT_HINT = {"parameters": "every rank must pass the same parameters in the same order (shapes, dtypes, names "
+                              "where given, which train): the order lays out the buffers, and a rank whose order "
+                              "differs would sum one parameter's gradients into another's"}
+
+
 def _layout_digest(groups: list) -> str:
     """The parameters in the order the buffers lay them out, compared across ranks at construction: per group,
     each one's name where the group has ``param_names``, shape, dtype and whether it trains, as a count and a
@@ -360,10 +365,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"]),
-            "parameters": _layout_digest(self.param_groups)},
-            hints={"parameters": "every rank must pass the same parameters in the same order (shapes, dtypes, "
-                                 "names where given, which train): the order lays out the buffers, and a rank whose "
-                                 "order differs would sum one parameter's gradients into another's"})
+            "parameters": _layout_digest(self.param_groups)}, hints=_LAYOUT_HINT)
         # the handshake at every entry point that runs collectives (comm.EntryCheck): ranks in different calls get
         # a CollectiveMismatchError on every rank instead of a hang or gloo's "Received data size doesn't match"
         if not isinstance(check_collectives, bool):
@@ -853,8 +855,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             error = exc
         try:
             self._check_options_agree({"add_param_group": gi, "error": None if error is None else repr(error),
-                                       "trainable": [(tuple(p.shape), str(p.dtype)) for p in trainable]},
-                                      verb="added param groups to")
+                                       "trainable": [(tuple(p.shape), str(p.dtype)) for p in trainable],
+                                       "parameters": None if error is not None else _layout_digest([group])},
+                                      verb="added param groups to", hints=_LAYOUT_HINT)
         except BaseException:
             del self.param_groups[gi:]  # nothing was laid out: the optimizer is as it was
             raise
