@@ -101,6 +101,28 @@ def test_a_parameter_unfrozen_after_building_on_several_ranks(world_size, option
     run_on_ranks(_unfreeze_run, world_size, "adamw", options)
 
 
+def _ranks_unfreeze_different(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model = model.to(torch.bfloat16)
+    for p in [*model[0].parameters(), *model[1].parameters()]:
+        p.requires_grad_(False)
+    opt = ShardedAdamW(list(model.parameters()), lr=1e-2)
+    for p in model[rank].parameters():  # rank 0 the first layer, rank 1 the second: the same shapes
+        p.requires_grad_(True)
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"the ranks unfroze parameters of ShardedAdamW with different unfrozen "
+                                         r"parameters \(rank 0: .*\['params'\]\[0\].*, rank 1: .*\['params'\]\[2\].*"
+                                         r"every rank must unfreeze the same parameters"):
+        model(x).float().sum().backward()
+
+
+def test_ranks_that_unfreeze_different_parameters_get_an_error():
+    """Until session 15 parameters of one shape unfrozen on different ranks were laid out alike and their gradients
+    summed into each other's (the new buckets' layout compared shapes only)."""
+    run_on_ranks(_ranks_unfreeze_different, 2)
+
+
 def test_unfrozen_with_gradients_set_by_hand_is_taken_at_step():
     """No backward reaches the optimizer's hooks (gradients set by hand): the unfrozen parameter is laid out at
     step(), its gradient kept; the same bits as a backward's."""

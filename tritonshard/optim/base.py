@@ -614,6 +614,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                                    f"now, but it is a {p.dtype} tensor on {p.device}; the optimizer's buffers are on "
                                    f"{self.device}")
         self._entry("unfreeze")
+        names = [self._param_names[p] for p in unfrozen]  # (the same parameters on every rank: new buckets' layout)
+        self._check_options_agree(
+            {"unfrozen parameters": f"{_names(names)}; {_layout_digest([{'params': unfrozen, 'param_names': names}])}"},
+            verb="unfroze parameters of", hints={"unfrozen parameters": "every rank must unfreeze the same parameters "
+                                                                        "before the same backward"})
         self._frozen_at_build = [p for p in self._frozen_at_build if not p.requires_grad]
         group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         by_group: dict = {}
