@@ -22,7 +22,7 @@ import torch.distributed as dist
 __all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "reduce_scatter_coalesced",
            "all_gather_coalesced", "reduce_scatter_async", "all_gather_async", "group_object", "SharedWork",
            "all_gather_text", "local_device", "group_size", "group_rank", "is_initialized", "CollectiveMismatchError",
-           "EntryCheck", "destroy_process_group"]
+           "SettingsMismatchError", "EntryCheck", "destroy_process_group"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -184,6 +184,11 @@ def all_gather_text(text: str, group, world_size: int, device: torch.device) -> 
 
 
 # ---------------------------------------------------------------------------------------------- entry handshakes
+class SettingsMismatchError(ValueError):
+    """The ranks entered the same tritonshard call with settings that must agree but do not (step()'s
+    hyper-parameters: one rank's LR scheduler ahead of the others'). Raised on every rank, naming each rank's."""
+
+
 class CollectiveMismatchError(RuntimeError):
     """The ranks entered different tritonshard collectives (e.g. ``state_dict()`` on rank 0 only while the others
     went on training). Raised on every rank involved, as soon as they meet, instead of a hang or a foreign error."""
@@ -251,9 +256,10 @@ class EntryCheck:
     entry is this one, so entries always meet entries, and when the ranks are in different ones every rank
     raises :class:`CollectiveMismatchError` naming each rank's call, as soon as the others reach any entry.
 
-    Cost: one all-gather of 24 bytes per rank on CPU per entry (two per training step: the reduction and the
+    Cost: one all-gather of 32 bytes per rank on CPU per entry (two per training step: the reduction and the
     step), no device sync; nothing at world size 1. The third number is a flag any entry may raise (step() raises
-    it when a parameter got no gradient on this rank: :meth:`intersect` then finds those that got none anywhere).
+    it when a parameter got no gradient on this rank: :meth:`intersect` then finds those that got none anywhere);
+    the fourth a digest of settings that must agree (step()'s hyper-parameters), 0 for the other entries.
     """
 
     def __init__(self, groups: list):
@@ -262,16 +268,20 @@ class EntryCheck:
         #: whether there is anyone to shake hands with (more than one rank, checks on)
         self.active = bool(self._groups)
 
-    def __call__(self, entry: str, flag: bool = False) -> bool:
+    def __call__(self, entry: str, flag: bool = False, settings=None) -> bool:
         """Handshake for ``entry`` (a key of :data:`ENTRIES`). ``flag`` travels with it: returns whether any rank
-        raised it (``flag`` itself where there is no handshake: one rank, or inside torch.compile)."""
+        raised it (``flag`` itself where there is no handshake: one rank, or inside torch.compile). ``settings``:
+        a callable giving ``(digest, description)`` of what must be the same on every rank for this call (step()'s
+        hyper-parameters); a :class:`SettingsMismatchError` on every rank, naming each rank's, where the digests
+        differ."""
         if not self._groups or torch.compiler.is_compiling():
             return flag
         code = _code(entry)
+        digest, described = (0, None) if settings is None else settings()
         for side in self._groups:  # (the flag of the first group's ranks travels on in the second: every rank ends
             side.seq += 1           # with the OR over the whole grid)
-            mine = torch.tensor([code, side.seq, int(flag)], dtype=torch.int64)
-            everyone = torch.empty(3 * side.size, dtype=torch.int64)
+            mine = torch.tensor([code, side.seq, int(flag), digest], dtype=torch.int64)
+            everyone = torch.empty(4 * side.size, dtype=torch.int64)
             work = all_gather_single(everyone, mine, group=side.group, async_op=True)
             if entry in _COLD and WARN_AFTER_S > 0:
                 try:
@@ -284,13 +294,21 @@ class EntryCheck:
                         "every rank), this waits until the process group's timeout", dist.get_rank(), WARN_AFTER_S,
                         ENTRIES[entry])
             work.wait()
-            rows = everyone.view(side.size, 3).tolist()
+            rows = everyone.view(side.size, 4).tolist()
             if all(r[:2] == rows[0][:2] for r in rows):
+                if any(r[3] != rows[0][3] for r in rows):  # the same call, not the same settings: every rank sees it
+                    texts = all_gather_text(described, side.group, side.size, torch.device("cpu"))
+                    listing = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+                    raise SettingsMismatchError(
+                        f"tritonshard: the ranks called {ENTRIES[entry]} with different settings ({listing}). Every "
+                        "rank updates its own shard of the parameters with its own, so they must agree: an LR "
+                        "scheduler stepped on some ranks only, or fed a rank's own metric (ReduceLROnPlateau with "
+                        "each rank's validation loss: all-reduce the metric first), or a group changed on one rank")
                 flag = any(r[2] for r in rows)
                 continue
             side.seq = max(r[1] for r in rows)  # (the group is unusable for training anyway; keep it consistent)
             calls = "; ".join(f"rank {r}: {_DESCRIBE.get(c, 'another tritonshard version')} (its entry {n})"
-                              for r, (c, n, _) in enumerate(rows))
+                              for r, (c, n, *_) in enumerate(rows))
             raise CollectiveMismatchError(
                 f"tritonshard: the ranks are in different collective calls ({calls}). Every rank must make the same "
                 "tritonshard calls in the same order: the gradient reduction (backward with overlap_comm, "

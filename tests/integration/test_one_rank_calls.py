@@ -18,7 +18,7 @@ from tests.helpers import assert_bitwise_equal
 from tests.integration.hf import flat_weights, lm_loss, tiny_llama, tokens
 from tritonshard import ShardedAdamW
 from tritonshard.checkpoint import load_sharded, save_checkpoint
-from tritonshard.comm import CollectiveMismatchError
+from tritonshard.comm import CollectiveMismatchError, SettingsMismatchError
 
 SECONDS = 20  # "within seconds": the handshake pairs as soon as the other rank reaches its next call (gloo's
 #               default timeout, 30 min, is what a hang would take)
@@ -99,6 +99,35 @@ def _logged_norm_on_rank_0(rank, world_size):
 
 def test_a_norm_logged_on_rank_0_only_still_trains():
     run_on_ranks(_logged_norm_on_rank_0, 2)
+
+
+def _schedulers_disagree(rank, world_size):
+    """Each rank updates its own shard with its own hyper-parameters: a scheduler that runs ahead on one rank used
+    to train that rank's shard with another lr, silently (and ReduceLROnPlateau fed each rank's own loss, a common
+    DDP slip, likewise). Now the step's handshake compares them: an error on every rank, naming each rank's."""
+    for case in ("stepped on rank 0 only", "fed each rank's own metric", "a group changed on rank 1"):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        _step(model, opt, rank, 0)  # the same settings on both: trains
+        if case == "stepped on rank 0 only" and rank == 0:
+            lam.step()
+        elif case == "fed each rank's own metric":
+            for metric in (1.0, 2.0 if rank == 0 else 0.5):
+                plateau.step(metric)  # rank 0's got worse (lr halved), rank 1's better
+        elif case == "a group changed on rank 1" and rank == 1:
+            opt.param_groups[0]["weight_decay"] = 0.0
+        lm_loss(model, tokens(1, rank)).backward()
+        want = r"param_groups\[0\]: lr=0.0015.*param_groups\[0\]: lr=0.003" if case != "a group changed on rank 1" \
+            else r"param_groups\[0\]: .*weight_decay=0.01.*param_groups\[0\]: .*weight_decay=0.0,"
+        with pytest.raises(SettingsMismatchError, match=r"called step\(\)'s updates and parameter all-gathers with "
+                                                        r"different settings \(rank 0: " + want):
+            opt.step()
+
+
+def test_ranks_stepping_with_different_hyperparameters_get_an_error_on_every_rank():
+    run_on_ranks(_schedulers_disagree, 2)
 
 
 # ---------------------------------------------------------------------------------------------- the HF Trainer
