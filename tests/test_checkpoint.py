@@ -226,34 +226,42 @@ _SAVER = textwrap.dedent("""
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint_loadable(tmp_path):
     rng = random.Random(0)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    # four savers, each in its own directory, started together (each spends ~5 s importing torch before its first
-    # save: one after the other they took 24 s), each killed at its own arbitrary point of a later save
-    directories = [str(tmp_path / f"ckpts{attempt}") for attempt in range(4)]
-    procs = [subprocess.Popen([sys.executable, "-c", _SAVER, directory], stdout=subprocess.PIPE, env=env, text=True)
-             for directory in directories]
-    try:
-        for proc in procs:
-            assert proc.stdout.readline().strip(), "the saver completes at least one checkpoint"
-            time.sleep(rng.uniform(0.0, 0.4))  # then dies at an arbitrary point of a later save
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-            proc.stdout.close()
-    for directory in directories:
-        path = latest_checkpoint(directory)
-        assert path is not None
-        params = [torch.nn.Parameter(torch.zeros(n)) for n in (1_000_003, 524_287, 3)]
-        opt = ShardedAdamW(params)
-        extra = load_sharded(opt, path)
-        k = extra["step"]
-        for b in opt.buckets:
-            assert float(b.step) == k
-            for piece in b.param_buffer.shard_pieces():
-                sl = slice(piece.shard_start, piece.shard_end)
-                assert bool((b.master[sl] == k).all()) and all(bool((t[sl] == k).all()) for t in b.state.values())
+    # four savers in two rounds: two directories, a saver in each started together (each spends ~5 s importing
+    # torch before its first save: one after the other the four took 24 s), each killed at its own arbitrary point
+    # of a later save; the second round's savers start over in the directories the first round's left (a restart
+    # after a crash: a torn checkpoint there, and `latest` at a later step than the new run's first saves)
+    directories = [str(tmp_path / f"ckpts{i}") for i in range(2)]
+    for _ in range(2):
+        procs = [subprocess.Popen([sys.executable, "-c", _SAVER, directory], stdout=subprocess.PIPE, env=env,
+                                  text=True) for directory in directories]
+        try:
+            for proc in procs:
+                assert proc.stdout.readline().strip(), "the saver completes at least one checkpoint"
+                time.sleep(rng.uniform(0.0, 0.4))  # then dies at an arbitrary point of a later save
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+                proc.stdout.close()
+        for directory in directories:
+            _check_latest_loads(directory)
+
+
+def _check_latest_loads(directory: str) -> None:
+    """``latest`` in ``directory`` names a whole checkpoint: every value in it is its step."""
+    path = latest_checkpoint(directory)
+    assert path is not None
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1_000_003, 524_287, 3)]
+    opt = ShardedAdamW(params)
+    extra = load_sharded(opt, path)
+    k = extra["step"]
+    for b in opt.buckets:
+        assert float(b.step) == k
+        for piece in b.param_buffer.shard_pieces():
+            sl = slice(piece.shard_start, piece.shard_end)
+            assert bool((b.master[sl] == k).all()) and all(bool((t[sl] == k).all()) for t in b.state.values())
 
 
 def test_importing_the_checkpoint_module_leaves_dcp_until_the_first_sharded_save(tmp_path):
