@@ -7,6 +7,7 @@ the others (a norm logged on rank 0 before everyone steps) keeps working."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -105,7 +106,8 @@ def _schedulers_disagree(rank, world_size):
     """Each rank updates its own shard with its own hyper-parameters: a scheduler that runs ahead on one rank used
     to train that rank's shard with another lr, silently (and ReduceLROnPlateau fed each rank's own loss, a common
     DDP slip, likewise). Now the step's handshake compares them: an error on every rank, naming each rank's."""
-    for case in ("stepped on rank 0 only", "fed each rank's own metric", "a group changed on rank 1"):
+    for case in ("stepped on rank 0 only", "fed each rank's own metric", "a group changed on rank 1",
+                 "1 ulp apart"):
         model = tiny_llama(0)
         opt = ShardedAdamW(model.parameters(), lr=3e-3)
         lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -118,9 +120,14 @@ def _schedulers_disagree(rank, world_size):
                 plateau.step(metric)  # rank 0's got worse (lr halved), rank 1's better
         elif case == "a group changed on rank 1" and rank == 1:
             opt.param_groups[0]["weight_decay"] = 0.0
+        elif case == "1 ulp apart" and rank == 1:  # a schedule's cosine from another node's libm: not a mismatch
+            opt.param_groups[0]["lr"] = math.nextafter(3e-3, 1.0)
         lm_loss(model, tokens(1, rank)).backward()
+        if case == "1 ulp apart":
+            opt.step()
+            continue
         want = r"param_groups\[0\]: lr=0.0015.*param_groups\[0\]: lr=0.003" if case != "a group changed on rank 1" \
-            else r"param_groups\[0\]: .*weight_decay=0.01.*param_groups\[0\]: .*weight_decay=0.0,"
+            else r"param_groups\[0\]: .*weight_decay=0.01.*param_groups\[0\]: .*weight_decay=0,"
         with pytest.raises(SettingsMismatchError, match=r"called step\(\)'s updates and parameter all-gathers with "
                                                         r"different settings \(rank 0: " + want):
             opt.step()
