@@ -396,9 +396,10 @@ def main(argv=None):
         if stop_now and not last:  # (with --no-save too: Ctrl-C stops a benchmark run)
             if rank == 0:
                 bar.close()
-                print(f"stopped at step {step}; " + ("no checkpoint (--no-save)" if args.no_save
-                                                     else "no checkpoint (fsdp2 writes none)" if args.optimizer == "fsdp2"
-                                                     else "checkpoint saved, continue with --resume"))
+                saved = ("no checkpoint (--no-save)" if args.no_save
+                         else "no checkpoint (fsdp2 writes none)" if args.optimizer == "fsdp2"
+                         else "checkpoint saved, continue with --resume")
+                print(f"stopped at step {step}; {saved}")
             break
     peak = torch.tensor([float(peak_memory_bytes(device))], device=device)
     if world > 1:

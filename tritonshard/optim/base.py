@@ -381,6 +381,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
 
         self._align = align
         self._retired_by: Optional[str] = None  # what took this optimizer's parameters over (_take_over)
+        self._settings_cache = None  # the last step's hyper-parameters and their digest (_step_settings)
         # dynamic loss scaling: on by default for fp16 weights, whose gradients underflow without it
         if loss_scale is None and param_dtype == torch.float16:
             loss_scale = LossScaleConfig()
@@ -605,9 +606,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             if not with_grad:
                 return  # torch.optim would skip them in this step too (no gradient): taken in at the next backward
             raise RuntimeError(
-                f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built, trainable now and holding a gradient, but this step's "
-                "gradients were already reduced (by clip_grad_norm_ or grad_norm) without it; unfreeze before the "
-                "backward")
+                f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built, trainable "
+                "now and holding a gradient, but this step's gradients were already reduced (by clip_grad_norm_ or "
+                "grad_norm) without it; unfreeze before the backward")
         for p in unfrozen:
             if p.device != self.device or not p.is_floating_point():
                 raise RuntimeError(f"{self._param_names[p]} was frozen when the optimizer was built and is trainable "

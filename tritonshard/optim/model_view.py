@@ -148,7 +148,7 @@ class ModelViewMixin:
         values = tuple((gi, *map(g.get, keys)) for gi, g in self._trained_groups)
         if any(isinstance(v, torch.Tensor) for row in values for v in row):
             values = tuple(tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in row) for row in values)
-        cached = self.__dict__.get("_settings_cache")
+        cached = self._settings_cache
         if cached is not None and cached[0] == values:  # (the usual step: a few us instead of ~20 for the text)
             return cached[1]
         text = "; ".join(f"param_groups[{row[0]}]: " + ", ".join(f"{k}={_setting(v)}" for k, v in zip(keys, row[1:]))

@@ -165,10 +165,10 @@ class ParamStepsMixin:
 
     def _split_counters(self, steps: dict) -> None:
         """Give the buckets of a counter whose parameters all have one count, other than the count of the bucket
-        whose index names the counter (its lead), a counter of their own (one per count): a run that unfroze parameters during
-        training, resumed by an optimizer built with them trainable, lays them out in buckets with the others, and
-        without this they would count on their own, their pieces updated a second time in every step (and those
-        steps never captured under ``cuda_graph=True``) for the rest of the run. Only a bucket that holds
+        whose index names the counter (its lead), a counter of their own (one per count): a run that unfroze
+        parameters during training, resumed by an optimizer built with them trainable, lays them out in buckets with
+        the others, and without this they would count on their own, their pieces updated a second time in every
+        step (and those steps never captured under ``cuda_graph=True``) for the rest of the run. Only a bucket that holds
         parameters of several counts keeps counts of its own for some of them. Counters are split, never merged;
         the launch plans that covered a split counter's buckets are dropped (rebuilt at the next step)."""
         split = False
