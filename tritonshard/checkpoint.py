@@ -295,11 +295,20 @@ def _check_signature(opt, meta) -> None:
                                       f"{list(opt._state_names)}")
 
 
+def _identity(path: str, meta: dict, meta_digest: str) -> tuple[int, str]:
+    """What the ranks compare before a load reads shards: meta.pt's checksum (it holds every file's), and for the
+    error, where it is and the step it was saved at."""
+    step = max(meta["steps"].values(), default=0)
+    return comm.digest(meta_digest.encode()), f"{os.path.abspath(path)} (step {step:g}, meta.pt {meta_digest[:12]})"
+
+
 def load_sharded(opt, path: str) -> dict:
     """Load a :func:`save_sharded` checkpoint into ``opt`` at any world size / bucket size (a collective).
 
     Returns the ``extra`` dict saved with it. Raises :class:`CheckpointMismatchError` naming the difference when
-    the checkpoint does not fit the optimizer, and ``FileNotFoundError`` when ``path`` is not a checkpoint. An
+    the checkpoint does not fit the optimizer, ``FileNotFoundError`` when ``path`` is not a checkpoint, and
+    :class:`~tritonshard.comm.SettingsMismatchError` on every rank, naming each rank's, when the ranks name different
+    checkpoints (meta.pt's checksums differ: another step, another run; a copy elsewhere is the same). An
     optimizer with torch.optim load-state-dict hooks is an error, as in :func:`save_sharded`.
     """
     _refuse_dict_hooks(opt, "load_sharded", _LOAD_HOOKS)
@@ -309,10 +318,11 @@ def load_sharded(opt, path: str) -> dict:
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path} is not a tritonshard sharded checkpoint (no meta.pt)")
     digest_path = os.path.join(path, _META_DIGEST)
+    meta_digest = _digest(meta_path)  # (meta.pt holds every other file's checksum: this names the checkpoint)
     if os.path.isfile(digest_path):
         with open(digest_path) as f:
             want = f.read().strip()
-        if _digest(meta_path) != want:
+        if meta_digest != want:
             raise CheckpointError(f"{meta_path} is corrupt: its checksum does not match {digest_path}")
     else:
         warnings.warn(f"{path} has no checksums (written before 2026-12-01): its files are not verified",
@@ -323,7 +333,9 @@ def load_sharded(opt, path: str) -> dict:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
     _check_signature(opt, meta)
-    opt._entry("load")  # (again: every rank got through the checks above before DCP's collectives)
+    # again: every rank got through the checks above before DCP's collectives, and reads the same checkpoint (a
+    # rank that resolved "the latest" before the last save reached its filesystem would load older shards)
+    opt._entry("load", settings=lambda: _identity(path, meta, meta_digest))
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     with torch.no_grad():

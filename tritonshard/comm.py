@@ -186,7 +186,8 @@ def all_gather_text(text: str, group, world_size: int, device: torch.device) -> 
 # ---------------------------------------------------------------------------------------------- entry handshakes
 class SettingsMismatchError(ValueError):
     """The ranks entered the same tritonshard call with settings that must agree but do not (step()'s
-    hyper-parameters: one rank's LR scheduler ahead of the others'). Raised on every rank, naming each rank's."""
+    hyper-parameters: one rank's LR scheduler ahead of the others'; a load of different checkpoints). Raised on every
+    rank, naming each rank's."""
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -217,6 +218,22 @@ def _code(key: str) -> int:
 
 
 _DESCRIBE = {_code(k): v for k, v in ENTRIES.items()}
+def digest(data: bytes) -> int:
+    """A handshake's settings digest: 64 bits of BLAKE2b, as a signed int64."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+#: for the entries that compare something across ranks (the handshake's digest): what differs, and why it must not
+_DISAGREE = {
+    "step": ("settings", "Every rank updates its own shard of the parameters with its own, so they must agree: an "
+             "LR scheduler stepped on some ranks only, or fed a rank's own metric (ReduceLROnPlateau with each rank's "
+             "validation loss: all-reduce the metric first), or a group changed on one rank"),
+    "load": ("checkpoints", "Every rank loads its own shard of the state, so the model would be stitched together "
+             "from several checkpoints: give every rank the same one (resolve latest_checkpoint() on one rank and "
+             "broadcast the path, or wait until every rank sees the last save)"),
+    "load_state_dict": ("state dicts", "Every rank takes its own shard of the state from its own dict, so the model "
+                        "would be stitched together from several checkpoints: load the same file on every rank"),
+}
 _COLD = frozenset({"state_dict", "load_state_dict", "save", "load", "add_param_group"})  # off the training loop's path
 #: a rank waiting this long in a handshake of a cold entry (state_dict, loads, saves) logs what it waits for
 WARN_AFTER_S = 10.0
@@ -259,7 +276,8 @@ class EntryCheck:
     Cost: one all-gather of 32 bytes per rank on CPU per entry (two per training step: the reduction and the
     step), no device sync; nothing at world size 1. The third number is a flag any entry may raise (step() raises
     it when a parameter got no gradient on this rank: :meth:`intersect` then finds those that got none anywhere);
-    the fourth a digest of settings that must agree (step()'s hyper-parameters), 0 for the other entries.
+    the fourth a digest of settings that must agree (step()'s hyper-parameters, the checkpoint a load reads), 0 for
+    the other entries.
     """
 
     def __init__(self, groups: list):
@@ -272,8 +290,8 @@ class EntryCheck:
         """Handshake for ``entry`` (a key of :data:`ENTRIES`). ``flag`` travels with it: returns whether any rank
         raised it (``flag`` itself where there is no handshake: one rank, or inside torch.compile). ``settings``:
         a callable giving ``(digest, description)`` of what must be the same on every rank for this call (step()'s
-        hyper-parameters); a :class:`SettingsMismatchError` on every rank, naming each rank's, where the digests
-        differ."""
+        hyper-parameters, the checkpoint a load reads: the entries of :data:`_DISAGREE`; :func:`digest` makes the
+        number); a :class:`SettingsMismatchError` on every rank, naming each rank's, where the digests differ."""
         if not self._groups or torch.compiler.is_compiling():
             return flag
         code = _code(entry)
@@ -299,11 +317,9 @@ class EntryCheck:
                 if any(r[3] != rows[0][3] for r in rows):  # the same call, not the same settings: every rank sees it
                     texts = all_gather_text(described, side.group, side.size, torch.device("cpu"))
                     listing = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+                    what, why = _DISAGREE[entry]
                     raise SettingsMismatchError(
-                        f"tritonshard: the ranks called {ENTRIES[entry]} with different settings ({listing}). Every "
-                        "rank updates its own shard of the parameters with its own, so they must agree: an LR "
-                        "scheduler stepped on some ranks only, or fed a rank's own metric (ReduceLROnPlateau with "
-                        "each rank's validation loss: all-reduce the metric first), or a group changed on one rank")
+                        f"tritonshard: the ranks called {ENTRIES[entry]} with different {what} ({listing}). {why}")
                 flag = any(r[2] for r in rows)
                 continue
             side.seq = max(r[1] for r in rows)  # (the group is unusable for training anyway; keep it consistent)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 
 import pytest
@@ -135,6 +136,55 @@ def _schedulers_disagree(rank, world_size):
 
 def test_ranks_stepping_with_different_hyperparameters_get_an_error_on_every_rank():
     run_on_ranks(_schedulers_disagree, 2)
+
+
+def _trained(seed, rank, steps, tmp, name):
+    """A model and optimizer after ``steps`` steps from ``seed``, its state dict, and a sharded checkpoint of it."""
+    model = tiny_llama(seed)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        _step(model, opt, rank, step)
+    return model, opt, opt.state_dict(), save_checkpoint(opt, os.path.join(tmp, name), steps)
+
+
+def _loads_disagree(rank, world_size, tmp):
+    """Every rank loads its own shard from its own dict or path: a rank that read an older file (or resolved "the
+    latest" checkpoint before the last save reached its filesystem) used to stitch the model together from two
+    checkpoints, silently. Now both loads compare what they read in their handshake: an error on every rank,
+    naming each rank's, before anything is changed; the same checkpoint under another path loads."""
+    _, _, older, older_dir = _trained(0, rank, 1, tmp, "older")
+    _, _, other_run, other_dir = _trained(1, rank, 2, tmp, "other-run")  # another seed, the same step
+    model, opt, newer, newer_dir = _trained(0, rank, 2, tmp, "newer")
+    before = flat_weights(model)
+    cases = [(older, r"at step 2, .*rank 1: state of \d+ parameters at step 1,"),
+             (other_run, r"at step 2, fingerprint (\w+); rank 1: state of \d+ parameters at step 2, fingerprint "
+                         r"(?!\1)\w+\)"),
+             (older_dir, r"newer/step_0+2 \(step 2, .*rank 1: .*older/step_0+1 \(step 1, "),
+             (other_dir, r"newer/step_0+2 \(step 2, meta.pt (\w+)\); rank 1: .*other-run/step_0+2 \(step 2, meta.pt "
+                         r"(?!\1)\w+\)")]
+    for theirs, want in cases:
+        start = time.monotonic()
+        sharded = isinstance(theirs, str)
+        what = "a checkpoint load \\(load_sharded\\)" if sharded else r"load_state_dict\(\)"
+        with pytest.raises(SettingsMismatchError, match=f"called {what} with different "
+                                                        f"{'checkpoints' if sharded else 'state dicts'} "
+                                                        r"\(rank 0: .*" + want):
+            mine = newer_dir if sharded else newer
+            load_sharded(opt, theirs if rank == 1 else mine) if sharded else opt.load_state_dict(
+                theirs if rank == 1 else mine)
+        assert time.monotonic() - start < SECONDS
+        assert_bitwise_equal(flat_weights(model), before, "weights after a load the ranks disagreed on")
+    # the same checkpoint: a copy of the directory on rank 1, a dict loaded to each rank from the file
+    if rank == 1:
+        shutil.copytree(newer_dir, os.path.join(tmp, "copy"))
+    load_sharded(opt, newer_dir if rank == 0 else os.path.join(tmp, "copy"))
+    torch.save(newer, os.path.join(tmp, f"newer-{rank}.pt"))
+    opt.load_state_dict(torch.load(os.path.join(tmp, f"newer-{rank}.pt")))
+    _step(model, opt, rank, 2)  # and trains on
+
+
+def test_ranks_loading_different_checkpoints_get_an_error_on_every_rank(tmp_path):
+    run_on_ranks(_loads_disagree, 2, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------- the HF Trainer

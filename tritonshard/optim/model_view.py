@@ -13,7 +13,6 @@ ShardedOptimizer`.
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -153,7 +152,7 @@ class ModelViewMixin:
             return cached[1]
         text = "; ".join(f"param_groups[{row[0]}]: " + ", ".join(f"{k}={_setting(v)}" for k, v in zip(keys, row[1:]))
                          for row in values)
-        settings = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True), text
+        settings = comm.digest(text.encode()), text
         self._settings_cache = (values, settings)
         return settings
 

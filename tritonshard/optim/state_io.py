@@ -13,6 +13,7 @@ import torch
 
 from .. import comm
 from .bucket import _Bucket
+from .model_view import _setting
 
 __all__ = ["StateDictMixin"]
 
@@ -126,6 +127,8 @@ class StateDictMixin:
         Raises:
             ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
                 or unknown parameter).
+            tritonshard.comm.SettingsMismatchError: (a ValueError) on every rank, naming each rank's, when the ranks
+                were given different dicts (see :func:`_fingerprint`); nothing is loaded.
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # as torch.optim: the hooks may change the copy, never the caller's dict
@@ -138,7 +141,7 @@ class StateDictMixin:
             post_hook(self)
 
     def _load_state_dict(self, state_dict) -> None:
-        self._entry("load_state_dict")
+        self._entry("load_state_dict", settings=lambda: _fingerprint(state_dict))
         self._prepared_state = None
         self.sync_from_model()
         self.wait_for_params()
@@ -248,3 +251,54 @@ class StateDictMixin:
         """All-gather the param shards, which set_master() rounded from the master (what every step ends with)."""
         for b in self.buckets:
             b.param_buffer.all_gather()
+
+
+_SAMPLES = 8  # values per state tensor in a state dict's fingerprint
+
+
+def _fingerprint(state_dict) -> tuple[int, str]:
+    """(digest, description) of a state dict that the ranks load, compared by ``load_state_dict``'s handshake:
+    every rank cuts its own shard out of its own dict, so ranks given different dicts (one read an older file)
+    would stitch the model together from several checkpoints, silently. The digest covers the layout (keys, state
+    names, shapes), every number, and up to :data:`_SAMPLES` evenly spaced values of every tensor (step counts
+    whole): another step or another run differs there. One host read per device for the whole dict; dtypes and
+    devices are not compared (the same file loaded to each rank's GPU is the same dict). A dict that cannot be read
+    this way gets a digest of its own; the checks after the handshake then name what is wrong with it."""
+    try:
+        layout, samples, steps = [], {}, []  # samples: device -> [(position in the dict's order, values)]
+        position = 0
+
+        def visit(label, value):
+            nonlocal position
+            if isinstance(value, torch.Tensor):
+                flat = value.detach().reshape(-1)
+                samples.setdefault(value.device, []).append((position, flat[::max(1, flat.numel() // _SAMPLES)]
+                                                             [:_SAMPLES].to(torch.float64)))
+                layout.append(f"{label}:{tuple(value.shape)}")
+                position += 1
+            elif isinstance(value, (bool, int, float, str, type(None))):
+                layout.append(f"{label}={_setting(value)}")
+            else:  # (an object of the user's: its repr may hold an address, which differs between processes)
+                layout.append(f"{label}:{type(value).__qualname__}")
+
+        state = state_dict["state"]
+        for key in sorted(state, key=repr):
+            for name in sorted(state[key], key=repr):
+                if name == "step" and isinstance(state[key][name], torch.Tensor):
+                    steps.append(position)
+                visit(f"{key!r}.{name}", state[key][name])
+        for name, value in sorted(state_dict.get("tritonshard", {}).items()):
+            visit(f"tritonshard.{name}", value)
+        values = [None] * position
+        for group in samples.values():
+            host = torch.cat([v for _, v in group]).cpu().split([v.numel() for _, v in group])
+            for (i, _), v in zip(group, host):
+                values[i] = v
+        flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+        digest = comm.digest("\n".join(layout).encode() + flat.numpy().tobytes())
+        counts = sorted({float(values[i][0]) for i in steps if values[i].numel()})
+        at = (f"step {counts[0]:g}" if len(counts) == 1 else f"steps {counts[0]:g}-{counts[-1]:g}" if counts
+              else "no step counts")
+        return digest, f"state of {len(state)} parameters at {at}, fingerprint {digest & (2**48 - 1):012x}"
+    except Exception as exc:  # noqa: BLE001 (every rank then raises the load's own error)
+        return comm.digest(b"unreadable"), f"a state dict that cannot be read ({type(exc).__name__})"
