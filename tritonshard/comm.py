@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "reduce_scatter_coalesced",
-           "all_gather_coalesced", "reduce_scatter_async", "all_gather_async", "group_object", "SharedWork",
+           "all_gather_coalesced", "reduce_scatter_async", "all_gather_async", "group_object", "broadcast_coalesced",
+           "SharedWork", "digest",
            "all_gather_text", "local_device", "group_size", "group_rank", "is_initialized", "CollectiveMismatchError",
            "SettingsMismatchError", "EntryCheck", "destroy_process_group"]
 
@@ -112,6 +113,17 @@ def all_gather_coalesced(outputs: list, inputs: list, group: Optional[dist.Proce
     opts = dist.distributed_c10d.AllgatherOptions()
     _set_async(opts)
     return getattr(group_object(group), _AG_COALESCED)(outputs, inputs, opts)
+
+
+#: bytes per broadcast call of :func:`broadcast_coalesced` (DistributedDataParallel's broadcast_bucket_size)
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def broadcast_coalesced(tensors: list, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Overwrite ``tensors`` (one device, any dtypes and shapes) in place with the group's rank 0's, packed into
+    a few large broadcasts, as DistributedDataParallel's construction syncs the module (the same c10d helper)."""
+    if tensors:
+        dist._broadcast_coalesced(group_object(group), tensors, BROADCAST_BUCKET_BYTES, 0)
 
 
 class SharedWork:

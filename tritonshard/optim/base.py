@@ -295,6 +295,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             all-gathers per step with more than one rank; False saves them (every rank must pass the same), and
             then a parameter without a gradient on every rank is updated with zeros instead of skipped (the
             handshake is how the ranks agree on it; see ``_without_grad_everywhere``).
+        init_sync: start every rank from rank 0's weights, as ``DistributedDataParallel`` does at construction
+            (its ``init_sync``): the parameters given (trainable and frozen, on the optimizer's device; also those
+            of a group added later) are broadcast before the fp32 masters are taken from them. A loop that seeds
+            each rank differently before building the model (nanoGPT's ``torch.manual_seed(1337 + rank)``) relies
+            on DDP for this; without it, each rank would take its shard's master from its own initialization and
+            the model would be stitched together from all of them. Costs one broadcast of the parameters, in their
+            dtype, at construction; False skips it where every rank holds the same weights already (every rank
+            must pass the same).
         cuda_graph: capture a steady step's device work in CUDA graphs and replay them (see
             :mod:`tritonshard.optim.graphs`: what is captured, what stays eager, when a step is not captured).
             Needs CUDA parameters, the compiled kernels, NCCL with more than one rank, ``overlap_comm=False``,
@@ -316,7 +324,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                  bucket_cap_mb: float = 25.0, align: int = DEFAULT_ALIGN, overlap_comm: bool = False,
                  loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False,
                  state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic",
-                 ordered_reduce: bool = False, check_collectives: bool = True, cuda_graph: bool = False):
+                 ordered_reduce: bool = False, check_collectives: bool = True, cuda_graph: bool = False,
+                 init_sync: bool = True):
+        if not isinstance(init_sync, bool):
+            raise TypeError(f"init_sync must be a bool, got {type(init_sync).__name__}")
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
@@ -361,7 +372,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             "optimizer": type(self).__name__, "overlap_comm": bool(overlap_comm), "grad_dtype": str(grad_dtype),
             "param_dtype": str(param_dtype), "ordered_reduce": bool(ordered_reduce), "state_dtype": str(state_dtype),
             "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None and loss_scale is not False,
-            "check_collectives": bool(check_collectives), "cuda_graph": bool(cuda_graph),
+            "check_collectives": bool(check_collectives), "cuda_graph": bool(cuda_graph), "init_sync": init_sync,
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"]),
@@ -396,6 +407,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                 "not multiplied by its loss scale, so its first step would divide them by it. Zero them first "
                 "(model.zero_grad()), or build the optimizer before the first backward")
         self._take_over(self._holders([p for g in self.param_groups for p in g["params"]]))
+        self._init_sync = init_sync
+        self._sync_initial_weights([p for g in self.param_groups for p in g["params"]])
         self.buckets: list[_Bucket] = []
         for gi in range(len(self.param_groups)):
             self.buckets += self._lay_out_group(gi)
@@ -797,6 +810,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
                                      f"{advice}")
             raise ValueError(f"the ranks {verb} the optimizer with different options")
 
+    def _sync_initial_weights(self, params: list) -> None:
+        """``init_sync``: every rank takes rank 0's values of ``params`` (those on the optimizer's device, trainable
+        or frozen), before their masters are taken: one broadcast over the group, then over the replica group."""
+        if not self._init_sync or not comm.is_initialized():
+            return
+        tensors = [p.detach() for p in params if p.device == self.device]
+        with torch.no_grad():
+            for group, size in ((self.process_group, self.world_size), (self.replica_group, self.replica_size)):
+                if size > 1:
+                    comm.broadcast_coalesced(tensors, group)
+
     def _check_params(self) -> None:
         devices = set()
         for gi, group in enumerate(self.param_groups):
@@ -871,6 +895,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
             del self.param_groups[gi:]
             raise error
         self._take_over(holders)
+        self._sync_initial_weights(self.param_groups[gi]["params"])
         self._add_buckets(gi, trainable, [gi])
 
     def _check_new_group(self, group: dict, where: str) -> None:
