@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ast
-import hashlib
-import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -241,8 +239,7 @@ class Buffer:
                 "offsets": list(self.layout.offsets)}
 
     def _fingerprint(self) -> torch.Tensor:
-        digest = hashlib.blake2b(repr(self._description()).encode(), digest_size=8).digest()
-        h = int.from_bytes(digest, "little", signed=True)
+        h = comm.digest(repr(self._description()).encode())
         values = [self.world_size, self.padded_numel, self.align, len(self._shapes), h]
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 

@@ -790,7 +790,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         if self.replica_group is not None:
             groups.append((self.replica_group, self.replica_size))
         text = repr(sorted(options.items()))
-        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+        digest = comm.digest(text.encode())
         for group, size in groups:
             if not comm.is_initialized() or size == 1:
                 continue
