@@ -230,6 +230,8 @@ def _code(key: str) -> int:
 
 
 _DESCRIBE = {_code(k): v for k, v in ENTRIES.items()}
+
+
 def digest(data: bytes) -> int:
     """A handshake's settings digest: 64 bits of BLAKE2b, as a signed int64."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
