@@ -404,3 +404,44 @@ def test_an_add_after_zero_grad_set_to_none_false_skips_the_new_group_as_torch_o
     opt.step()
     topt.step()
     _assert_like_twin(opt, topt, "after zero_grad(set_to_none=False)")
+
+
+def test_parameters_added_by_editing_param_groups_are_an_error_not_left_untrained():
+    """torch.optim reads its groups afresh at every step, so ``opt.param_groups[0]["params"].append(p)`` trains
+    ``p`` there (and a group appended to ``param_groups`` likewise). Here the buffers were laid out when the group
+    was added: until session 16 such a parameter was silently never trained (and one removed from a list trained
+    on). Now step(), state_dict() and saves raise, pointing at add_param_group; a list replaced by a new one with
+    the same parameters trains on as before."""
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    extra = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+
+    def edits():
+        yield "appended", lambda opt, model: opt.param_groups[0]["params"].append(extra), "1 parameters then, 2"
+        yield "removed", lambda opt, model: opt.param_groups[0]["params"].pop(), "1 parameters then, 0"
+        yield "swapped", lambda opt, model: opt.param_groups[0].update(params=[extra]), r"changed after it was added"
+        yield "group appended", lambda opt, model: opt.param_groups.append(
+            {**opt.param_groups[0], "params": [extra]}), "has 2 groups, but 1 were added"
+
+    for what, edit, message in edits():
+        model = _model()
+        opt = ShardedAdamW([model[2].weight], lr=1e-2)
+        edit(opt, model)
+        (model(x).float().sum() + extra.float().sum()).backward()
+        with pytest.raises(RuntimeError, match=message + ".*add_param_group"):
+            opt.step()
+        with pytest.raises(RuntimeError, match=message):
+            opt.state_dict()
+
+    # the same parameters in a new list (code that rebuilds the groups): trains exactly as without the rebuild
+    runs = []
+    for rebuild in (False, True):
+        model = _model()
+        opt = ShardedAdamW([model[2].weight], lr=1e-2)
+        for step in range(2):
+            if rebuild:
+                opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+            model(x).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(model[2].weight.detach().clone())
+    assert_bitwise_equal(runs[1], runs[0], "weights with the group's list rebuilt every step")

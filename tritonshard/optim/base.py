@@ -510,6 +510,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         # every structure derived from the buckets (norm workspace, lookups, launch order and plans, the model's
         # view), rebuilt for the new buckets by add_param_group after construction
         self._index_buckets(self.buckets, range(len(self.param_groups)))
+        self._note_group_lists()
         _LIVE.add(self)
         _restore_grads(held)
 
@@ -897,6 +898,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         self._take_over(holders)
         self._sync_initial_weights(self.param_groups[gi]["params"])
         self._add_buckets(gi, trainable, [gi])
+        self._note_group_lists()
 
     def _check_new_group(self, group: dict, where: str) -> None:
         """What a subclass cannot add after construction (its state names are fixed, say): a ValueError."""

@@ -69,6 +69,7 @@ class ModelViewMixin:
         if torch.compiler.is_compiling():
             return
         self._check_not_retired()  # (it would take the parameters back into its buffers)
+        self._check_group_lists()
         for module, name, p in self._model_params:
             if module._parameters.get(name) is not p:
                 raise RuntimeError(
@@ -94,6 +95,34 @@ class ModelViewMixin:
             self.wait_for_params()
             for i in sorted(dirty):
                 self._reconcile_master(self.buckets[i])
+
+    def _note_group_lists(self) -> None:
+        """Remember each group's ``params`` list as laid out (construction, ``add_param_group``)."""
+        self._group_lists = [(g["params"], tuple(g["params"])) for g in self.param_groups]
+
+    def _check_group_lists(self) -> None:
+        """torch.optim reads ``param_groups`` afresh at every step, so code that appends a parameter to a group's
+        list (or a group to the list, or removes either) changes what it trains. Here the buffers were laid out
+        from them: such a parameter would silently never train, or one removed train on. A RuntimeError naming the
+        change instead (a list replaced by one with the same parameters is taken as it is)."""
+        groups, known = self.param_groups, self._group_lists
+        if len(groups) == len(known) and all(g["params"] is ps and len(ps) == len(was) for g, (ps, was) in
+                                             zip(groups, known)):
+            return  # (every step: no look at the parameters themselves; an element replaced in place goes unseen)
+        if len(groups) != len(known):
+            raise RuntimeError(
+                f"optimizer.param_groups has {len(groups)} groups, but {len(known)} were added through the optimizer: "
+                "tritonshard lays a group's parameters out in its buffers when it is added, so add groups with "
+                "opt.add_param_group({'params': [...]}) (and don't remove any)")
+        for gi, (g, (_, was)) in enumerate(zip(groups, known)):
+            now = g["params"]
+            if len(now) != len(was) or any(a is not b for a, b in zip(now, was)):
+                raise RuntimeError(
+                    f"param_groups[{gi}]['params'] changed after it was added ({len(was)} parameters then, {len(now)} "
+                    "now): tritonshard lays a group's parameters out in its buffers when the group is added, so a parameter "
+                    "appended to the list would never train (and one removed would train on). Add parameters with "
+                    "opt.add_param_group({'params': [...]}); freeze one with requires_grad_(False)")
+        self._note_group_lists()  # (the same parameters in new lists)
 
     def _readopt(self, p: torch.Tensor) -> None:
         name = self._param_names[p]
