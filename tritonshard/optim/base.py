@@ -117,6 +117,7 @@ from .model_sync import ShardedGrad
 from .model_view import ModelViewMixin
 from .param_steps import ParamStepsMixin
 from .state_io import StateDictMixin
+from .state_view import StateViewMixin
 
 __all__ = ["ShardedOptimizer", "LossScaleConfig", "split_into_buckets"]
 
@@ -253,7 +254,7 @@ def _trace(label: str, *args):
     return torch.profiler.record_function(label.format(*args) if args else label)
 
 
-class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.optim.Optimizer):
+class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
 
     Subclasses define ``_state_names`` and ``_update(bucket, group, grad_scale, found_inf)``, and, where the update
@@ -351,6 +352,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, torch.op
         params = list(params)
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
+        self._init_state_view()
         self._check_params()
 
         if device_mesh is not None:

@@ -4,7 +4,7 @@
   fp32 master; parameters that stopped aliasing their buffer are re-adopted; what cannot be followed raises.
 * gradients seen through ``param.grad`` (a :class:`~tritonshard.optim.model_sync.ShardedGrad` placeholder): the
   per-parameter global norms and the coefficients torch code multiplied them by (``clip_grad_norm_``);
-* parameters frozen after construction, kept out of the flat update; ``opt.state[p]`` as live views.
+* parameters frozen after construction, kept out of the flat update (``opt.state[p]``: :mod:`.state_view`).
 
 The hooks and the placeholder themselves are in :mod:`tritonshard.optim.model_sync`; the communication pipeline
 that these methods call into (``wait_for_params``, ``_reduce_grads``) is :class:`~tritonshard.optim.base.
@@ -70,6 +70,8 @@ class ModelViewMixin:
             return
         self._check_not_retired()  # (it would take the parameters back into its buffers)
         self._check_group_lists()
+        if self._state_edited():  # (code wrote to opt.state: state_view.py)
+            self._follow_state_edits()
         for module, name, p in self._model_params:
             if module._parameters.get(name) is not p:
                 raise RuntimeError(
@@ -366,23 +368,6 @@ class ModelViewMixin:
         norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
         norms = (norms * self._grad_average).float()  # the shards hold the SUM over ranks
         return norms / self._scale if self._scale is not None else norms
-
-    def _expose_state(self) -> None:
-        """``opt.state[p]``: live views of the pieces of ``p``'s state this rank owns (1-D, in the order of
-        ``p.reshape(-1)[shard_range[0]:shard_range[1]]``), with ``step`` and, unless remainders are stored, the fp32
-        ``master``. A parameter this rank owns nothing of has empty pieces and ``shard_range == (0, 0)``."""
-        for b in self.buckets:
-            owned = {piece.tensor_index: piece for piece in b.param_buffer.shard_pieces()}
-            tensors = dict(b.state)
-            if b.master_remainder is None:
-                tensors["master"] = b.master
-            for i, p in enumerate(b.params):
-                piece = owned.get(i)
-                sl = slice(piece.shard_start, piece.shard_end) if piece else slice(0, 0)
-                entry = {"step": self._param_step(p), **{name: t[sl] for name, t in tensors.items()},
-                         "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)}
-                self.state[p] = entry
-        self._state_exposed = True
 
 
 def _le(a, b) -> bool:

@@ -125,8 +125,7 @@ class ParamStepsMixin:
         """Give ``p`` its own count ``step``; ``replan=False``: the caller rebuilds :attr:`_own_plan` once after
         setting several."""
         self._own_steps[p] = step
-        if self._state_exposed:  # opt.state[p]["step"] shows the live counter
-            self.state[p]["step"] = step
+        self._show_step(p, step)  # opt.state[p]["step"] shows the live counter
         if replan:
             self._plan_own_steps()
 
@@ -159,9 +158,8 @@ class ParamStepsMixin:
                     self._set_own_step(p, torch.full((), float(steps[p]), dtype=torch.float32, device=self.device),
                                        replan=False)
         self._plan_own_steps()
-        if self._state_exposed:
-            for p in self._bucket_of:
-                self.state[p]["step"] = self._param_step(p)
+        for p in self._bucket_of:
+            self._show_step(p, self._param_step(p))
 
     def _split_counters(self, steps: dict) -> None:
         """Give the buckets of a counter whose parameters all have one count, other than the count of the bucket

@@ -1,0 +1,123 @@
+"""Code written for torch.optim edits ``opt.state``: it resets it (``opt.state.clear()``, ``opt.state =
+defaultdict(dict)``, ``del opt.state[p]``: torch.optim then starts those parameters afresh at their next step),
+restarts a count or replaces a tensor. tritonshard keeps the state in its buffers and shows views of this rank's
+pieces, so until session 16 every such edit silently changed nothing (the moments and counts carried on). Now the
+next step carries them into the buffers (tritonshard/optim/state_view.py), checked against torch.optim on an fp32
+twin fed the same gradients, at 1 and 2 ranks; what cannot be carried is an error."""
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from tests.distributed import run_on_ranks
+from tritonshard import ShardedAdamW, ShardedSGD
+
+STEPS, EDIT_AT = 5, 2
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(9, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5)).to(torch.bfloat16)
+
+
+def _set_grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def _edit(how, opt, params):
+    """``how``, done to an optimizer's ``state`` the way torch.optim code does it (``params``: its parameters)."""
+    if how == "clear":
+        opt.state.clear()
+    elif how == "replaced":
+        opt.state = collections.defaultdict(dict)
+    elif how == "one deleted":
+        del opt.state[params[0]]
+    elif how == "one emptied":
+        opt.state[params[2]] = {}
+    elif how == "count restarted":
+        opt.state[params[1]]["step"] = torch.tensor(0.0)
+    elif how == "moment replaced":
+        opt.state[params[0]]["exp_avg"] = torch.zeros_like(opt.state[params[0]]["exp_avg"])
+    elif how == "moment zeroed in place":
+        opt.state[params[3]]["exp_avg_sq"].zero_()
+
+
+MAKE = {"adamw": (lambda ps: ShardedAdamW(ps, lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4),
+                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)),
+        "sgd": (lambda ps: ShardedSGD(ps, lr=1e-1, momentum=0.9, weight_decay=0.1, bucket_cap_mb=1e-4),
+                lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, weight_decay=0.1, foreach=False))}
+CASES = [("adamw", how) for how in ("clear", "replaced", "one deleted", "one emptied", "count restarted",
+                                    "moment replaced", "moment zeroed in place")] + \
+        [("sgd", how) for how in ("clear", "one deleted")]
+
+
+def _against_torch(rank, world_size, kind, how):
+    model = _model()
+    twin = copy.deepcopy(model).float()
+    make_ours, make_torch = MAKE[kind]
+    opt, topt = make_ours(list(model.parameters())), make_torch(list(twin.parameters()))
+    for step in range(STEPS):
+        _set_grads(list(model.parameters()), step)  # the same on every rank: their average is exact
+        for p, q in zip(model.parameters(), twin.parameters()):
+            q.grad = p.grad.float()
+        if step == EDIT_AT:
+            _edit(how, opt, list(model.parameters()))
+            _edit(how, topt, list(twin.parameters()))
+        opt.step()
+        topt.step()
+        opt.zero_grad()
+        topt.zero_grad()
+    ours, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
+    for i, q in enumerate(twin.parameters()):
+        if kind == "adamw":  # (torch.optim.SGD keeps no count)
+            assert float(ours[i]["step"]) == float(theirs[i]["step"]), (how, i)
+        for key in theirs[i]:
+            if key != "step":  # fp32 state against torch's: within its op order (an edit not followed: ~1e-2)
+                torch.testing.assert_close(ours[i][key], theirs[i][key], rtol=0, atol=1e-6, msg=f"{how}: {i}.{key}")
+        torch.testing.assert_close(ours[i]["master"], q.detach(), rtol=0, atol=1e-6, msg=f"{how}: master {i}")
+
+
+@pytest.mark.parametrize("kind,how", CASES, ids=[f"{k} {h}" for k, h in CASES])
+def test_an_edit_of_opt_state_acts_as_in_torch_optim(kind, how):
+    _against_torch(0, 1, kind, how)
+
+
+def _on_two_ranks(rank, world_size):
+    for kind, how in CASES:  # (one pair of processes for them all: each rank edits its own pieces)
+        _against_torch(rank, world_size, kind, how)
+
+
+def test_edits_on_two_ranks_act_on_each_ranks_pieces():
+    run_on_ranks(_on_two_ranks, 2)
+
+
+def test_what_cannot_be_carried_into_the_buffers_is_an_error_and_reads_cost_nothing(monkeypatch):
+    model = _model()
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    params = list(model.parameters())
+    for edit, message in ((lambda o: o.state.__setitem__(params[0], {"exp_avg": torch.zeros(3)}),
+                           r"was replaced by dict with keys \['exp_avg'\]"),
+                          (lambda o: o.state[params[0]].pop("exp_avg_sq"), r"\['exp_avg_sq'\] was deleted"),
+                          (lambda o: o.state[params[0]].__setitem__("exp_avg", torch.zeros(7)),
+                           r"\['exp_avg'\] was replaced by a tensor of shape \(7,\).* \(117,\)")):
+        opt = ShardedAdamW(params, lr=1e-2)
+        _set_grads(params, 0)
+        opt.step()
+        edit(opt)
+        with pytest.raises(RuntimeError, match=message):
+            opt.step()
+    # a logger reading every parameter's state, frozen ones too (a defaultdict inserts an entry), is no edit: the
+    # step does not look at the state
+    opt = ShardedAdamW(params + [frozen], lr=1e-2)
+    followed = []
+    monkeypatch.setattr(type(opt), "_follow_state_edits", lambda self: followed.append(1))
+    for step in range(3):
+        _set_grads(params, step)
+        opt.step()
+        logged = [float(opt.state[p].get("exp_avg", torch.zeros(1)).abs().sum()) for p in params + [frozen]]
+        assert logged[-1] == 0.0 and logged[0] > 0.0
+    assert not followed

@@ -1,0 +1,193 @@
+"""``StateViewMixin``: ``opt.state`` as torch.optim code sees it, and what that code does to it.
+
+``opt.state[p]`` holds live views of the pieces of ``p``'s state this rank owns (see :meth:`_expose_state`). Code
+written for torch.optim also edits it: it resets the state (``opt.state.clear()``, ``opt.state =
+defaultdict(dict)``, ``del opt.state[p]``; torch.optim then starts those parameters afresh at the next step),
+restarts a count (``opt.state[p]["step"] = torch.tensor(0.)``) or replaces a tensor (``opt.state[p]["exp_avg"] =
+torch.zeros_like(...)``). The state itself lives in the buckets, so such an edit would silently change nothing.
+The dicts here are dict subclasses that raise a flag on every write; the next ``sync_from_model`` (every
+``step()``, ``state_dict()``, save and load) sees the flag and carries the edits into the buckets as torch.optim
+would, or raises where it cannot (:meth:`_follow_state_edits`). Unflagged, a step pays three attribute reads.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+__all__ = ["StateViewMixin"]
+
+
+class _Edits:
+    """The flag that the dicts of one optimizer's ``state`` share."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self):
+        self.seen = False
+
+
+_WRITES = ("__setitem__", "__delitem__", "pop", "popitem", "clear", "update", "setdefault", "__ior__")
+
+
+def _flagging(cls):
+    """Make every write method of the dict subclass ``cls`` raise ``self._edits.seen`` first."""
+    for name in _WRITES:
+        def write(self, *args, _name=name, **kwargs):
+            self._edits.seen = True
+            return getattr(super(cls, self), _name)(*args, **kwargs)
+        write.__name__ = name
+        setattr(cls, name, write)
+    return cls
+
+
+@_flagging
+class _StateEntry(dict):
+    """``opt.state[p]``."""
+
+    __slots__ = ("_edits",)
+
+    def __init__(self, items=(), edits: _Edits = None):
+        dict.__init__(self, items)
+        self._edits = edits if edits is not None else _Edits()
+
+    def __reduce__(self):  # (pickles and copies as a plain dict: the flag is this optimizer's)
+        return dict, (dict(self),)
+
+
+@_flagging
+class _StateDict(collections.defaultdict):
+    """``opt.state``: torch.optim's ``defaultdict(dict)``, flagging writes. A read of a parameter without state
+    inserts an empty dict, as torch's does, without raising the flag (a logger may read the frozen parameters'
+    every step)."""
+
+    __slots__ = ("_edits",)
+
+    def __init__(self, default_factory=dict, items=(), edits: _Edits = None):
+        collections.defaultdict.__init__(self, default_factory, items)
+        self._edits = edits if edits is not None else _Edits()
+
+    def __missing__(self, key):
+        value = self.default_factory()
+        dict.__setitem__(self, key, value)
+        return value
+
+    def __reduce__(self):
+        return collections.defaultdict, (self.default_factory, dict(self))
+
+
+_GONE = object()
+
+
+class StateViewMixin:
+    """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` about ``opt.state``."""
+
+    def _init_state_view(self) -> None:
+        self._state_edits = _Edits()
+        self.state = _StateDict(dict, self.state, edits=self._state_edits)
+        #: parameter -> (the entry shown in opt.state, {key: the object shown under it})
+        self._shown: dict = {}
+
+    def _expose_state(self, params=None) -> None:
+        """``opt.state[p]``: live views of the pieces of ``p``'s state this rank owns (1-D, in the order of
+        ``p.reshape(-1)[shard_range[0]:shard_range[1]]``), with ``step`` and, unless remainders are stored, the fp32
+        ``master``. A parameter this rank owns nothing of has empty pieces and ``shard_range == (0, 0)``.
+        ``params``: only those (default: every parameter in a bucket)."""
+        state, edits = self.state, self._state_edits
+        for b in self.buckets:
+            owned = {piece.tensor_index: piece for piece in b.param_buffer.shard_pieces()}
+            tensors = dict(b.state)
+            if b.master_remainder is None:
+                tensors["master"] = b.master
+            for i, p in enumerate(b.params):
+                if params is not None and p not in params:
+                    continue
+                piece = owned.get(i)
+                sl = slice(piece.shard_start, piece.shard_end) if piece else slice(0, 0)
+                entry = _StateEntry({"step": self._param_step(p), **{name: t[sl] for name, t in tensors.items()},
+                                     "shard_range": (piece.tensor_start, piece.tensor_end) if piece else (0, 0)},
+                                    edits)
+                dict.__setitem__(state, p, entry)
+                self._shown[p] = (entry, dict(entry))
+        if params is None:
+            self._state_exposed = True
+
+    def _show_step(self, p: torch.Tensor, step: torch.Tensor) -> None:
+        """``opt.state[p]["step"]`` is ``p``'s counter now (one of its own, or its bucket's again)."""
+        shown = self._shown.get(p)
+        if shown is not None:
+            dict.__setitem__(shown[0], "step", step)
+            shown[1]["step"] = step
+
+    def _state_edited(self) -> bool:
+        """Whether code wrote to ``opt.state`` (or replaced it) since it was last shown."""
+        return self._state_edits.seen or type(self.state) is not _StateDict or self.state._edits is not \
+            self._state_edits
+
+    @torch.no_grad()
+    def _follow_state_edits(self) -> None:
+        """Carry what code did to ``opt.state`` into the buckets, as torch.optim would act on it at the next step:
+
+        * a parameter whose entry is gone or empty (``opt.state.clear()``, ``opt.state = defaultdict(dict)``,
+          ``del opt.state[p]``, ``opt.state[p] = {}``) starts afresh: its pieces of every state tensor zeroed, its
+          step count 0 (torch.optim makes its state anew at its next step; SGD's momentum takes that step's
+          gradient, as without state). The master weights stay (they are the weights);
+        * ``opt.state[p]["step"] = n``: ``p`` counts on from ``n`` (its bias corrections follow);
+        * a state tensor replaced by another of the same shape (``torch.zeros_like(opt.state[p]["exp_avg"])``):
+          its values are copied into the piece, which stays shown;
+        * an entry replaced by a dict of other contents, a key deleted, a tensor of another shape: a RuntimeError
+          naming it (write into the shown views in place, or use ``load_state_dict``).
+
+        Entries of parameters without state here (frozen ones, read by a logger) are kept as they are. Each rank
+        edits its own pieces: code that edits the state on one rank only diverges, as under DDP."""
+        state, fresh, counts = self.state, [], {}
+        read = (lambda key: dict.get(state, key)) if isinstance(state, dict) else state.get
+        for p, (entry, shown) in self._shown.items():
+            name = self._param_names[p]
+            now = read(p)
+            if now is None or (now is not entry and isinstance(now, dict) and not now):
+                fresh.append(p)
+                continue
+            if now is not entry:
+                raise RuntimeError(
+                    f"opt.state[{name}] was replaced by {type(now).__name__} with keys {sorted(map(str, now))}: "
+                    "tritonshard keeps the state in its buffers and shows this rank's piece of it there. Write into "
+                    "the tensors shown in place (opt.state[p]['exp_avg'].zero_()), delete the entry to start the "
+                    "parameter afresh, or load a state dict")
+            for key, was in shown.items():
+                value = dict.get(now, key, _GONE)
+                if value is was:
+                    continue
+                if value is _GONE:
+                    raise RuntimeError(f"opt.state[{name}][{key!r}] was deleted: tritonshard keeps the state in its "
+                                       "buffers (delete the whole entry to start the parameter afresh)")
+                if key == "step":
+                    counts[p] = float(value)
+                elif (key != "shard_range" and isinstance(value, torch.Tensor)
+                      and tuple(value.shape) == tuple(was.shape)):
+                    was.copy_(value)
+                else:
+                    what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                            else type(value).__name__)
+                    raise RuntimeError(
+                        f"opt.state[{name}][{key!r}] was replaced by {what}: it shows this rank's piece of the state "
+                        f"kept in tritonshard's buffers, so a new value must be a tensor of the piece's shape "
+                        f"{tuple(getattr(was, 'shape', ()))} (or write into it in place)")
+        for p in fresh:
+            b, i = self._bucket_of[p]
+            for piece in b.param_buffer.shard_pieces():
+                if piece.tensor_index == i:
+                    for t in b.state.values():
+                        t[piece.shard_start:piece.shard_end].zero_()
+            counts[p] = 0.0
+        if counts:
+            now = {}  # one host read per counter (most parameters share their group's)
+            steps = {p: counts[p] if p in counts else now.setdefault(id(c := self._param_step(p)), float(c))
+                     for p in self._bucket_of}
+            self._load_steps(steps)
+        kept = {p: v for p, v in (state.items() if hasattr(state, "items") else ()) if p not in self._shown}
+        self.state = _StateDict(dict, kept, edits=self._state_edits)
+        shown, self._shown = set(self._shown), {}
+        self._expose_state(shown)
+        self._state_edits.seen = False
