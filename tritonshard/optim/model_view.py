@@ -121,9 +121,9 @@ class ModelViewMixin:
             if len(now) != len(was) or any(a is not b for a, b in zip(now, was)):
                 raise RuntimeError(
                     f"param_groups[{gi}]['params'] changed after it was added ({len(was)} parameters then, {len(now)} "
-                    "now): tritonshard lays a group's parameters out in its buffers when the group is added, so a parameter "
-                    "appended to the list would never train (and one removed would train on). Add parameters with "
-                    "opt.add_param_group({'params': [...]}); freeze one with requires_grad_(False)")
+                    "now): tritonshard lays a group's parameters out in its buffers when the group is added, so a "
+                    "parameter appended to the list would never train (and one removed would train on). Add "
+                    "parameters with opt.add_param_group({'params': [...]}); freeze one with requires_grad_(False)")
         self._note_group_lists()  # (the same parameters in new lists)
 
     def _readopt(self, p: torch.Tensor) -> None:
