@@ -44,6 +44,11 @@ def _edit(how, opt, params):
         opt.state[params[0]]["exp_avg"] = torch.zeros_like(opt.state[params[0]]["exp_avg"])
     elif how == "moment zeroed in place":
         opt.state[params[3]]["exp_avg_sq"].zero_()
+    elif how == "every value copied (Lightning's teardown)":  # (_optimizer_to_device: every value but step moved)
+        for entry in opt.state.values():
+            for key, value in list(entry.items()):
+                if key != "step":
+                    entry[key] = value.clone() if torch.is_tensor(value) else tuple(list(value))
 
 
 MAKE = {"adamw": (lambda ps: ShardedAdamW(ps, lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4),
@@ -51,7 +56,8 @@ MAKE = {"adamw": (lambda ps: ShardedAdamW(ps, lr=1e-2, weight_decay=0.1, bucket_
         "sgd": (lambda ps: ShardedSGD(ps, lr=1e-1, momentum=0.9, weight_decay=0.1, bucket_cap_mb=1e-4),
                 lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, weight_decay=0.1, foreach=False))}
 CASES = [("adamw", how) for how in ("clear", "replaced", "one deleted", "one emptied", "count restarted",
-                                    "moment replaced", "moment zeroed in place")] + \
+                                    "moment replaced", "moment zeroed in place",
+                                    "every value copied (Lightning's teardown)")] + \
         [("sgd", how) for how in ("clear", "one deleted")]
 
 

@@ -163,17 +163,20 @@ class StateViewMixin:
                     raise RuntimeError(f"opt.state[{name}][{key!r}] was deleted: tritonshard keeps the state in its "
                                        "buffers (delete the whole entry to start the parameter afresh)")
                 if key == "step":
-                    counts[p] = float(value)
-                elif (key != "shard_range" and isinstance(value, torch.Tensor)
-                      and tuple(value.shape) == tuple(was.shape)):
-                    was.copy_(value)
-                else:
-                    what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-                            else type(value).__name__)
-                    raise RuntimeError(
-                        f"opt.state[{name}][{key!r}] was replaced by {what}: it shows this rank's piece of the state "
-                        f"kept in tritonshard's buffers, so a new value must be a tensor of the piece's shape "
-                        f"{tuple(getattr(was, 'shape', ()))} (or write into it in place)")
+                    if float(value) != float(was):
+                        counts[p] = float(value)
+                elif isinstance(was, torch.Tensor):
+                    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(was.shape):
+                        what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                                else type(value).__name__)
+                        raise RuntimeError(
+                            f"opt.state[{name}][{key!r}] was replaced by {what}: it shows this rank's piece of the "
+                            "state kept in tritonshard's buffers, so a new value must be a tensor of the piece's "
+                            f"shape {tuple(was.shape)} (or write into it in place)")
+                    was.copy_(value)  # (also a copy on another device: Lightning's teardown moves the state)
+                elif value != was:
+                    raise RuntimeError(f"opt.state[{name}][{key!r}] was changed to {value!r}: it says which part of "
+                                       f"the parameter this rank's pieces cover, {was!r}")
         for p in fresh:
             b, i = self._bucket_of[p]
             for piece in b.param_buffer.shard_pieces():
