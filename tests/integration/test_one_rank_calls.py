@@ -108,9 +108,10 @@ def _schedulers_disagree(rank, world_size):
     to train that rank's shard with another lr, silently (and ReduceLROnPlateau fed each rank's own loss, a common
     DDP slip, likewise). Now the step's handshake compares them: an error on every rank, naming each rank's."""
     for case in ("stepped on rank 0 only", "fed each rank's own metric", "a group changed on rank 1",
-                 "1 ulp apart"):
+                 "1 ulp apart", "a CPU tensor lr filled on rank 0"):
         model = tiny_llama(0)
-        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        # (a CPU tensor lr, as torch recommends for compiled optimizers, is compared by its value)
+        opt = ShardedAdamW(model.parameters(), lr=torch.tensor(3e-3) if "tensor" in case else 3e-3)
         lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
         _step(model, opt, rank, 0)  # the same settings on both: trains
@@ -121,6 +122,8 @@ def _schedulers_disagree(rank, world_size):
                 plateau.step(metric)  # rank 0's got worse (lr halved), rank 1's better
         elif case == "a group changed on rank 1" and rank == 1:
             opt.param_groups[0]["weight_decay"] = 0.0
+        elif case == "a CPU tensor lr filled on rank 0" and rank == 0:
+            opt.param_groups[0]["lr"].fill_(1.5e-3)
         elif case == "1 ulp apart" and rank == 1:  # a schedule's cosine from another node's libm: not a mismatch
             opt.param_groups[0]["lr"] = math.nextafter(3e-3, 1.0)
         lm_loss(model, tokens(1, rank)).backward()

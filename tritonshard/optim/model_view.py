@@ -25,14 +25,22 @@ __all__ = ["ModelViewMixin"]
 
 
 class _Tensor:
-    """How the settings compared across ranks show an lr given as a tensor (not read: that would wait for the
-    device)."""
+    """How the settings compared across ranks show a hyper-parameter given as a GPU tensor (not read: that would
+    wait for the device)."""
 
     def __repr__(self) -> str:
         return "a tensor"
 
 
 _TENSOR = _Tensor()
+
+
+def _tensor_setting(t: torch.Tensor):
+    """A hyper-parameter given as a tensor, as the ranks compare it: a CPU scalar's value (free to read), else
+    :data:`_TENSOR` (a GPU tensor is not read)."""
+    if t.device.type == "cpu" and t.numel() == 1:
+        return t.item()
+    return _TENSOR
 
 
 def _setting(value) -> str:
@@ -171,13 +179,15 @@ class ModelViewMixin:
         the optimizer's defaults' keys), which the step's handshake compares across ranks: each rank updates its own
         shard with its own, so a rank whose LR scheduler ran ahead (stepped on rank 0 only, or ReduceLROnPlateau fed
         each rank's own validation loss) would train its shard with another lr, silently (under DDP the replicas
-        would drift apart, as silently). An lr given as a tensor is not compared (reading it would wait for the
-        device). Floats are compared to 12 significant digits (:func:`_setting`). A few microseconds of host time
-        per step, with more than one rank and the handshake on."""
+        would drift apart, as silently). A hyper-parameter given as a CPU tensor (``lr=torch.tensor(0.01)``, as
+        torch recommends for compiled optimizers) is compared by its value; one on a GPU is not (reading it would
+        wait for the device). Floats are compared to 12 significant digits (:func:`_setting`). A few microseconds
+        of host time per step, with more than one rank and the handshake on."""
         keys = tuple(self.defaults)
         values = tuple((gi, *map(g.get, keys)) for gi, g in self._trained_groups)
         if any(isinstance(v, torch.Tensor) for row in values for v in row):
-            values = tuple(tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in row) for row in values)
+            values = tuple(tuple(_tensor_setting(v) if isinstance(v, torch.Tensor) else v for v in row)
+                           for row in values)
         cached = self._settings_cache
         if cached is not None and cached[0] == values:  # (the usual step: a few us instead of ~20 for the text)
             return cached[1]
