@@ -136,6 +136,9 @@ def _params():
     (lambda: ShardedAdamW(_params(), loss_scale=2.0 ** 16), TypeError, "LossScaleConfig"),
     (lambda: ShardedAdamW(_params(), grad_dtype=torch.float16), ValueError, "grad_dtype"),
     (lambda: ShardedAdamW(_params(), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    # torch.optim.AdamW's own arguments that change what is computed: named, not "unexpected keyword argument"
+    (lambda: ShardedAdamW(_params(), 1e-3, (0.9, 0.999), 1e-8, 1e-2, True), ValueError, "amsgrad=True"),
+    (lambda: ShardedAdamW(_params(), differentiable=True), ValueError, "differentiable=True"),
 ])
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
@@ -230,3 +233,21 @@ def test_gradients_of_other_parameters_at_reused_addresses_land_in_their_own_pla
         return torch.cat([p.detach().float() for p in params])
 
     assert_bitwise_equal(train(reuse=True), train(reuse=False), "weights")
+
+
+def test_a_torch_optim_call_site_runs_unchanged_and_its_switches_change_no_bit():
+    """``AdamW(params, lr, betas, eps, weight_decay, amsgrad=False, foreach=..., fused=..., capturable=...)`` as
+    torch.optim takes them: the implementation switches are accepted (until session 16 a TypeError, "unexpected
+    keyword argument 'fused'"), and the update is the same fused kernel whatever they say."""
+    runs = []
+    for switches in ({}, dict(amsgrad=False, foreach=False, fused=True, capturable=True, differentiable=False),
+                     dict(foreach=True, fused=None)):
+        model = make_model(0)
+        opt = ShardedAdamW(param_groups(model), LR, (0.9, 0.95), 1e-8, 0.1, **switches)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(2):
+            train_step(model, opt, sched, 0, step)
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+    for other in runs[1:]:
+        assert torch.equal(other, runs[0])
+    assert "fused" not in opt.param_groups[0]  # (not a hyper-parameter here: state dicts carry none)

@@ -31,7 +31,8 @@ class ShardedAdamW(ShardedOptimizer):
     padding; ``memory_bytes()`` reports it.
 
     Args:
-        params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW`` (``eps`` must be > 0).
+        params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW`` (``eps`` must be > 0); its
+            ``amsgrad`` in its place, which only ``False`` passes.
         process_group, param_dtype, grad_dtype, bucket_cap_mb, and every other keyword (``overlap_comm``,
             ``replica_group``/``device_mesh``, ``loss_scale``, ``store_param_remainders``, ``state_dtype``...):
             see :class:`ShardedOptimizer`.
@@ -39,9 +40,12 @@ class ShardedAdamW(ShardedOptimizer):
 
     _state_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, maximize=False,
-                 process_group: Optional[dist.ProcessGroup] = None, param_dtype=torch.bfloat16,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, process_group: Optional[dist.ProcessGroup] = None, param_dtype=torch.bfloat16,
                  grad_dtype=torch.bfloat16, bucket_cap_mb: float = 25.0, **pipeline):
+        if amsgrad:
+            raise ValueError("amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant (the running "
+                             "maximum of exp_avg_sq that torch.optim.AdamW(amsgrad=True) keeps)")
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, process_group=process_group, param_dtype=param_dtype,

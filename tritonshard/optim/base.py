@@ -304,6 +304,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             the model would be stitched together from all of them. Costs one broadcast of the parameters, in their
             dtype, at construction; False skips it where every rank holds the same weights already (every rank
             must pass the same).
+        foreach, fused, capturable: torch.optim's implementation switches, accepted so that a torch.optim call site
+            (``AdamW(params, lr=..., fused=True)``) runs unchanged, and without effect: the update here is one fused
+            kernel launch per group whatever they say, and its results do not depend on them (as torch.optim's do
+            not); a step that CUDA graphs capture is ``cuda_graph=True``. ``differentiable=True`` is a ValueError.
         cuda_graph: capture a steady step's device work in CUDA graphs and replay them (see
             :mod:`tritonshard.optim.graphs`: what is captured, what stays eager, when a step is not captured).
             Needs CUDA parameters, the compiled kernels, NCCL with more than one rank, ``overlap_comm=False``,
@@ -326,7 +330,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                  loss_scale: Optional[LossScaleConfig] = None, store_param_remainders: bool = False,
                  state_dtype: torch.dtype = torch.float32, state_rounding: str = "stochastic",
                  ordered_reduce: bool = False, check_collectives: bool = True, cuda_graph: bool = False,
-                 init_sync: bool = True):
+                 init_sync: bool = True, foreach: Optional[bool] = None, fused: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False):
+        if differentiable:
+            raise ValueError(f"differentiable=True: {type(self).__name__}'s step is not differentiable (it updates "
+                             "its buffers in place, outside autograd); use torch.optim for a differentiable step")
+        del foreach, fused, capturable  # torch.optim's implementation switches (see the docstring)
         if not isinstance(init_sync, bool):
             raise TypeError(f"init_sync must be a bool, got {type(init_sync).__name__}")
         if param_dtype not in (torch.bfloat16, torch.float16):
