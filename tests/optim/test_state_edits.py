@@ -38,6 +38,8 @@ def _edit(how, opt, params):
         del opt.state[params[0]]
     elif how == "one emptied":
         opt.state[params[2]] = {}
+    elif how == "one cleared in place":
+        opt.state[params[1]].clear()
     elif how == "count restarted":
         opt.state[params[1]]["step"] = torch.tensor(0.0)
     elif how == "moment replaced":
@@ -55,7 +57,8 @@ MAKE = {"adamw": (lambda ps: ShardedAdamW(ps, lr=1e-2, weight_decay=0.1, bucket_
                   lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)),
         "sgd": (lambda ps: ShardedSGD(ps, lr=1e-1, momentum=0.9, weight_decay=0.1, bucket_cap_mb=1e-4),
                 lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, weight_decay=0.1, foreach=False))}
-CASES = [("adamw", how) for how in ("clear", "replaced", "one deleted", "one emptied", "count restarted",
+CASES = [("adamw", how) for how in ("clear", "replaced", "one deleted", "one emptied", "one cleared in place",
+                                    "count restarted",
                                     "moment replaced", "moment zeroed in place",
                                     "every value copied (Lightning's teardown)")] + \
         [("sgd", how) for how in ("clear", "one deleted")]

@@ -130,9 +130,9 @@ class StateViewMixin:
         """Carry what code did to ``opt.state`` into the buckets, as torch.optim would act on it at the next step:
 
         * a parameter whose entry is gone or empty (``opt.state.clear()``, ``opt.state = defaultdict(dict)``,
-          ``del opt.state[p]``, ``opt.state[p] = {}``) starts afresh: its pieces of every state tensor zeroed, its
-          step count 0 (torch.optim makes its state anew at its next step; SGD's momentum takes that step's
-          gradient, as without state). The master weights stay (they are the weights);
+          ``del opt.state[p]``, ``opt.state[p] = {}``, ``opt.state[p].clear()``) starts afresh: its pieces of every
+          state tensor zeroed, its step count 0 (torch.optim makes its state anew at its next step; SGD's momentum
+          takes that step's gradient, as without state). The master weights stay (they are the weights);
         * ``opt.state[p]["step"] = n``: ``p`` counts on from ``n`` (its bias corrections follow);
         * a state tensor replaced by another of the same shape (``torch.zeros_like(opt.state[p]["exp_avg"])``):
           its values are copied into the piece, which stays shown;
@@ -141,12 +141,12 @@ class StateViewMixin:
 
         Entries of parameters without state here (frozen ones, read by a logger) are kept as they are. Each rank
         edits its own pieces: code that edits the state on one rank only diverges, as under DDP."""
-        state, fresh, counts = self.state, [], {}
+        state, fresh, counts, copies = self.state, [], {}, []
         read = (lambda key: dict.get(state, key)) if isinstance(state, dict) else state.get
-        for p, (entry, shown) in self._shown.items():
+        for p, (entry, shown) in self._shown.items():  # (first every check, then every change)
             name = self._param_names[p]
             now = read(p)
-            if now is None or (now is not entry and isinstance(now, dict) and not now):
+            if now is None or (isinstance(now, dict) and not now):  # (gone, replaced by {}, or cleared)
                 fresh.append(p)
                 continue
             if now is not entry:
@@ -173,10 +173,12 @@ class StateViewMixin:
                             f"opt.state[{name}][{key!r}] was replaced by {what}: it shows this rank's piece of the "
                             "state kept in tritonshard's buffers, so a new value must be a tensor of the piece's "
                             f"shape {tuple(was.shape)} (or write into it in place)")
-                    was.copy_(value)  # (also a copy on another device: Lightning's teardown moves the state)
+                    copies.append((was, value))  # (also from another device: Lightning's teardown moves the state)
                 elif value != was:
                     raise RuntimeError(f"opt.state[{name}][{key!r}] was changed to {value!r}: it says which part of "
                                        f"the parameter this rank's pieces cover, {was!r}")
+        for was, value in copies:
+            was.copy_(value)
         for p in fresh:
             b, i = self._bucket_of[p]
             for piece in b.param_buffer.shard_pieces():
@@ -185,10 +187,14 @@ class StateViewMixin:
                         t[piece.shard_start:piece.shard_end].zero_()
             counts[p] = 0.0
         if counts:
-            now = {}  # one host read per counter (most parameters share their group's)
-            steps = {p: counts[p] if p in counts else now.setdefault(id(c := self._param_step(p)), float(c))
-                     for p in self._bucket_of}
-            self._load_steps(steps)
+            read_counts: dict = {}  # one host read per counter (most parameters share their group's)
+            for p in self._bucket_of:
+                if p not in counts:
+                    counter = self._param_step(p)
+                    if id(counter) not in read_counts:
+                        read_counts[id(counter)] = float(counter)
+                    counts[p] = read_counts[id(counter)]
+            self._load_steps(counts)
         kept = {p: v for p, v in (state.items() if hasattr(state, "items") else ()) if p not in self._shown}
         self.state = _StateDict(dict, kept, edits=self._state_edits)
         shown, self._shown = set(self._shown), {}
