@@ -80,3 +80,39 @@ def _added_group(rank, world_size):
 
 def test_an_added_group_starts_from_rank_0s_weights():
     run_on_ranks(_added_group, 2)
+
+
+class _WithBuffers(torch.nn.Module):
+    """A block with BatchNorm's statistics and a random, non-persistent buffer (random Fourier features)."""
+
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.register_buffer("features", torch.randn(6, 3), persistent=False)
+        if extra:
+            self.register_buffer("extra", torch.zeros(2))
+
+    def forward(self, x):
+        return self.norm(self.proj(x)) @ self.features.to(x.dtype)
+
+
+def _buffers_at_attach(rank, world_size):
+    """attach() broadcasts the model's buffers too (DDP's construction does): the forward of a model seeded per rank
+    is then the same on every rank. A model with other buffers on some rank is an error on every rank."""
+    for init_sync in (True, False):
+        torch.manual_seed(1337 + rank)
+        model = _WithBuffers()
+        model.norm.running_mean.normal_()  # (as if trained: statistics that differ per rank)
+        opt = ShardedAdamW(model.parameters(), lr=LR, init_sync=init_sync)
+        opt.attach(model)
+        rows = _on_every_rank(torch.cat([b.float().reshape(-1) for b in model.buffers()]))
+        assert torch.equal(rows[0], rows[1]) == init_sync, f"init_sync={init_sync}: buffers after attach"
+    model = _WithBuffers(extra=rank == 1)
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=r"attached models to ShardedAdamW with different buffers .*extra"):
+        opt.attach(model)
+
+
+def test_attach_starts_every_rank_from_rank_0s_buffers():
+    run_on_ranks(_buffers_at_attach, 2)

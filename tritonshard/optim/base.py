@@ -298,7 +298,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             handshake is how the ranks agree on it; see ``_without_grad_everywhere``).
         init_sync: start every rank from rank 0's weights, as ``DistributedDataParallel`` does at construction
             (its ``init_sync``): the parameters given (trainable and frozen, on the optimizer's device; also those
-            of a group added later) are broadcast before the fp32 masters are taken from them. A loop that seeds
+            of a group added later) are broadcast before the fp32 masters are taken from them, and the model's
+            buffers at ``attach``. A loop that seeds
             each rank differently before building the model (nanoGPT's ``torch.manual_seed(1337 + rank)``) relies
             on DDP for this; without it, each rank would take its shard's master from its own initialization and
             the model would be stitched together from all of them. Costs one broadcast of the parameters, in their
@@ -824,10 +825,28 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _sync_initial_weights(self, params: list) -> None:
         """``init_sync``: every rank takes rank 0's values of ``params`` (those on the optimizer's device, trainable
-        or frozen), before their masters are taken: one broadcast over the group, then over the replica group."""
-        if not self._init_sync or not comm.is_initialized():
+        or frozen), before their masters are taken."""
+        if self._init_sync:
+            self._from_rank_0([p.detach() for p in params if p.device == self.device])
+
+    def _sync_model_buffers(self, model: torch.nn.Module) -> None:
+        """``init_sync``, at ``attach``: every rank takes rank 0's values of the model's buffers on the optimizer's
+        device (BatchNorm's statistics, a randomly initialized buffer), as DDP's construction broadcasts them. The
+        ranks first compare the buffers' names, shapes and dtypes (a ValueError on every rank where they differ)."""
+        if not self._init_sync or not comm.is_initialized() or self.world_size * self.replica_size == 1:
             return
-        tensors = [p.detach() for p in params if p.device == self.device]
+        named = [(n, b) for n, b in model.named_buffers() if b.device == self.device]
+        self._check_options_agree({"buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in named]},
+                                  verb="attached models to", hints={"buffers": (
+                                      "attach() broadcasts rank 0's buffers (init_sync), so every rank's model must "
+                                      "have the same ones")})
+        self._from_rank_0([b.detach() for _, b in named])
+
+    def _from_rank_0(self, tensors: list) -> None:
+        """Overwrite ``tensors`` with rank 0's: one coalesced broadcast over the group, then over the replica group
+        (nothing without a process group)."""
+        if not comm.is_initialized():
+            return
         with torch.no_grad():
             for group, size in ((self.process_group, self.world_size), (self.replica_group, self.replica_size)):
                 if size > 1:
@@ -1423,6 +1442,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           working: its own gradient reduction is switched off at its first forward, as tritonshard reduces the
           gradients already. ``model`` may also be such a wrapper.
         * ``model.no_sync()`` is ``opt.no_sync()`` (accelerate's ``accumulate()`` calls it).
+        * With ``init_sync`` (the default) and more than one rank, the model's buffers take rank 0's values, as DDP's
+          construction broadcasts them (the parameters did at the optimizer's construction): a collective, every
+          rank attaches the same model.
         * With ``overlap_comm=True``: the parameter all-gathers that ``step()`` launches overlap with the next
           forward (a forward pre-hook on every module owning parameters waits for its buckets only), and the
           end-of-backward flush is queued from the model's outputs, so reentrant activation checkpointing works.
@@ -1444,6 +1466,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise TypeError(f"attach() takes the torch.nn.Module being trained, got {type(model).__name__}")
         if not isinstance(cast_forward_inputs, bool):
             raise TypeError(f"cast_forward_inputs must be a bool, got {type(cast_forward_inputs).__name__}")
+        self._sync_model_buffers(model)
         cast_to = self.param_dtype if cast_forward_inputs else None
         handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
         if self.overlap_comm:
