@@ -299,12 +299,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         init_sync: start every rank from rank 0's weights, as ``DistributedDataParallel`` does at construction
             (its ``init_sync``): the parameters given (trainable and frozen, on the optimizer's device; also those
             of a group added later) are broadcast before the fp32 masters are taken from them, and the model's
-            buffers at ``attach``. A loop that seeds
-            each rank differently before building the model (nanoGPT's ``torch.manual_seed(1337 + rank)``) relies
-            on DDP for this; without it, each rank would take its shard's master from its own initialization and
-            the model would be stitched together from all of them. Costs one broadcast of the parameters, in their
-            dtype, at construction; False skips it where every rank holds the same weights already (every rank
-            must pass the same).
+            buffers at ``attach``. A loop that seeds each rank differently before building the model (nanoGPT's
+            ``torch.manual_seed(1337 + rank)``) relies on DDP for this; without it, each rank would take its
+            shard's master from its own initialization and the model would be stitched together from all of them.
+            Costs one broadcast of the parameters, in their dtype, at construction; False skips it where every rank
+            holds the same weights already (every rank must pass the same).
         foreach, fused, capturable: torch.optim's implementation switches, accepted so that a torch.optim call site
             (``AdamW(params, lr=..., fused=True)``) runs unchanged, and without effect: the update here is one fused
             kernel launch per group whatever they say, and its results do not depend on them (as torch.optim's do
