@@ -130,3 +130,31 @@ def test_what_cannot_be_carried_into_the_buffers_is_an_error_and_reads_cost_noth
         logged = [float(opt.state[p].get("exp_avg", torch.zeros(1)).abs().sum()) for p in params + [frozen]]
         assert logged[-1] == 0.0 and logged[0] > 0.0
     assert not followed
+
+
+@pytest.mark.parametrize("how", ["clear", "one deleted"])
+def test_a_reset_of_muon_state_acts_as_in_torch_optim_muon(how):
+    """ShardedMuon's momentum buffers through the same path, against torch.optim.Muon on an fp32 twin (matrices
+    only). Tolerance as tests/optim/test_muon.py's: fp32 op order, and a rare bf16 Newton-Schulz input one ulp off
+    (2^-8 of one step's update); a reset not followed moves the masters by a whole update's share (~lr)."""
+    from tritonshard import ShardedMuon
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 13, bias=False), torch.nn.Linear(13, 5, bias=False))
+    twin = copy.deepcopy(model)
+    kw = dict(lr=2e-2, weight_decay=0.1, momentum=0.95, nesterov=True)
+    opt, topt = ShardedMuon(list(model.parameters()), **kw), torch.optim.Muon(list(twin.parameters()), **kw)
+    for step in range(STEPS):
+        _set_grads(list(model.parameters()), step)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            q.grad = p.grad.float()
+        if step == EDIT_AT:
+            _edit(how, opt, list(model.parameters()))
+            _edit(how, topt, list(twin.parameters()))
+        opt.step()
+        topt.step()
+    state = opt.state_dict()["state"]
+    for i, q in enumerate(twin.parameters()):
+        scale = float(q.detach().abs().max())
+        assert float((state[i]["master"] - q.detach()).abs().max()) <= 1e-6 * scale + 2e-4 * 0.02, (how, i)
+        buf = topt.state[q]["momentum_buffer"]
+        assert float((state[i]["momentum_buffer"] - buf).abs().max()) <= 1e-6 * float(buf.abs().max()), (how, i)
