@@ -64,13 +64,11 @@ CASES = [("adamw", how) for how in ("clear", "replaced", "one deleted", "one emp
         [("sgd", how) for how in ("clear", "one deleted")]
 
 
-def _against_torch(rank, world_size, kind, how):
-    model = _model()
-    twin = copy.deepcopy(model).float()
-    make_ours, make_torch = MAKE[kind]
-    opt, topt = make_ours(list(model.parameters())), make_torch(list(twin.parameters()))
+def _train_with_edit(how, model, opt, twin, topt):
+    """STEPS steps of ``opt`` on ``model`` and ``topt`` on its fp32 ``twin``, fed the same gradients (the same on
+    every rank: their average is exact), with ``how`` done to both optimizers' state before step EDIT_AT."""
     for step in range(STEPS):
-        _set_grads(list(model.parameters()), step)  # the same on every rank: their average is exact
+        _set_grads(list(model.parameters()), step)
         for p, q in zip(model.parameters(), twin.parameters()):
             q.grad = p.grad.float()
         if step == EDIT_AT:
@@ -80,6 +78,14 @@ def _against_torch(rank, world_size, kind, how):
         topt.step()
         opt.zero_grad()
         topt.zero_grad()
+
+
+def _against_torch(rank, world_size, kind, how):
+    model = _model()
+    twin = copy.deepcopy(model).float()
+    make_ours, make_torch = MAKE[kind]
+    opt, topt = make_ours(list(model.parameters())), make_torch(list(twin.parameters()))
+    _train_with_edit(how, model, opt, twin, topt)
     ours, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
     for i, q in enumerate(twin.parameters()):
         if kind == "adamw":  # (torch.optim.SGD keeps no count)
@@ -143,15 +149,7 @@ def test_a_reset_of_muon_state_acts_as_in_torch_optim_muon(how):
     twin = copy.deepcopy(model)
     kw = dict(lr=2e-2, weight_decay=0.1, momentum=0.95, nesterov=True)
     opt, topt = ShardedMuon(list(model.parameters()), **kw), torch.optim.Muon(list(twin.parameters()), **kw)
-    for step in range(STEPS):
-        _set_grads(list(model.parameters()), step)
-        for p, q in zip(model.parameters(), twin.parameters()):
-            q.grad = p.grad.float()
-        if step == EDIT_AT:
-            _edit(how, opt, list(model.parameters()))
-            _edit(how, topt, list(twin.parameters()))
-        opt.step()
-        topt.step()
+    _train_with_edit(how, model, opt, twin, topt)
     state = opt.state_dict()["state"]
     for i, q in enumerate(twin.parameters()):
         scale = float(q.detach().abs().max())
