@@ -13,6 +13,8 @@ import gc
 import hashlib
 import logging
 import os
+import sys
+import types
 import weakref
 from typing import Optional
 
@@ -159,12 +161,36 @@ def local_device() -> torch.device:
 
 
 def destroy_process_group(group: Optional[dist.ProcessGroup] = None) -> None:
-    """``torch.distributed.destroy_process_group(group)``, after a garbage collection. A ShardedOptimizer lives in
-    reference cycles (its hooks, its gradient placeholders) and holds its process group: one that is collected only
-    at interpreter shutdown destroys the group there, where gloo's threads abort the process ("terminate called
-    without an active exception", seen in the step benchmark's 1-rank run) or hang."""
+    """``torch.distributed.destroy_process_group(group)``, made to free the group now rather than at interpreter
+    shutdown, where freeing a gloo group joins its worker threads at a point where they abort the process
+    ("terminate called without an active exception": the step benchmark's 1-rank run, tests' ranks, a README
+    block) or hang. torch's destroy only drops torch's own references (gloo has no ``shutdown()``: the threads go
+    with the last reference), so two other holders are dealt with here:
+
+    - a ShardedOptimizer lives in reference cycles (its hooks, its gradient placeholders) and holds its group: a
+      garbage collection first;
+    - ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as a default argument when it is imported,
+      and it is imported with ``torch._dynamo``, which the first ``torch.optim.Optimizer.add_param_group`` imports
+      (any optimizer, built after ``init_process_group``): from then on its functions hold the default group for
+      the life of the process (torch 2.11-2.13). Their defaults that are a group being destroyed become ``None``,
+      which those functions read as the default group, what ``group.WORLD`` meant."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    doomed = world if group is None else group
     gc.collect()
     dist.destroy_process_group(group)
+    _release_default_arguments(doomed)
+
+
+def _release_default_arguments(group) -> None:
+    """Replace ``group`` by ``None`` where a function of ``torch.distributed.nn.functional`` holds it as a default
+    argument (see :func:`destroy_process_group`)."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if group is None or module is None:
+        return
+    for fn in vars(module).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(fn, types.FunctionType) and defaults and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def is_initialized() -> bool:
