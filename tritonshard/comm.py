@@ -248,6 +248,8 @@ ENTRIES = {
     "add_param_group": "add_param_group() after construction",
     "unfreeze": "laying out parameters frozen at construction and trainable now (at the end of a backward, or at "
                 "step())",
+    "buffers": "a forward with grad enabled of a model attached with buffers (rank 0's buffers are broadcast first: "
+               "attach(broadcast_buffers=True))",
 }
 
 

@@ -116,3 +116,106 @@ def _buffers_at_attach(rank, world_size):
 
 def test_attach_starts_every_rank_from_rank_0s_buffers():
     run_on_ranks(_buffers_at_attach, 2)
+
+
+def _buffers(module) -> torch.Tensor:
+    return torch.cat([b.detach().double().reshape(-1) for b in module.buffers()])
+
+
+def _buffers_every_forward(rank, world_size):
+    """attach(broadcast_buffers=True), DDP's default: every forward with grad enabled starts from rank 0's buffers,
+    rank 0's own as its last forward left them; the ranks' batches differ, so without it BatchNorm's statistics
+    drift apart. Forwards under no_grad (on one rank only) and inside no_sync() broadcast nothing, as in DDP."""
+    for broadcast in (True, False):
+        torch.manual_seed(0)
+        # (in bf16 throughout: BatchNorm on bf16 weights and fp32 statistics raises "expected scalar type BFloat16")
+        model = _WithBuffers().to(torch.bfloat16)
+        opt = ShardedAdamW(model.parameters(), lr=LR)
+        opt.attach(model, broadcast_buffers=broadcast)
+        starts, ends = [], []
+        model.register_forward_pre_hook(lambda module, args: starts.append(_buffers(module)))  # (runs after attach's)
+        torch.manual_seed(100 + rank)  # each rank its own batches
+        for _ in range(STEPS):
+            model(torch.randn(8, 4)).float().square().mean().backward()
+            ends.append(_buffers(model))
+            opt.step()
+            opt.zero_grad()
+        rows = _on_every_rank(torch.stack(starts).reshape(-1)).view(world_size, STEPS, -1)
+        mine_before = torch.stack([starts[0]] + ends[:-1])  # what this rank's model held before each forward
+        assert torch.equal(starts[0], mine_before[0])
+        if not broadcast:
+            assert torch.equal(rows[rank], mine_before), "broadcast_buffers=False: a rank keeps its own buffers"
+            assert not torch.equal(rows[0, 1:], rows[1, 1:]), "the control: the ranks' statistics drift apart"
+            continue
+        for r in range(world_size):
+            assert torch.equal(rows[r], rows[0]), f"step starts: rank {r}'s buffers differ from rank 0's"
+        if rank == 0:
+            assert torch.equal(rows[0], mine_before), "rank 0's buffers changed by the broadcast"
+        else:
+            assert not torch.equal(rows[rank, 1:], mine_before[1:]), "rank 1's own statistics were not replaced"
+
+        # a forward under no_grad on rank 0 alone (evaluation, generation): no collective, so no hang; its
+        # statistics (train mode: BatchNorm updates them) reach rank 1 with the next training forward
+        if rank == 0:
+            with torch.no_grad():
+                model(torch.randn(8, 4))
+        rank_0_now = _on_every_rank(_buffers(model))[0]
+        with opt.no_sync():  # DDP broadcasts nothing there either
+            model(torch.randn(8, 4)).float().square().mean().backward()
+        inside = _on_every_rank(starts[-1])
+        assert torch.equal(inside[rank], ends[-1] if rank else rank_0_now), "no_sync(): a rank keeps its own"
+        model(torch.randn(8, 4)).float().square().mean().backward()
+        after = _on_every_rank(starts[-1])
+        assert torch.equal(after[1], after[0]), "the forward after no_sync() starts from rank 0's buffers"
+        opt.step()
+        opt.zero_grad()
+        model.norm.running_mean = torch.randn(6).to(torch.bfloat16)  # a new tensor, as .to() makes, on each rank
+        model(torch.randn(8, 4)).float().square().mean().backward()
+        replaced = _on_every_rank(starts[-1])
+        assert torch.equal(replaced[1], replaced[0]), "a replaced buffer is broadcast too"
+
+
+def test_every_training_forward_starts_from_rank_0s_buffers():
+    run_on_ranks(_buffers_every_forward, 2)
+
+
+def _unchanged_buffers(rank, world_size):
+    """Buffers no rank changed since the last broadcast (a rotary embedding's inv_freq; here BatchNorm in eval
+    mode) are not broadcast again: the handshake's flag says whether any rank's changed. One rank's edit is enough.
+    Without the handshake, every forward broadcasts."""
+    import tritonshard.comm as comm
+    calls = []
+    broadcast = comm.broadcast_coalesced
+    comm.broadcast_coalesced = lambda tensors, group=None: (calls.append(len(tensors)), broadcast(tensors, group))
+    try:
+        torch.manual_seed(0)
+        model = _WithBuffers().to(torch.bfloat16).eval()  # (eval: BatchNorm reads its statistics, writes none)
+        opt = ShardedAdamW(model.parameters(), lr=LR)
+        opt.attach(model)
+        calls.clear()  # (attach's own broadcast)
+        for _ in range(STEPS):
+            model(torch.randn(8, 4)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert calls == [4], f"broadcasts of the buffers: {calls} (the first forward's only, of all 4)"
+        if rank == 1:
+            model.features.mul_(2)  # in place, on one rank
+        model(torch.randn(8, 4)).float().square().mean().backward()
+        assert calls == [4, 4], "a buffer changed on rank 1 alone: every rank broadcasts"
+        rows = _on_every_rank(_buffers(model))
+        assert torch.equal(rows[1], rows[0]), "rank 1's edit was not replaced by rank 0's buffer"
+
+        # without the handshake (check_collectives=False) the ranks cannot agree to skip: every forward, as DDP
+        model = _WithBuffers().to(torch.bfloat16).eval()
+        opt = ShardedAdamW(model.parameters(), lr=LR, check_collectives=False)
+        opt.attach(model)
+        calls.clear()
+        for _ in range(2):
+            model(torch.randn(8, 4)).float().square().mean().backward()
+        assert calls == [4, 4], f"check_collectives=False: broadcasts {calls}"
+    finally:
+        comm.broadcast_coalesced = broadcast
+
+
+def test_buffers_no_rank_changed_are_not_broadcast_again():
+    run_on_ranks(_unchanged_buffers, 2)
