@@ -219,3 +219,29 @@ def _unchanged_buffers(rank, world_size):
 
 def test_buffers_no_rank_changed_are_not_broadcast_again():
     run_on_ranks(_unchanged_buffers, 2)
+
+
+def _buffers_under_compile(rank, world_size):
+    """torch.compile(model) around an attached model: the broadcast (a collective) runs eagerly, a graph break at
+    the start of the compiled forward, as DDP's runs outside it. Rank 1 edits a buffer the forward only reads
+    before every step; each compiled forward must bring back rank 0's."""
+    torch.manual_seed(0)
+    model = _WithBuffers().to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    opt.attach(model)
+    compiled = torch.compile(model, backend="eager")  # (the eager backend: the tracing is what matters here)
+    torch.manual_seed(100 + rank)
+    for _ in range(STEPS):
+        if rank == 1:
+            model.features.add_(1.0)
+        features = _on_every_rank(model.features.double().reshape(-1))
+        assert not torch.equal(features[1], features[0]), "the control: rank 1's edit"
+        compiled(torch.randn(8, 4)).float().square().mean().backward()
+        features = _on_every_rank(model.features.double().reshape(-1))
+        assert torch.equal(features[1], features[0]), "a compiled forward did not start from rank 0's buffers"
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_compiled_model_starts_from_rank_0s_buffers_too():
+    run_on_ranks(_buffers_under_compile, 2)

@@ -1484,6 +1484,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # registered after attach are not broadcast (DDP's list is made at construction too)
         self._buffer_slots = (model, [(m, name) for _, m in model.named_modules() for name in m._buffers])
         self._buffers_seen = None  # (the first training forward broadcasts)
+        # collectives, eager under a compiled model (DDP runs them outside it); wrapped here, not as a decorator,
+        # which would import torch._dynamo with tritonshard (~0.6 s; the first optimizer imports it anyway)
+        self._buffer_sync = torch.compiler.disable(self._broadcast_model_buffers)
         cast_to = self.param_dtype if cast_forward_inputs else None
         handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
         if self.overlap_comm:
@@ -1561,9 +1564,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 model_sync.guard_model(ddp, self)
         if (self._broadcast_buffers and torch.is_grad_enabled() and not self._no_sync_depth
                 and self.world_size * self.replica_size > 1):
-            self._broadcast_model_buffers(module)
+            self._buffer_sync(module)
 
-    @torch.compiler.disable  # collectives, eager under a compiled model (as DDP runs them outside)
     def _broadcast_model_buffers(self, module: torch.nn.Module) -> None:
         """``attach(broadcast_buffers=True)``, before a training forward: the model's buffers on the optimizer's
         device take rank 0's values (DDP's ``_sync_buffers``; a DDP the optimizer turned off no longer does it: its
