@@ -89,7 +89,7 @@ def main() -> None:
                                                                           state_dtype=torch.bfloat16))
     json.dump(out, sys.stdout)
     from tritonshard.comm import destroy_process_group
-    destroy_process_group()  # (the group freed now: at interpreter shutdown gloo can abort, failing the exit code)
+    destroy_process_group()  # (freed now: at interpreter shutdown gloo can abort, failing the exit code)
 
 
 def _other_optimizer(rec, name: str, kwargs: dict) -> dict:

@@ -101,7 +101,7 @@ def main() -> None:
         out.append(_run("adamw, fp16 with loss scaling", "ShardedAdamW", param_dtype=torch.float16))
     json.dump(out, sys.stdout)
     from tritonshard.comm import destroy_process_group
-    destroy_process_group()  # (the group freed now: at interpreter shutdown gloo can abort, failing the exit code)
+    destroy_process_group()  # (freed now: at interpreter shutdown gloo can abort, failing the exit code)
 
 
 if __name__ == "__main__":
