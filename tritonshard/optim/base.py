@@ -1450,11 +1450,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           rank attaches the same model.
         * ``broadcast_buffers=True`` (DDP's name and default): so they do again at the start of every forward run
           with grad enabled outside ``no_sync()``, as DDP's forward does: BatchNorm's running statistics are rank
-          0's, not each rank's own, in every forward, in evaluation and in the checkpoint. One coalesced broadcast
-          per such forward where the model has buffers on the optimizer's device (nothing where it has none, or at
-          one rank); forwards under ``torch.no_grad()`` (evaluation, generation, on some ranks only) run none.
-          False: each rank keeps its own. Buffers registered after ``attach`` are not broadcast (DDP's list is
-          made at its construction too); those ``.to()`` replaces are.
+          0's, not each rank's own, in every forward, in evaluation and in the checkpoint. Per such forward of a
+          model with buffers on the optimizer's device (nothing where it has none, or at one rank): a handshake,
+          and one coalesced broadcast where any rank's buffers changed since the last (see
+          ``_broadcast_model_buffers``); forwards under ``torch.no_grad()`` (evaluation, generation, on some ranks
+          only) run neither. False: each rank keeps its own. Buffers registered after ``attach`` are not broadcast
+          (DDP's list is made at its construction too); those ``.to()`` replaces are.
         * With ``overlap_comm=True``: the parameter all-gathers that ``step()`` launches overlap with the next
           forward (a forward pre-hook on every module owning parameters waits for its buckets only), and the
           end-of-backward flush is queued from the model's outputs, so reentrant activation checkpointing works.
@@ -1555,7 +1556,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _before_model_forward(self, module: torch.nn.Module) -> None:
         """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
         gradients a second time: turn its reduction off before its post-forward prepares one (its no_sync()
-        restores the value it found, False)."""
+        restores the value it found, False). Then, in a training forward, rank 0's buffers (``broadcast_buffers``)."""
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:
             if ddp.require_backward_grad_sync:
