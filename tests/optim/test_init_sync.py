@@ -92,9 +92,12 @@ class _WithBuffers(torch.nn.Module):
         self.register_buffer("features", torch.randn(6, 3), persistent=False)
         if extra:
             self.register_buffer("extra", torch.zeros(2))
+        # in bf16 throughout, statistics included: with float32 ones beside bf16 weights BatchNorm cannot run
+        # (attach() says so: test_a_batchnorm_with_float32_statistics_is_an_error_at_attach)
+        self.to(torch.bfloat16)
 
     def forward(self, x):
-        return self.norm(self.proj(x)) @ self.features.to(x.dtype)
+        return self.norm(self.proj(x)) @ self.features
 
 
 def _buffers_at_attach(rank, world_size):
@@ -128,8 +131,7 @@ def _buffers_every_forward(rank, world_size):
     drift apart. Forwards under no_grad (on one rank only) and inside no_sync() broadcast nothing, as in DDP."""
     for broadcast in (True, False):
         torch.manual_seed(0)
-        # (in bf16 throughout: BatchNorm on bf16 weights and fp32 statistics raises "expected scalar type BFloat16")
-        model = _WithBuffers().to(torch.bfloat16)
+        model = _WithBuffers()
         opt = ShardedAdamW(model.parameters(), lr=LR)
         opt.attach(model, broadcast_buffers=broadcast)
         starts, ends = [], []
@@ -189,7 +191,7 @@ def _unchanged_buffers(rank, world_size):
     comm.broadcast_coalesced = lambda tensors, group=None: (calls.append(len(tensors)), broadcast(tensors, group))
     try:
         torch.manual_seed(0)
-        model = _WithBuffers().to(torch.bfloat16).eval()  # (eval: BatchNorm reads its statistics, writes none)
+        model = _WithBuffers().eval()  # (eval: BatchNorm reads its statistics, writes none)
         opt = ShardedAdamW(model.parameters(), lr=LR)
         opt.attach(model)
         calls.clear()  # (attach's own broadcast)
@@ -206,7 +208,7 @@ def _unchanged_buffers(rank, world_size):
         assert torch.equal(rows[1], rows[0]), "rank 1's edit was not replaced by rank 0's buffer"
 
         # without the handshake (check_collectives=False) the ranks cannot agree to skip: every forward, as DDP
-        model = _WithBuffers().to(torch.bfloat16).eval()
+        model = _WithBuffers().eval()
         opt = ShardedAdamW(model.parameters(), lr=LR, check_collectives=False)
         opt.attach(model)
         calls.clear()
@@ -226,7 +228,7 @@ def _buffers_under_compile(rank, world_size):
     the start of the compiled forward, as DDP's runs outside it. Rank 1 edits a buffer the forward only reads
     before every step; each compiled forward must bring back rank 0's."""
     torch.manual_seed(0)
-    model = _WithBuffers().to(torch.bfloat16)
+    model = _WithBuffers()
     opt = ShardedAdamW(model.parameters(), lr=LR)
     opt.attach(model)
     compiled = torch.compile(model, backend="eager")  # (the eager backend: the tracing is what matters here)
@@ -245,3 +247,33 @@ def _buffers_under_compile(rank, world_size):
 
 def test_a_compiled_model_starts_from_rank_0s_buffers_too():
     run_on_ranks(_buffers_under_compile, 2)
+
+
+def test_a_batchnorm_with_float32_statistics_is_an_error_at_attach():
+    """Construction makes a BatchNorm's weight bf16; float32 running statistics beside it fail torch's batch_norm at
+    the first forward ("expected scalar type BFloat16 but found Float", in train and eval mode, as on CUDA).
+    attach() names the module and the ways out; both work."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+
+    model = build()
+    opt = ShardedAdamW(model.parameters(), lr=LR)
+    with pytest.raises(RuntimeError, match="expected scalar type"):  # the failure the check stands in for
+        model(torch.randn(8, 4).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"BatchNorm1d '1' has its weight in torch.bfloat16 .* running statistics "
+                                         r"in torch.float32.*model.to\(torch.bfloat16\)"):
+        opt.attach(model)
+
+    for way_out in ("cast first", "leave it out"):
+        model = build()
+        if way_out == "cast first":
+            model.to(torch.bfloat16)
+            opt = ShardedAdamW(model.parameters(), lr=LR)
+        else:  # the normalization's parameters in float32, with a torch optimizer of their own
+            norm = list(model[1].parameters())
+            opt = ShardedAdamW([p for p in model.parameters() if all(p is not q for q in norm)], lr=LR)
+            torch.optim.AdamW(norm, lr=LR)
+        opt.attach(model)
+        model(torch.randn(8, 4)).float().square().mean().backward()  # (attach casts the input to bf16)
+        opt.step()

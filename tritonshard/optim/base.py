@@ -1478,6 +1478,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         for name, value in (("cast_forward_inputs", cast_forward_inputs), ("broadcast_buffers", broadcast_buffers)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        self._check_norm_statistics(model)
         self._sync_model_buffers(model)
         self._broadcast_buffers = broadcast_buffers
         # where the buffers live, found once (a walk over a 24-layer Llama's 319 modules costs ~185 us per forward);
@@ -1566,6 +1567,27 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if (self._broadcast_buffers and torch.is_grad_enabled() and not self._no_sync_depth
                 and self.world_size * self.replica_size > 1):
             self._buffer_sync(module)
+
+    def _check_norm_statistics(self, model: torch.nn.Module) -> None:
+        """A BatchNorm (or an InstanceNorm keeping statistics) whose weight construction made ``param_dtype`` while
+        its running statistics stayed float32 fails its first forward, in training and evaluation, on CPU and CUDA
+        alike ("expected scalar type BFloat16 but found Float": torch's batch_norm takes parameters and statistics
+        of one dtype, or a low-precision input with float32 parameters and statistics). A ValueError here instead,
+        naming the module and the two ways out."""
+        ours = {id(p) for group in self.param_groups for p in group["params"]}
+        for name, m in model.named_modules():
+            if not isinstance(m, torch.nn.modules.batchnorm._NormBase) or m.running_mean is None:
+                continue
+            weight = m.weight if isinstance(m.weight, torch.Tensor) else None
+            if weight is not None and id(weight) in ours and m.running_mean.dtype != weight.dtype:
+                raise ValueError(
+                    f"attach(): {type(m).__name__} {name or '(the model)'!r} has its weight in {weight.dtype} (this "
+                    f"optimizer's param_dtype) and its running statistics in {m.running_mean.dtype}; torch's "
+                    f"batch_norm takes them in one dtype, so its first forward would fail. Either cast the model "
+                    f"before building the optimizer (model.to({weight.dtype}): the statistics in {weight.dtype} "
+                    f"too), or leave the normalization's parameters out of this optimizer (they stay "
+                    f"{m.running_mean.dtype}, which batch_norm takes with {weight.dtype} inputs; FSDP1's mixed "
+                    f"precision keeps BatchNorm in float32 the same way)")
 
     def _broadcast_model_buffers(self, module: torch.nn.Module) -> None:
         """``attach(broadcast_buffers=True)``, before a training forward: the model's buffers on the optimizer's
