@@ -1570,10 +1570,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _check_norm_statistics(self, model: torch.nn.Module) -> None:
         """A BatchNorm (or an InstanceNorm keeping statistics) whose weight construction made ``param_dtype`` while
-        its running statistics stayed float32 fails its first forward, in training and evaluation, on CPU and CUDA
-        alike ("expected scalar type BFloat16 but found Float": torch's batch_norm takes parameters and statistics
-        of one dtype, or a low-precision input with float32 parameters and statistics). A ValueError here instead,
-        naming the module and the two ways out."""
+        its running statistics stayed float32 fails its first forward, in training and evaluation, on CPU (and on
+        CUDA by torch's dtype checks; not run on a GPU yet) with "expected scalar type BFloat16 but found Float"
+        (torch's batch_norm takes parameters and statistics of one dtype, or a low-precision input with float32
+        parameters and statistics). A ValueError here instead, naming the module and the two ways out."""
         ours = {id(p) for group in self.param_groups for p in group["params"]}
         for name, m in model.named_modules():
             if not isinstance(m, torch.nn.modules.batchnorm._NormBase) or m.running_mean is None:
