@@ -12,7 +12,8 @@
 #   2. optimizer steps under torch.cuda.set_sync_debug_mode("error") (step() never waits on the host),
 #      gradients made on a side stream read before their memory is reused (streams, rule 4; issue 20.4), and
 #      cuda_graph=True against eager steps, bit for bit, with real CUDA graphs and NCCL (issue 20.6), also
-#      across an unfreeze (session 14: those steps are captured now)                                         40
+#      across an unfreeze (session 14: those steps are captured now); last, whether BatchNorm with a bf16
+#      weight beside float32 statistics fails on CUDA as attach()'s check assumes (session 17)               40
 #   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                35
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and

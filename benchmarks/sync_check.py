@@ -332,6 +332,22 @@ def side_stream_check(overlap: bool, device: torch.device) -> str:
            ", grad buffers equal the reference"
 
 
+def batchnorm_dtype_probe(device: torch.device) -> tuple[bool, str]:
+    """What torch's batch_norm does with a bf16 weight beside float32 running statistics on ``device``: attach()
+    raises a ValueError for such a module (ShardedOptimizer._check_norm_statistics) on the reading that the first
+    forward would fail there as on the CPU. (holds, line): a forward that runs means the check is too strict here."""
+    norm = torch.nn.BatchNorm1d(6).to(device)
+    norm.weight.data, norm.bias.data = norm.weight.data.bfloat16(), norm.bias.data.bfloat16()
+    x = torch.randn(8, 6, device=device, dtype=torch.bfloat16)
+    try:
+        norm(x)
+    except RuntimeError as exc:
+        return True, f"BatchNorm with a bf16 weight and float32 statistics on {device.type} raises, as attach() " \
+                     f"assumes: {str(exc).splitlines()[0]}"
+    return False, f"BatchNorm with a bf16 weight and float32 statistics RUNS on {device.type}: attach()'s check " \
+                  "(_check_norm_statistics) is too strict here"
+
+
 def main() -> int:
     device = local_device()  # indexed on CUDA: torch 2.11's init_process_group(device_id=) needs the index
     if device.type == "cuda":
@@ -385,6 +401,9 @@ def _check_all(device: torch.device) -> int:
             failed += 1
             print(f"sync_check: FAILED side-stream gradients (overlap_comm={overlap}): {type(exc).__name__}: {exc}",
                   flush=True)
+    holds, line = batchnorm_dtype_probe(device)
+    failed += not holds
+    print("sync_check: " + ("" if holds else "FAILED ") + line, flush=True)
     return 1 if failed else 0
 
 
