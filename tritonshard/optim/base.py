@@ -1449,8 +1449,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           construction broadcasts them (the parameters did at the optimizer's construction): a collective, every
           rank attaches the same model.
         * ``broadcast_buffers=True`` (DDP's name and default): so they do again at the start of every forward run
-          with grad enabled outside ``no_sync()``, as DDP's forward does: BatchNorm's running statistics are rank
-          0's, not each rank's own, in every forward, in evaluation and in the checkpoint. Per such forward of a
+          with grad enabled outside ``no_sync()``, as DDP's forward does: every such forward starts from rank 0's
+          BatchNorm statistics, so the ranks' differ by at most their last batch's update. Per such forward of a
           model with buffers on the optimizer's device (nothing where it has none, or at one rank): a handshake,
           and one coalesced broadcast where any rank's buffers changed since the last (see
           ``_broadcast_model_buffers``); forwards under ``torch.no_grad()`` (evaluation, generation, on some ranks
