@@ -125,14 +125,23 @@ def _buffers(module) -> torch.Tensor:
     return torch.cat([b.detach().double().reshape(-1) for b in module.buffers()])
 
 
-def _buffers_every_forward(rank, world_size):
+def _all_equal(rows: torch.Tensor) -> bool:
+    return all(torch.equal(row, rows[0]) for row in rows)
+
+
+def _buffers_every_forward(rank, world_size, hybrid):
     """attach(broadcast_buffers=True), DDP's default: every forward with grad enabled starts from rank 0's buffers,
     rank 0's own as its last forward left them; the ranks' batches differ, so without it BatchNorm's statistics
-    drift apart. Forwards under no_grad (on one rank only) and inside no_sync() broadcast nothing, as in DDP."""
+    drift apart. Forwards under no_grad (on one rank only) and inside no_sync() broadcast nothing, as in DDP. On a
+    2x2 hybrid mesh, rank 0's reach the other shard group's ranks too (over the replica group)."""
+    kw = {}
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+        kw["device_mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     for broadcast in (True, False):
         torch.manual_seed(0)
         model = _WithBuffers()
-        opt = ShardedAdamW(model.parameters(), lr=LR)
+        opt = ShardedAdamW(model.parameters(), lr=LR, **kw)
         opt.attach(model, broadcast_buffers=broadcast)
         starts, ends = [], []
         model.register_forward_pre_hook(lambda module, args: starts.append(_buffers(module)))  # (runs after attach's)
@@ -154,10 +163,10 @@ def _buffers_every_forward(rank, world_size):
         if rank == 0:
             assert torch.equal(rows[0], mine_before), "rank 0's buffers changed by the broadcast"
         else:
-            assert not torch.equal(rows[rank, 1:], mine_before[1:]), "rank 1's own statistics were not replaced"
+            assert not torch.equal(rows[rank, 1:], mine_before[1:]), f"rank {rank}'s own statistics were not replaced"
 
         # a forward under no_grad on rank 0 alone (evaluation, generation): no collective, so no hang; its
-        # statistics (train mode: BatchNorm updates them) reach rank 1 with the next training forward
+        # statistics (train mode: BatchNorm updates them) reach the others with the next training forward
         if rank == 0:
             with torch.no_grad():
                 model(torch.randn(8, 4))
@@ -168,17 +177,18 @@ def _buffers_every_forward(rank, world_size):
         assert torch.equal(inside[rank], ends[-1] if rank else rank_0_now), "no_sync(): a rank keeps its own"
         model(torch.randn(8, 4)).float().square().mean().backward()
         after = _on_every_rank(starts[-1])
-        assert torch.equal(after[1], after[0]), "the forward after no_sync() starts from rank 0's buffers"
+        assert _all_equal(after), "the forward after no_sync() starts from rank 0's buffers"
         opt.step()
         opt.zero_grad()
         model.norm.running_mean = torch.randn(6).to(torch.bfloat16)  # a new tensor, as .to() makes, on each rank
         model(torch.randn(8, 4)).float().square().mean().backward()
         replaced = _on_every_rank(starts[-1])
-        assert torch.equal(replaced[1], replaced[0]), "a replaced buffer is broadcast too"
+        assert _all_equal(replaced), "a replaced buffer is broadcast too"
 
 
-def test_every_training_forward_starts_from_rank_0s_buffers():
-    run_on_ranks(_buffers_every_forward, 2)
+@pytest.mark.parametrize("world_size,hybrid", [(2, False), (4, True)], ids=["2 ranks", "2x2 hybrid"])
+def test_every_training_forward_starts_from_rank_0s_buffers(world_size, hybrid):
+    run_on_ranks(_buffers_every_forward, world_size, hybrid)
 
 
 def _unchanged_buffers(rank, world_size):
