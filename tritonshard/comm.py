@@ -248,8 +248,9 @@ ENTRIES = {
     "add_param_group": "add_param_group() after construction",
     "unfreeze": "laying out parameters frozen at construction and trainable now (at the end of a backward, or at "
                 "step())",
-    "buffers": "a forward with grad enabled of a model attached with buffers (rank 0's buffers are broadcast first: "
-               "attach(broadcast_buffers=True))",
+    "buffers": "a forward with grad enabled of a model attached with buffers (it starts from rank 0's buffers, "
+               "attach(broadcast_buffers=True), as DDP's forward: a forward on some ranks only must run under "
+               "torch.no_grad(), or attach with broadcast_buffers=False)",
 }
 
 
@@ -371,7 +372,8 @@ class EntryCheck:
                 f"tritonshard: the ranks are in different collective calls ({calls}). Every rank must make the same "
                 "tritonshard calls in the same order: the gradient reduction (backward with overlap_comm, "
                 "clip_grad_norm_, grad_norm, torch's clip_grad_norm_ on param.grad, GradScaler.unscale_), step(), "
-                "state_dict(), load_state_dict() and checkpoint saves and loads are collectives. A framework that "
+                "state_dict(), load_state_dict(), checkpoint saves and loads, and a forward with grad enabled of an "
+                "attached model with buffers are collectives. A framework that "
                 "saves the optimizer on one rank only (the Hugging Face Trainer) must have every rank call "
                 "opt.prepare_state_dict() first (tritonshard.integrations.hf.ShardedOptimizerCallback does it)")
         return flag

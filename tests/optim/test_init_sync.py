@@ -191,6 +191,37 @@ def test_every_training_forward_starts_from_rank_0s_buffers(world_size, hybrid):
     run_on_ranks(_buffers_every_forward, world_size, hybrid)
 
 
+def _extra_forward_on_one_rank(rank, world_size):
+    """A forward with grad enabled on rank 0 alone (a loss for a log line, without torch.no_grad()) broadcasts
+    there and nowhere else: DDP hangs on it. Here the ranks meet in different calls at the next handshake and
+    raise CollectiveMismatchError on both, saying how to run it; with broadcast_buffers=False the loop runs."""
+    from tritonshard.comm import CollectiveMismatchError
+    for broadcast in (True, False):
+        torch.manual_seed(0)
+        model = _WithBuffers()
+        opt = ShardedAdamW(model.parameters(), lr=LR)
+        opt.attach(model, broadcast_buffers=broadcast)
+
+        def one_step():
+            model(torch.randn(8, 4)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        one_step()
+        if rank == 0:
+            model(torch.randn(8, 4))
+        if broadcast:
+            with pytest.raises(CollectiveMismatchError, match=r"on some ranks only must run under torch.no_grad\(\), "
+                                                             r"or attach with broadcast_buffers=False"):
+                one_step()
+        else:
+            one_step()
+
+
+def test_a_training_forward_on_one_rank_is_an_error_on_every_rank_not_a_hang():
+    run_on_ranks(_extra_forward_on_one_rank, 2)
+
+
 def _unchanged_buffers(rank, world_size):
     """Buffers no rank changed since the last broadcast (a rotary embedding's inv_freq; here BatchNorm in eval
     mode) are not broadcast again: the handshake's flag says whether any rank's changed. One rank's edit is enough.
