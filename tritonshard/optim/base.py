@@ -1574,12 +1574,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         CUDA by torch's dtype checks; not run on a GPU yet) with "expected scalar type BFloat16 but found Float"
         (torch's batch_norm takes parameters and statistics of one dtype, or a low-precision input with float32
         parameters and statistics). A ValueError here instead, naming the module and the two ways out."""
-        ours = {id(p) for group in self.param_groups for p in group["params"]}
         for name, m in model.named_modules():
             if not isinstance(m, torch.nn.modules.batchnorm._NormBase) or m.running_mean is None:
                 continue
-            weight = m.weight if isinstance(m.weight, torch.Tensor) else None
-            if weight is not None and id(weight) in ours and m.running_mean.dtype != weight.dtype:
+            weight = m.weight  # (None without affine)
+            if weight is not None and weight in self._param_names and m.running_mean.dtype != weight.dtype:
                 raise ValueError(
                     f"attach(): {type(m).__name__} {name or '(the model)'!r} has its weight in {weight.dtype} (this "
                     f"optimizer's param_dtype) and its running statistics in {m.running_mean.dtype}; torch's "
