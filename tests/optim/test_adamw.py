@@ -114,6 +114,9 @@ def _params():
 
 @pytest.mark.parametrize("make, exc, match", [
     (lambda: ShardedAdamW([_params()[0]] * 2), ValueError, "passed twice"),
+    # torch.optim's TypeError; list(param) iterated its rows and said "can't optimize a non-leaf Tensor"
+    (lambda: ShardedAdamW(_params()[1]), TypeError, r"should be an iterable of Tensors or dicts, but got a "
+     r"torch\.FloatTensor \(pass \[param\] for one parameter\)"),
     (lambda: ShardedAdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.int64), requires_grad=False)]), TypeError,
      "floating point"),
     # a meta-device parameter has no values: before issue 23 it was accepted and its steps "succeeded" unchanged

@@ -356,6 +356,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
                 or not math.isfinite(bucket_cap_mb)):
             raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}")
+        if isinstance(params, torch.Tensor):  # (list() would iterate its rows, and fail as "non-leaf" tensors)
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                            f"got a {torch.typename(params)} (pass [param] for one parameter)")
         if isinstance(params, (set, frozenset)):  # (torch.optim takes one here and orders it per process)
             raise TypeError(f"params is a set: {_UNORDERED}")
         params = list(params)
