@@ -113,7 +113,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
 from . import graphs as _graphs
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
-from .model_sync import ShardedGrad
+from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin
 from .param_steps import ParamStepsMixin
 from .state_io import StateDictMixin
@@ -519,6 +519,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._buffer_slots: tuple = (None, [])  # (the attached model, its (module, buffer name) pairs)
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
         self._placeholders: dict = {}
+        # param.grad after step() until cleared (model_sync.SpentGrad): each parameter's marker; whether step() left
+        # markers that are not listed yet (the listing, _list_spent, is needed only where the loop did not call
+        # opt.zero_grad()); the parameters listed holding theirs; those whose marker a backward replaced (torch.optim
+        # would hold the sum of that backward's gradient and the spent one)
+        self._spent_grads: dict = {}
+        self._spent_unlisted = False
+        self._spent: dict = {}
+        self._stale: dict = {}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
         self._clamped = False  # clip_grad_value_ clamped this step's reduced gradients (the reduction's sum_sq is stale)
@@ -739,6 +747,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._param_ptrs += [self._param_views[p].data_ptr() for p in added]
         self._param_versions += [p._version for p in added]
         self._placeholders.update({p: ShardedGrad(p, self) for p in added})
+        self._spent_grads.update({p: SpentGrad(p, self) for p in added})
         self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
         self._hooks += [p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)) for p in added]
         self._hooks += [p.register_hook(model_sync.ClearPlaceholderHook(self, p)) for p in added]
@@ -1067,10 +1076,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         gradient on the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the
         second half, after the flatten."""
         placed = b.placed
-        if placed:
-            self._take_back_cleared(b)
+        if self._spent_unlisted or self._spent:
+            self._list_spent()
+        if placed or self._spent:
+            if placed:
+                self._take_back_cleared(b)
+            spent = self._spent  # (their markers stand for no gradient of this backward)
             pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets)
-                       if (g := p.grad) is not None and p not in placed]
+                       if (g := p.grad) is not None and p not in placed and p not in spent]
         else:
             pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets) if (g := p.grad) is not None]
         if not pending:
@@ -1150,9 +1163,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _take_placeholder(self, param: torch.Tensor) -> None:
         """A new gradient for ``param`` is about to be accumulated: remove the placeholder, so autograd stores it
         (the earlier gradients are in the grad buffer, which the next flush accumulates onto)."""
-        if param.grad is self._placeholders.get(param):
+        grad = param.grad
+        if grad is self._placeholders.get(param):
             param.grad = None
             self._bucket_of[param][0].placed.pop(param, None)
+        elif (self._spent_unlisted or self._spent) and grad is self._spent_grads.get(param):
+            param.grad = None  # torch.optim would add this gradient to the spent one: an error if the sum is used
+            self._spent.pop(param, None)
+            self._stale[param] = True
 
     def _take_back_cleared(self, b: _Bucket) -> None:
         """torch semantics for code that cleared or replaced ``param.grad`` after we took the gradient
@@ -1169,6 +1187,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 f"the gradient of {self._param_names[param]} was zeroed, cleared or replaced after it was reduced "
                 "(by clip_grad_norm_, or by overlap_comm=True at the end of backward); change gradients before "
                 "clipping, and with overlap_comm=True before the last backward of the step")
+        if self._stale:
+            self._stale.pop(param, None)  # (the sum torch.optim would hold is cleared or zeroed: nothing stale)
         if b.has_grads:
             self._after_last_step_readers()
             b.grad_buffer.get_views()[i].zero_()
@@ -1176,6 +1196,51 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad[param] = True                       # as for torch.optim
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
+
+    def _list_spent(self) -> None:
+        """``_spent`` = the parameters whose ``param.grad`` still holds the marker step() left there: not cleared or
+        replaced since (``model.zero_grad()``, ``p.grad = None`` or ``= t``). One look per parameter, in the first
+        flush or reduction after a step() that no ``opt.zero_grad()`` followed."""
+        markers = self._spent_grads
+        self._spent = {p: True for p in self._param_list if p.grad is markers[p]}
+        self._spent_unlisted = False
+
+    def _check_no_spent_grads(self) -> None:
+        """Before a reduction (``step()``, a clip, a norm): a RuntimeError where torch.optim would use a gradient
+        that the last step consumed: a marker still in ``param.grad`` (torch.optim would apply it again), or a
+        backward's gradient added to one (torch.optim would use the sum)."""
+        if self._spent_unlisted or self._spent:
+            self._list_spent()
+        if self._spent:
+            p = next(iter(self._spent))
+            raise model_sync.spent_error(
+                self._param_names[p], f"{len(self._spent)} parameters still hold the gradient of the last step() "
+                "at this reduction (step(), a clip or a norm), e.g. param.grad")
+        placeholders = self._placeholders
+        for p in [p for p in self._stale if p.grad is not placeholders[p]]:
+            del self._stale[p]  # cleared, zeroed or replaced after that backward: no sum with the spent gradient
+        if self._stale:
+            p = next(iter(self._stale))
+            raise model_sync.spent_error(
+                self._param_names[p], f"a backward after step() without zero_grad() in between (for "
+                f"{len(self._stale)} parameters), then a reduction")
+
+    def _zero_spent(self, param: torch.Tensor) -> None:
+        """``param.grad.zero_()`` on a :class:`~.model_sync.SpentGrad` (``model.zero_grad(set_to_none=False)``):
+        as in torch.optim, ``param`` has a gradient of zeros from now on, which a backward adds to and a step
+        applies (weight decay, momentum); ``param.grad`` becomes its placeholder again."""
+        self._check_not_retired()
+        b, i = self._bucket_of[param]
+        self._spent.pop(param, None)
+        self._after_last_step_readers()
+        if not b.has_grads:  # the first gradient in this bucket since step(): the others have none yet
+            b.grad_buffer.get_data().zero_()
+            b.no_grad = {p: True for p in b.params if p not in b.placed}
+            b.has_grads = True
+        b.grad_buffer.get_views()[i].zero_()
+        b.no_grad.pop(param, None)
+        param.grad = self._placeholders[param]
+        b.placed[param] = True
 
     def _launch_all(self) -> None:
         """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
@@ -1264,6 +1329,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             return self._reduced
         if self._no_sync_depth:
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
+        if self._spent_unlisted or self._spent or self._stale:
+            self._check_no_spent_grads()
         self.sync_from_model()
         if not torch.compiler.is_compiling():  # (a compiled step takes the gradients its backward flushed)
             self._flush_buckets(self.buckets)  # gradients set by hand, without a backward
@@ -1398,7 +1465,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             order = t.tolist()
         self._launch_order = order
 
-    def _reset_step_state(self) -> None:
+    def _reset_step_state(self, spent: bool = False) -> None:
+        """Forget this step's gradients: ``param.grad`` None (``zero_grad()``), or with ``spent=True`` (``step()``)
+        each placeholder replaced by the parameter's :class:`~.model_sync.SpentGrad` marker."""
         compiling = torch.compiler.is_compiling()
         for b in self.buckets:
             if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
@@ -1407,10 +1476,19 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._scratch_user = [None, None]
         for b in self.buckets:
             b.ready.clear()
-            if not compiling:  # step() and zero_grad() consume the gradients: param.grad is None after them
-                for p in b.placed:
-                    if p.grad is self._placeholders[p]:
-                        p.grad = None
+            if not compiling:  # step() and zero_grad() consume the gradients (see SpentGrad for step()'s markers)
+                placeholders = self._placeholders
+                if spent:
+                    markers = self._spent_grads
+                    if b.placed:
+                        self._spent_unlisted = True
+                    for p in b.placed:
+                        if p.grad is placeholders[p]:
+                            p.grad = markers[p]
+                else:
+                    for p in b.placed:
+                        if p.grad is placeholders[p]:
+                            p.grad = None
                 b.placed.clear()
             if b.no_grad:
                 b.no_grad = {}
@@ -1749,7 +1827,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._overflows_at_min_host.copy_(self._overflows_at_min, non_blocking=True)
             self._overflows_at_min_event = torch.cuda.Event()
             self._overflows_at_min_event.record(torch.cuda.current_stream(self.device))
-        self._reset_step_state()  # the next flatten overwrites: no zero-fill pass
+        self._reset_step_state(spent=True)  # the next flatten overwrites: no zero-fill pass
         if not self._state_exposed and not torch.compiler.is_compiling():
             self._expose_state()
         return loss
@@ -2045,11 +2123,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._reset_step_state()  # placeholders first: they hold no storage to zero
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is not None:
-                    if set_to_none:
+                grad = p.grad
+                if grad is not None:
+                    if set_to_none or type(grad) is SpentGrad:  # (the buffers are zero-filled below)
                         p.grad = None
                     else:
-                        p.grad.zero_()
+                        grad.zero_()
+        self._spent_unlisted, self._spent, self._stale = False, {}, {}
         if not set_to_none:  # every parameter has a gradient now, of zeros (torch's: step() updates with them)
             self._after_last_step_readers()
             for b in self.buckets:

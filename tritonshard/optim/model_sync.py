@@ -10,6 +10,8 @@ keeps every torch idiom either correct or loud (never silently wrong):
   is folded into the next update. ``zero_()`` discards the parameter's gradient. Any other use raises an error
   that says where the gradient is; so does any access from below Python (``DistributedDataParallel``'s reducer,
   autograd accumulating into it), instead of reading or writing garbage.
+* :class:`SpentGrad` is what ``param.grad`` holds after ``step()`` until the loop clears it: where torch.optim
+  would use that gradient again (a second step, a backward adding to it, a norm), an error instead.
 * The hooks tritonshard puts on the user's parameters and modules are small objects holding the optimizer
   weakly: the model does not keep the optimizer alive, and a pickled or deep-copied model carries inert hooks.
 * :func:`guard_model` (used by ``ShardedOptimizer.attach``) makes the model's own read and write paths
@@ -26,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ShardedGrad", "guard_model", "iter_tensors"]
+__all__ = ["ShardedGrad", "SpentGrad", "guard_model", "iter_tensors"]
 
 
 class _OptimizerRef:
@@ -264,6 +266,73 @@ class ShardedGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         placeholder = next((a for a in _flat(args, kwargs or {}) if isinstance(a, ShardedGrad)), None)
         raise _unsupported(placeholder, f"{func} (called from C++)", below_python=True)
+
+
+_CONVERSIONS = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.float, torch.Tensor.half,
+                torch.Tensor.bfloat16, torch.Tensor.double, torch.Tensor.type}
+
+
+class SpentGrad(ShardedGrad):
+    """``param.grad`` after ``step()`` until the gradients are cleared: the gradient the step used, which is gone.
+
+    torch.optim leaves ``param.grad`` in place after ``step()``, so a loop without ``zero_grad()`` between two steps
+    applies that gradient again, or adds the next backward's to it. tritonshard's step consumes the reduced
+    gradient (each rank keeps only its shard of it, and the update may scale it in place), so instead of silently
+    training on something else this marker stands where torch's gradient would: clearing it (``opt.zero_grad()``,
+    ``model.zero_grad()``, ``p.grad = None``) or zeroing it (``zero_grad(set_to_none=False)``) works as in torch;
+    a backward onto it is noted and is an error only if the sum would be used (at the next reduction); a step or a
+    clip that would use it again, or reading it, is an error saying so. It goes along with the model's own
+    conversions (``model.to()``, ``.cpu()``, ``copy.deepcopy``: a copy has no gradient)."""
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"SpentGrad(param={self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attr in _METADATA:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+        elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data" \
+                and len(args) > 1 and args[1] is args[0]:
+            return None  # Module._apply's `param.grad.data = fn(param.grad)`, fn having returned the marker
+        elif name in _METADATA_METHODS:
+            if name in ("requires_grad_", "detach_"):
+                return args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        elif func in _CONVERSIONS:
+            return args[0]  # Module._apply (model.to(), .cpu(), .float()...) carries the marker along
+        elif func is torch._has_compatible_shallow_copy_type:  # (Module._apply asks, then sets .data)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        elif func is torch.Tensor.__deepcopy__:
+            return None  # a deep copy of the model has no gradient (its hooks are inert too)
+        elif func is torch.Tensor.zero_:
+            opt, param = args[0]._owner()
+            opt._zero_spent(param)
+            return args[0]
+        marker = next((a for a in _flat(args, kwargs) if isinstance(a, SpentGrad)), args[0] if args else None)
+        raise spent_error(marker._name if isinstance(marker, ShardedGrad) else "a parameter",
+                          f"{name or func}() on param.grad")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        marker = next((a for a in _flat(args, kwargs or {}) if isinstance(a, SpentGrad)), None)
+        raise spent_error(marker._name if marker is not None else "a parameter", f"{func} (called from C++)")
+
+
+def spent_error(name: str, what: str) -> RuntimeError:
+    """The error for a use of a gradient that a step() consumed (see :class:`SpentGrad`)."""
+    return RuntimeError(
+        f"tritonshard: {what}: the gradient of {name} was used by the last step() and is gone, and nothing "
+        "cleared param.grad since. torch.optim keeps param.grad after step(), so there it would be used again "
+        "(a second step() applies it again, a backward adds to it, a clip or a norm reads it); tritonshard's "
+        "step() consumes it (each rank keeps only its shard of the reduced gradient). Call opt.zero_grad() (or "
+        "model.zero_grad()) after step() and before the next backward, and read gradients before step().")
 
 
 def _flat(args, kwargs):
