@@ -183,3 +183,76 @@ def _one_rank_without_backward(rank, world_size):
 
 def test_a_rank_without_gradients_does_not_desynchronize_the_collectives():
     run_on_ranks(_one_rank_without_backward, 2)
+
+
+# ---------------------------------------------------------------------------------------------- a GAN's loop
+def _gan_weights(overlap: bool, clear: str, steps: int = 3, seed: int = 0) -> list:
+    """PyTorch's DCGAN tutorial loop (sharded): the generator's backward runs through the discriminator, giving it
+    gradients after its step, which the next iteration's ``netD.zero_grad()`` clears. With ``overlap_comm`` that
+    backward's end launches the discriminator's reduce-scatters; torch.optim (and DDP) simply drop that gradient.
+    ``clear``: "model" (the tutorial's ``netD.zero_grad()``), or "opt" (``optD.zero_grad()``)."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 7))
+    net_d = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 1))
+    opt_g = ShardedAdamW(net_g.parameters(), lr=1e-2, bucket_cap_mb=1e-9, overlap_comm=overlap)
+    opt_d = ShardedAdamW(net_d.parameters(), lr=1e-2, bucket_cap_mb=1e-9, overlap_comm=overlap)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        real, noise = torch.randn(5, 7, generator=gen).bfloat16(), torch.randn(5, 4, generator=gen).bfloat16()
+        net_d.zero_grad() if clear == "model" else opt_d.zero_grad()
+        fake = net_g(noise)
+        (net_d(real).float().mean() - net_d(fake.detach()).float().mean()).backward()
+        opt_d.step()
+        net_g.zero_grad() if clear == "model" else opt_g.zero_grad()
+        (-net_d(fake).float().mean()).backward()  # through net_d: its gradients, launched with overlap_comm
+        opt_g.step()
+    return [p.detach().clone() for p in (*net_g.parameters(), *net_d.parameters())]
+
+
+def _gan_on_ranks(rank, world_size):
+    expected = _gan_weights(False, "opt", seed=rank)
+    for got in (_gan_weights(True, "model", seed=rank), _gan_weights(True, "opt", seed=rank)):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+
+
+def test_a_gan_loop_that_clears_the_discriminator_with_model_zero_grad_trains_as_without_overlap():
+    # Before: "the gradient of ... was zeroed, cleared or replaced after it was reduced" from netD.zero_grad()'s
+    # next backward, with overlap_comm only
+    for a, b in zip(_gan_weights(True, "model"), _gan_weights(False, "opt")):
+        assert torch.equal(a, b)
+    run_on_ranks(_gan_on_ranks, 2)
+
+
+def test_gradients_cleared_after_their_reduce_scatters_launched_are_dropped_whole_or_an_error_in_part():
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    loss_fn(model, x).backward()  # launched
+    model.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # torch.optim: no gradient anywhere, nothing moves
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    assert all(float(opt.state[p].get("step", 0)) == 0 for p in model.parameters())
+    opt.zero_grad()
+    loss_fn(model, x).backward()  # launched
+    model.fc1.weight.grad = None  # one only: its part of the launched reduction cannot be taken back
+    with pytest.raises(RuntimeError, match="zeroed, cleared or replaced after it was reduced"):
+        opt.step()
+    opt.zero_grad()
+    loss_fn(model, x).backward()
+    opt.step()
+    assert not torch.equal(before[0], model.fc1.weight.detach())
+
+
+@pytest.mark.parametrize("cap", [25.0, 1e-9], ids=["one bucket", "a bucket per parameter"])
+def test_a_second_backward_after_the_launch_is_an_error_also_when_it_reached_every_bucket_first(cap):
+    # the gradients a backward adds onto launched reduce-scatters are not "cleared" ones: with one bucket, every
+    # placeholder is taken by the second backward before the bucket's flush, which must still refuse, not forget
+    # the first backward's gradients
+    model = make_model(0)
+    opt = ShardedAdamW(model.parameters(), lr=LR, bucket_cap_mb=cap, overlap_comm=True)
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    loss_fn(model, x).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        loss_fn(model, x).backward()

@@ -498,6 +498,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         #: ... straight through the ProcessGroup's methods (comm.reduce_scatter_async: not even torch's wrapper)
         self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
         self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
+        # overlap_comm: a backward's end launched reduce-scatters, and no flush came since (_forget_discarded_launches);
+        # a later backward took a placeholder of a launched bucket to accumulate onto it (an error at the flush)
+        self._launched_by_backward = False
+        self._taken_after_launch = False
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -998,10 +1002,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             # every bucket is reduced after the last micro-batch, including one that got no gradient at all, so
             # every rank issues the same collectives in the same order
             self._launch_all()
+        if self._reduce_entered and self._reduced is None:
+            self._launched_by_backward = True
 
     def _flush_bucket(self, b: _Bucket) -> None:
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
         overwrites (parameters without a gradient get zeros), later ones accumulate."""
+        if self._launched_by_backward:
+            self._forget_discarded_launches()
         pending = self._take_pending(b)
         if pending is not None:
             self._flatten_one(b, pending)
@@ -1030,6 +1038,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         gets the same arithmetic as in a per-bucket launch, so the buffers hold the same bits."""
         if not buckets:
             return
+        if self._launched_by_backward:
+            self._forget_discarded_launches()
         if not self._flatten_together():
             for b in buckets:
                 self._flush_bucket(b)
@@ -1166,7 +1176,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         grad = param.grad
         if grad is self._placeholders.get(param):
             param.grad = None
-            self._bucket_of[param][0].placed.pop(param, None)
+            b = self._bucket_of[param][0]
+            b.placed.pop(param, None)
+            if b.rs_launched:  # accumulating onto a launched reduction: an error at the flush (_take_pending)
+                self._taken_after_launch = True
         elif (self._spent_unlisted or self._spent) and grad is self._spent_grads.get(param):
             param.grad = None  # torch.optim would add this gradient to the spent one: an error if the sum is used
             self._spent.pop(param, None)
@@ -1196,6 +1209,22 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad[param] = True                       # as for torch.optim
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
+
+    def _forget_discarded_launches(self) -> None:
+        """The first flush after a backward whose end launched reduce-scatters (``overlap_comm``), before anything
+        used them: if the loop cleared every gradient since (``model.zero_grad()``, ``p.grad = None``; the
+        discriminator's ``netD.zero_grad()`` in a GAN loop, whose generator's backward ran through it), the launched
+        reductions hold nothing torch.optim would use, and they are finished and forgotten as ``opt.zero_grad()``
+        forgets them. Otherwise nothing changes: gradients cleared in part, or one accumulated onto a launched
+        bucket, stay the flush's errors (a reduction cannot take a gradient back)."""
+        self._launched_by_backward = False
+        if self._taken_after_launch or self._reduced is not None:
+            return
+        placeholders = self._placeholders
+        if any(p.grad is placeholders[p] for b in self.buckets for p in b.placed):
+            return
+        self._reset_step_state()
+        self._stale = {}  # (their sums were cleared with the rest)
 
     def _list_spent(self) -> None:
         """``_spent`` = the parameters whose ``param.grad`` still holds the marker step() left there: not cleared or
@@ -1494,6 +1523,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad = {}
         self._next_launch = 0
         self._reduce_entered = self._lr_filled = False
+        self._launched_by_backward = self._taken_after_launch = False
         self._reduced, self._clip_coef = None, None
         self._clamped = False
         self._step_cache.clear()
