@@ -256,3 +256,6 @@ def test_a_second_backward_after_the_launch_is_an_error_also_when_it_reached_eve
     loss_fn(model, x).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         loss_fn(model, x).backward()
+    opt.zero_grad()  # recovers
+    loss_fn(model, x).backward()
+    opt.step()
