@@ -1086,7 +1086,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         gradient on the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the
         second half, after the flatten."""
         placed = b.placed
-        if self._spent_unlisted or self._spent:
+        if self._spent_unlisted:  # (a reduction lists them again first: _check_no_spent_grads)
             self._list_spent()
         if placed or self._spent:
             if placed:
@@ -1243,16 +1243,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if self._spent:
             p = next(iter(self._spent))
             raise model_sync.spent_error(
-                self._param_names[p], f"{len(self._spent)} parameters still hold the gradient of the last step() "
-                "at this reduction (step(), a clip or a norm), e.g. param.grad")
+                self._param_names[p], f"step(), a clip or a norm while the param.grad of {len(self._spent)} "
+                "parameters still holds the last step()'s gradient")
         placeholders = self._placeholders
         for p in [p for p in self._stale if p.grad is not placeholders[p]]:
             del self._stale[p]  # cleared, zeroed or replaced after that backward: no sum with the spent gradient
         if self._stale:
             p = next(iter(self._stale))
             raise model_sync.spent_error(
-                self._param_names[p], f"a backward after step() without zero_grad() in between (for "
-                f"{len(self._stale)} parameters), then a reduction")
+                self._param_names[p], f"step(), a clip or a norm after a backward that added to the last step()'s "
+                f"gradients ({len(self._stale)} parameters; no zero_grad() in between)")
 
     def _zero_spent(self, param: torch.Tensor) -> None:
         """``param.grad.zero_()`` on a :class:`~.model_sync.SpentGrad` (``model.zero_grad(set_to_none=False)``):

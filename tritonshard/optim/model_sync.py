@@ -296,6 +296,7 @@ class SpentGrad(ShardedGrad):
             if attr in _METADATA:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
+            raise spent_error(args[0]._name, f"reading .{attr} of param.grad")
         elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data" \
                 and len(args) > 1 and args[1] is args[0]:
             return None  # Module._apply's `param.grad.data = fn(param.grad)`, fn having returned the marker
