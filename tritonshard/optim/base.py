@@ -502,6 +502,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # a later backward took a placeholder of a launched bucket to accumulate onto it (an error at the flush)
         self._launched_by_backward = False
         self._taken_after_launch = False
+        # the placeholders in param.grad stand for zeros only (zero_grad(set_to_none=False), no backward since):
+        # not the middle of a step (_mid_step)
+        self._zeros_only = False
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -594,8 +597,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _mid_step(self) -> bool:
         """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
         placed, a reduce-scatter launched) or reduced already. (zero_grad(set_to_none=False) leaves zero-filled
-        buffers, which are not in the way.)"""
-        return self._reduced is not None or any(b.rs_launched or b.placed for b in self.buckets)
+        buffers and placeholders standing for them, which are not in the way.)"""
+        return self._reduced is not None or any(b.rs_launched or (b.placed and not self._zeros_only)
+                                                for b in self.buckets)
 
     def _check_not_retired(self) -> None:
         if self._retired_by is not None:
@@ -967,6 +971,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._flush_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _forget_dead_backward(self) -> None:
+        """Outside any backward, a queued end-of-backward that never ran belonged to a backward that raised (an
+        error in a hook, an out-of-memory the loop caught): autograd drops its callbacks. Forget it, or no later
+        backward would queue its own (no flush and, with ``overlap_comm``, no launch at its end; stale ``ready``
+        sets flushing a bucket before its gradients are in)."""
+        if torch._C._current_graph_task_id() == -1:
+            self._flush_queued = self._grads_this_backward = False
+            for b in self.buckets:
+                b.ready.clear()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._queue_end_of_backward()
         self._grads_this_backward = True
@@ -1162,6 +1176,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
                     p.grad = None
         b.has_grads = True
+        self._zeros_only = False
 
     def _after_last_step_readers(self) -> None:
         """Streams, rule 3: before the first write into a grad buffer after ``step()``, the current stream waits for
@@ -1269,6 +1284,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         b.grad_buffer.get_views()[i].zero_()
         b.no_grad.pop(param, None)
         param.grad = self._placeholders[param]
+        if not any(b.placed for b in self.buckets):
+            self._zeros_only = True
         b.placed[param] = True
 
     def _launch_all(self) -> None:
@@ -1498,6 +1515,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """Forget this step's gradients: ``param.grad`` None (``zero_grad()``), or with ``spent=True`` (``step()``)
         each placeholder replaced by the parameter's :class:`~.model_sync.SpentGrad` marker."""
         compiling = torch.compiler.is_compiling()
+        if self._flush_queued and not compiling:
+            self._forget_dead_backward()
         for b in self.buckets:
             if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
                 b.rs_work.wait()
@@ -1523,7 +1542,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad = {}
         self._next_launch = 0
         self._reduce_entered = self._lr_filled = False
-        self._launched_by_backward = self._taken_after_launch = False
+        self._launched_by_backward = self._taken_after_launch = self._zeros_only = False
         self._reduced, self._clip_coef = None, None
         self._clamped = False
         self._step_cache.clear()
@@ -1669,6 +1688,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
         gradients a second time: turn its reduction off before its post-forward prepares one (its no_sync()
         restores the value it found, False). Then, in a training forward, rank 0's buffers (``broadcast_buffers``)."""
+        if self._flush_queued and not torch.compiler.is_compiling():
+            self._forget_dead_backward()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:
             if ddp.require_backward_grad_sync:
@@ -2148,8 +2169,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients, of every parameter in the param groups (as torch.optim does; frozen
         ones included). ``set_to_none=True`` costs nothing for ours (the next backward overwrites the buffers);
-        ``False`` also zero-fills the grad buffers and zeroes any other ``param.grad``."""
+        ``False`` zeroes the gradients that exist, as torch.optim does: the grad buffers are zero-filled, the
+        parameters that had one (in the buffers, or spent by the last step, see SpentGrad) get their placeholder
+        back, standing for zeros that the next backward adds to and step() applies, and any other ``param.grad`` is
+        zeroed; a parameter whose ``param.grad`` was None keeps None (step() skips it)."""
         self._check_not_retired()
+        if not set_to_none:  # (before the reset takes the placeholders away)
+            had = {p: True for b in self.buckets for p in b.params if isinstance(p.grad, ShardedGrad)}
         self._reset_step_state()  # placeholders first: they hold no storage to zero
         for g in self.param_groups:
             for p in g["params"]:
@@ -2160,11 +2186,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     else:
                         grad.zero_()
         self._spent_unlisted, self._spent, self._stale = False, {}, {}
-        if not set_to_none:  # every parameter has a gradient now, of zeros (torch's: step() updates with them)
+        if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
             self._after_last_step_readers()
+            placeholders = self._placeholders
             for b in self.buckets:
                 b.grad_buffer.zero_()
                 b.has_grads = True  # (the next flush accumulates onto them)
+                b.no_grad = {p: True for p in b.params if p not in had and p.grad is None}
+                for p in b.params:
+                    if p in had:
+                        p.grad = placeholders[p]
+                        b.placed[p] = True
+            self._zeros_only = True
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:

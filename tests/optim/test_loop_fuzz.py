@@ -1,0 +1,198 @@
+"""Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
+(the optimizer's and the model's, to None or to zeros), step, lr changes and freezing a parameter, as real loops
+mix them; with the default options, and with overlap_comm and a bucket per parameter.
+
+The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
+bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
+clip_grad_norm_ where the loop clips), whose rounding is the bf16 weight (tests/optim/training.py's reference, one
+rank). Where torch.optim would use a gradient a step already applied (no zero_grad() between), ShardedAdamW must
+raise instead (tests/optim/test_spent_grads.py), and with overlap_comm a backward after the one whose end launched
+the reduce-scatters must raise (README: run the others inside no_sync()); the loop goes on after clearing both.
+Every other call must succeed and leave the same weights, masters and step counts.
+
+Tolerances: the masters to 2e-6 absolute (values ~0.3: a few fp32 ulps per step of fp32 op order, torch's CPU
+kernels contract some multiply-adds and the interpreter does not; a wrong step moves a master by ~lr = 1e-2), the
+bf16 weights to one bf16 ulp of the value (a master within that tolerance of a rounding boundary may round the
+other way), the returned norms to 1e-5 relative (fp32 sums in another order)."""
+
+import contextlib
+import copy
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from tritonshard import ShardedAdamW
+
+HEADS = ("a", "b", "c")
+LRS = (1e-2, 3e-3, 2e-2)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(7, 13)
+        self.heads = torch.nn.ModuleDict({h: torch.nn.Linear(13, 3) for h in HEADS})
+
+    def loss(self, x, heads):
+        h = torch.tanh(self.trunk(x.to(self.trunk.weight.dtype)))
+        return sum(self.heads[k](h).float().pow(2).mean() for k in heads)
+
+
+def _groups(model):
+    decay = [model.trunk.weight] + [model.heads[h].weight for h in HEADS]
+    return [dict(params=decay, weight_decay=0.1), dict(params=[model.trunk.bias] + [model.heads[h].bias for h in HEADS],
+                                                        weight_decay=0.0)]
+
+
+class TrainingLoop(RuleBasedStateMachine):
+    OPTIONS: dict = {}
+
+    def __init__(self):
+        super().__init__()
+        fp32 = _Net()
+        self.model = copy.deepcopy(fp32)
+        self.opt = ShardedAdamW(_groups(self.model), lr=LRS[0], **self.OPTIONS)
+        self.overlap = self.OPTIONS.get("overlap_comm", False)
+        self.launched = False      # overlap_comm: a backward outside no_sync() launched this step's reduce-scatters
+        self.ref = copy.deepcopy(fp32).to(torch.bfloat16)
+        self.master_model = fp32
+        self.ropt = torch.optim.AdamW(_groups(fp32), lr=LRS[0], foreach=False)
+        names = [n for n, _ in fp32.named_parameters()]
+        self.ours = dict(self.model.named_parameters())
+        self.refs = dict(self.ref.named_parameters())
+        self.masters = dict(fp32.named_parameters())
+        self.names = names
+        self.spent: set = set()    # names whose torch gradient a step already applied, not cleared since
+        self.clipped = None        # the reference's clipped fp32 gradients of this step, once clipped
+        self.batch = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _reuses_spent(self) -> bool:
+        return any(self.refs[n].grad is not None for n in self.spent)
+
+    def _recover(self):
+        """After an expected error: both loops clear their gradients and go on."""
+        self.opt.zero_grad()
+        self.ref.zero_grad()
+        self.spent, self.clipped, self.launched = set(), None, False
+
+    def _master_grads(self) -> dict:
+        if self.clipped is not None:
+            return self.clipped
+        return {n: (None if self.refs[n].grad is None else self.refs[n].grad.float()) for n in self.names}
+
+    # ------------------------------------------------------------------ rules
+    @precondition(lambda self: self.clipped is None)
+    @rule(heads=st.sets(st.sampled_from(HEADS), min_size=1), sync=st.booleans())
+    def backward(self, heads, sync):
+        x = torch.randn(5, 7, generator=torch.Generator().manual_seed(self.batch))
+        self.batch += 1
+        heads = sorted(heads)
+        with contextlib.nullcontext() if sync else self.opt.no_sync():
+            if self.launched:
+                try:
+                    self.model.loss(x, heads).backward()
+                except RuntimeError as e:
+                    assert "no_sync" in str(e), e
+                    self._recover()
+                    return
+                raise AssertionError("a backward onto launched reduce-scatters did not raise")
+            self.model.loss(x, heads).backward()
+        self.ref.loss(x, heads).backward()
+        self.launched = self.overlap and sync
+
+    @precondition(lambda self: self.clipped is None)
+    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), how=st.sampled_from(["opt", "torch"]))
+    def clip(self, max_norm, how):
+        if self._reuses_spent():
+            try:
+                self._clip(max_norm, how)
+            except RuntimeError as e:
+                assert "was used by the last step() and is gone" in str(e), e
+                self._recover()
+                return
+            raise AssertionError("clipping a spent gradient did not raise")
+        norm = self._clip(max_norm, how)
+        grads = self._master_grads()
+        with_grad = [n for n in self.names if grads[n] is not None]
+        for n in self.names:
+            self.masters[n].grad = grads[n]
+        ref_norm = torch.nn.utils.clip_grad_norm_([self.masters[n] for n in with_grad], max_norm, foreach=False)
+        self.clipped = {n: (None if self.masters[n].grad is None else self.masters[n].grad.clone()) for n in self.names}
+        torch.testing.assert_close(norm.float(), ref_norm.float(), rtol=1e-5, atol=1e-7)
+
+    def _clip(self, max_norm, how):
+        if how == "opt":
+            return self.opt.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    @rule()
+    def step(self):
+        if self._reuses_spent():
+            try:
+                self.opt.step()
+            except RuntimeError as e:
+                assert "was used by the last step() and is gone" in str(e), e
+                self._recover()
+                return
+            raise AssertionError("a step that torch.optim would take with spent gradients did not raise")
+        self.opt.step()
+        grads = self._master_grads()
+        for n in self.names:
+            self.masters[n].grad = grads[n]
+        self.ropt.step()
+        with torch.no_grad():
+            for n in self.names:
+                self.refs[n].copy_(self.masters[n])
+        self.spent = {n for n in self.names if grads[n] is not None}
+        self.clipped, self.launched = None, False
+        self._compare()
+
+    @rule(via=st.sampled_from(["opt", "model"]), set_to_none=st.booleans())
+    def zero_grad(self, via, set_to_none):
+        if via == "model" and (self.clipped is not None or (self.launched and not set_to_none)):
+            return  # zeroing or clearing reduced gradients in part is an error (README; test_overlap.py)
+        (self.opt if via == "opt" else self.model).zero_grad(set_to_none=set_to_none)
+        self.ref.zero_grad(set_to_none=set_to_none)
+        self.spent, self.clipped, self.launched = set(), None, False
+
+    @rule(lr=st.sampled_from(LRS))
+    def set_lr(self, lr):
+        for g in (*self.opt.param_groups, *self.ropt.param_groups):
+            g["lr"] = lr
+
+    @precondition(lambda self: self.clipped is None and all(p.grad is None for p in self.refs.values()))
+    @rule(head=st.sampled_from(HEADS), trainable=st.booleans())
+    def freeze(self, head, trainable):
+        for tree in (self.model, self.ref):
+            tree.heads[head].requires_grad_(trainable)
+
+    # ------------------------------------------------------------------ the comparison
+    def _compare(self):
+        state = self.opt.state_dict()["state"]
+        order = [p for g in self.opt.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        for n in self.names:
+            ours, ref = self.ours[n].detach(), self.refs[n].detach()
+            ulp = ref.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+            assert ((ours.float() - ref.float()).abs() <= ulp).all(), f"{n}: weights differ from torch.optim's"
+            entry = state.get(index[id(self.ours[n])], {})
+            rstate = self.ropt.state.get(self.masters[n], {})
+            assert float(entry.get("step", 0)) == float(rstate.get("step", 0)), f"{n}: step count"
+            if "master" in entry:
+                torch.testing.assert_close(entry["master"].reshape(ref.shape), self.masters[n].detach(),
+                                           rtol=0, atol=2e-6, msg=f"{n}: master")
+
+
+class OverlappedTrainingLoop(TrainingLoop):
+    OPTIONS = dict(overlap_comm=True, bucket_cap_mb=1e-9)  # a bucket per parameter
+
+
+for machine in (TrainingLoop, OverlappedTrainingLoop):
+    machine.TestCase.settings = settings(max_examples=40, stateful_step_count=14, deadline=None, derandomize=True,
+                                         suppress_health_check=[HealthCheck.too_slow])
+test_training_loops_match_torch_optim = TrainingLoop.TestCase
+test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCase
