@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from tritonshard import ShardedAdamW
 
 HEADS = ("a", "b", "c")
+_NAMES = ["trunk.weight", "trunk.bias"] + [f"heads.{h}.{k}" for h in HEADS for k in ("weight", "bias")]
 LRS = (1e-2, 3e-3, 2e-2)
 
 
@@ -67,6 +68,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.names = names
         self.spent: set = set()    # names whose torch gradient a step already applied, not cleared since
         self.clipped = None        # the reference's clipped fp32 gradients of this step, once clipped
+        self.by_hand = False       # a gradient set by hand is still a plain bf16 tensor (until a flush: see clip)
         self.batch = 0
 
     # ------------------------------------------------------------------ helpers
@@ -77,7 +79,7 @@ class TrainingLoop(RuleBasedStateMachine):
         """After an expected error: both loops clear their gradients and go on."""
         self.opt.zero_grad()
         self.ref.zero_grad()
-        self.spent, self.clipped, self.launched = set(), None, False
+        self.spent, self.clipped, self.launched, self.by_hand = set(), None, False, False
 
     def _master_grads(self) -> dict:
         if self.clipped is not None:
@@ -102,11 +104,15 @@ class TrainingLoop(RuleBasedStateMachine):
                 raise AssertionError("a backward onto launched reduce-scatters did not raise")
             self.model.loss(x, heads).backward()
         self.ref.loss(x, heads).backward()
-        self.launched = self.overlap and sync
+        self.launched, self.by_hand = self.overlap and sync, False
 
     @precondition(lambda self: self.clipped is None)
     @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), how=st.sampled_from(["opt", "torch"]))
     def clip(self, max_norm, how):
+        if how == "torch" and self.by_hand:
+            # torch's clip on a plain bf16 gradient computes its norm and multiplies in bf16, as it would for any
+            # bf16 model: not the fp32 arithmetic of the reference (nor of the placeholders, which give fp32 norms)
+            how = "opt"
         if self._reuses_spent():
             try:
                 self._clip(max_norm, how)
@@ -148,7 +154,7 @@ class TrainingLoop(RuleBasedStateMachine):
             for n in self.names:
                 self.refs[n].copy_(self.masters[n])
         self.spent = {n for n in self.names if grads[n] is not None}
-        self.clipped, self.launched = None, False
+        self.clipped, self.launched, self.by_hand = None, False, False
         self._compare()
 
     @rule(via=st.sampled_from(["opt", "model"]), set_to_none=st.booleans())
@@ -158,6 +164,38 @@ class TrainingLoop(RuleBasedStateMachine):
         (self.opt if via == "opt" else self.model).zero_grad(set_to_none=set_to_none)
         self.ref.zero_grad(set_to_none=set_to_none)
         self.spent, self.clipped, self.launched = set(), None, False
+        self.by_hand = self.by_hand and not set_to_none
+
+    @precondition(lambda self: self.clipped is None and not self.launched)  # (else an error: README)
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), seed=st.integers(0, 2 ** 16))
+    def set_grads(self, names, seed):
+        """``p.grad = t`` by hand (a custom gradient, a gradient from torch.autograd.grad)."""
+        gen = torch.Generator().manual_seed(seed)
+        for n in sorted(names):
+            g = torch.randn(self.refs[n].shape, generator=gen).to(torch.bfloat16)
+            self.ours[n].grad, self.refs[n].grad = g.clone(), g.clone()
+            self.spent.discard(n)
+        self.by_hand = True
+
+    @precondition(lambda self: self.clipped is None and not self.launched)
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1))
+    def clear_some(self, names):
+        """``p.grad = None`` for some parameters (a gradient dropped before step())."""
+        for n in sorted(names):
+            self.ours[n].grad = self.refs[n].grad = None
+            self.spent.discard(n)
+
+    @precondition(lambda self: self.clipped is None and not self.launched
+                  and all(p.grad is None and p.requires_grad for p in self.refs.values()))
+    @rule()
+    def resume(self):
+        """A resume in the middle of the run: a new optimizer over the model, loaded from the old one's state_dict
+        (torch.optim's is unchanged by the same round trip). (With a parameter frozen at the time, the load is a
+        ValueError naming it: noted in the README.)"""
+        state = self.opt.state_dict()
+        self.opt = ShardedAdamW(_groups(self.model), lr=LRS[0], **self.OPTIONS)
+        self.opt.load_state_dict(state)
+        self.ropt.load_state_dict(self.ropt.state_dict())
 
     @rule(lr=st.sampled_from(LRS))
     def set_lr(self, lr):

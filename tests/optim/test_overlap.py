@@ -295,3 +295,18 @@ def test_a_backward_that_raised_leaves_the_next_ones_as_they_were(overlap):
     failed, skipped = _train_skipping_a_failed_backward(overlap, True), _train_skipping_a_failed_backward(overlap, False)
     for a, b in zip(failed, skipped):
         assert torch.equal(a, b)
+
+
+def test_a_new_optimizer_after_launched_gradients_were_cleared_takes_the_parameters_over():
+    # torch: gradients cleared after a backward leave nothing between the optimizers. Here that backward launched
+    # the reduce-scatters (overlap_comm); before, the new optimizer refused, "between a backward and its step()"
+    model = make_model(0)
+    old = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    loss_fn(model, x).backward()
+    model.zero_grad()
+    new = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    with pytest.raises(RuntimeError, match="no longer trains its parameters"):
+        old.step()
+    loss_fn(model, x).backward()
+    new.step()

@@ -137,3 +137,47 @@ def _on_ranks(rank, world_size, hybrid):
 @pytest.mark.parametrize("world_size,hybrid", [(2, False), (4, True)], ids=["2 ranks", "2x2 hybrid"])
 def test_a_head_without_a_gradient_on_every_rank_is_left_unchanged_one_with_some_trains(world_size, hybrid):
     run_on_ranks(_on_ranks, world_size, hybrid)
+
+
+def test_zero_grad_without_set_to_none_gives_no_gradient_to_a_parameter_that_had_none():
+    # torch zeroes the gradients that exist and leaves None alone: an optimizer that never saw a backward changes
+    # nothing at step(), and a gradient set by hand, zeroed, then cleared is no gradient. Before, every parameter
+    # got a zero gradient: weight decay moved the weights torch.optim skips
+    model = _Heads()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    before = _state(opt, model)
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+    _assert_changed_only(before, _state(opt, model), set(), "zero_grad(set_to_none=False) before any backward")
+    opt.zero_grad()
+    model.heads["a"].weight.grad = torch.ones_like(model.heads["a"].weight)
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(model.heads["a"].weight.grad, torch.zeros_like(model.heads["a"].weight))  # zeroed, there
+    model.zero_grad()
+    opt.step()
+    _assert_changed_only(before, _state(opt, model), set(), "a zeroed gradient cleared before step()")
+    assert all(float(e.get("step", 0)) == 0 for e in opt.state_dict()["state"].values())
+
+
+def test_a_parameter_frozen_after_its_backward_is_updated_with_that_gradient_as_by_torch_optim():
+    # torch.optim skips a parameter whose grad is None, not one with requires_grad=False: frozen between its
+    # backward and step(), head a still steps with its gradient (as unfrozen), and from the next backward on it has
+    # none and is left alone. Before, it was skipped at once
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for freeze in (True, False):
+        model = _Heads()
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model.loss(x, HEADS).backward()
+        if freeze:
+            model.heads["a"].requires_grad_(False)
+        opt.step()
+        opt.zero_grad()
+        runs.append(_state(opt, model))
+    for key in runs[0]:
+        assert_bitwise_equal(runs[0][key], runs[1][key], f"{key}: frozen after the backward")
+    before = _state(opt, model)  # (the unfrozen run's optimizer: freeze now, as the first run did)
+    model.heads["a"].requires_grad_(False)
+    model.loss(x, HEADS).backward()
+    opt.step()
+    _assert_changed_only(before, _state(opt, model), {"b", "c"}, "head a frozen, without a gradient")

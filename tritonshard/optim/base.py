@@ -598,8 +598,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
         placed, a reduce-scatter launched) or reduced already. (zero_grad(set_to_none=False) leaves zero-filled
         buffers and placeholders standing for them, which are not in the way.)"""
-        return self._reduced is not None or any(b.rs_launched or (b.placed and not self._zeros_only)
-                                                for b in self.buckets)
+        if self._launched_by_backward:  # (reductions of gradients the loop cleared since are not in the way)
+            self._forget_discarded_launches()
+        if self._reduced is not None or any(b.rs_launched for b in self.buckets):
+            return True
+        if self._zeros_only:
+            return False
+        placeholders = self._placeholders  # (placed, unless the loop cleared them since: model.zero_grad())
+        return any(p.grad is placeholders[p] for b in self.buckets for p in b.placed)
 
     def _check_not_retired(self) -> None:
         if self._retired_by is not None:
@@ -2192,7 +2198,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             for b in self.buckets:
                 b.grad_buffer.zero_()
                 b.has_grads = True  # (the next flush accumulates onto them)
-                b.no_grad = {p: True for p in b.params if p not in had and p.grad is None}
+                # (a gradient set by hand is still in param.grad, zeroed there: the next flush takes it)
+                b.no_grad = {p: True for p in b.params if p not in had}
                 for p in b.params:
                     if p in had:
                         p.grad = placeholders[p]

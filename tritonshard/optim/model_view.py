@@ -170,9 +170,12 @@ class ModelViewMixin:
         b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
 
     def _frozen_since_build(self) -> list:
+        """The parameters frozen since construction (``requires_grad=False``) that hold no gradient: torch.optim
+        skips a parameter whose grad is None, whatever its requires_grad. One frozen after its backward, or given a
+        gradient by hand, has one (its placeholder is placed) and is updated with it, as torch.optim does."""
         if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
             return []
-        return [p for p in self._param_list if not p.requires_grad]
+        return [p for p in self._param_list if not p.requires_grad and p not in self._bucket_of[p][0].placed]
 
     def _step_settings(self) -> tuple:
         """(digest, description) of the hyper-parameters this step updates with (every trained group's values of
