@@ -233,3 +233,21 @@ def _on_ranks(rank, world_size):
 
 def test_spent_gradients_on_two_ranks_raise_everywhere_and_training_goes_on():
     run_on_ranks(_on_ranks, 2)
+
+
+@pytest.mark.parametrize("zero_first", [False, True], ids=["", "zero_grad(set_to_none=False) before"])
+def test_a_spent_gradient_the_next_backward_did_not_reach_is_no_gradient_once_cleared(zero_first):
+    # step(); a backward reaching head a only (head b keeps its marker: the spent gradient, still in the buffer);
+    # model.zero_grad(); step(): torch.optim skips every parameter (all None). Before, head b's part of the buffer
+    # (the first step's gradient) was stepped with again. Found by tests/optim/test_loop_fuzz.py
+    model = _TwoHeads()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model.loss(_x(0)).backward()
+    if zero_first:
+        opt.zero_grad(set_to_none=False)
+    opt.step()
+    before = _state(opt, model)
+    model.loss(_x(1), heads=("a",)).backward()
+    model.zero_grad()
+    opt.step()
+    _assert_same(before, _state(opt, model), "a step after model.zero_grad()")

@@ -597,7 +597,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _mid_step(self) -> bool:
         """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
         placed, a reduce-scatter launched) or reduced already. (zero_grad(set_to_none=False) leaves zero-filled
-        buffers and placeholders standing for them, which are not in the way.)"""
+        buffers and placeholders standing for them, which are not in the way; launched reductions of gradients the
+        loop cleared since are forgotten first, see _forget_discarded_launches.)"""
         if self._launched_by_backward:  # (reductions of gradients the loop cleared since are not in the way)
             self._forget_discarded_launches()
         if self._reduced is not None or any(b.rs_launched for b in self.buckets):
@@ -1133,8 +1134,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 "a reentrant activation checkpoint, also call opt.attach(model))")
         self._after_last_step_readers()
         if not b.has_grads and len(pending) < len(b.params):
-            for p, view in zip(b.params, b.grad_buffer.get_views()):
-                if p.grad is None:
+            spent = self._spent  # (a spent marker stands for no gradient of this backward; the buffer still holds
+            for p, view in zip(b.params, b.grad_buffer.get_views()):  # the gradient its step used)
+                if p.grad is None or p in spent:
                     view.zero_()  # no gradient this time: contributes zeros
                     b.no_grad[p] = True
         elif b.no_grad:  # a later micro-batch's gradients, for some that had none
@@ -1290,7 +1292,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         b.grad_buffer.get_views()[i].zero_()
         b.no_grad.pop(param, None)
         param.grad = self._placeholders[param]
-        if not any(b.placed for b in self.buckets):
+        if not any(other.placed for other in self.buckets):  # (no backward's gradients placed since the step)
             self._zeros_only = True
         b.placed[param] = True
 
