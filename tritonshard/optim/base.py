@@ -1109,12 +1109,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         placed = b.placed
         if self._spent_unlisted:  # (a reduction lists them again first: _check_no_spent_grads)
             self._list_spent()
-        if placed or self._spent:
+        # markers: where some param.grad may still hold its spent marker (SpentGrad), which stands for no gradient
+        # of this backward (by identity: the listing may be older than the loop's last clear or assignment)
+        markers = self._spent_grads if self._spent else None
+        if placed or markers is not None:
             if placed:
                 self._take_back_cleared(b)
-            spent = self._spent  # (their markers stand for no gradient of this backward)
             pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets)
-                       if (g := p.grad) is not None and p not in placed and p not in spent]
+                       if (g := p.grad) is not None and p not in placed
+                       and (markers is None or g is not markers[p])]
         else:
             pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets) if (g := p.grad) is not None]
         if not pending:
@@ -1134,9 +1137,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 "a reentrant activation checkpoint, also call opt.attach(model))")
         self._after_last_step_readers()
         if not b.has_grads and len(pending) < len(b.params):
-            spent = self._spent  # (a spent marker stands for no gradient of this backward; the buffer still holds
-            for p, view in zip(b.params, b.grad_buffer.get_views()):  # the gradient its step used)
-                if p.grad is None or p in spent:
+            for p, view in zip(b.params, b.grad_buffer.get_views()):  # (a marker's part of the buffer still holds
+                if p.grad is None or (markers is not None and p.grad is markers[p]):  # the gradient its step used)
                     view.zero_()  # no gradient this time: contributes zeros
                     b.no_grad[p] = True
         elif b.no_grad:  # a later micro-batch's gradients, for some that had none
