@@ -218,17 +218,11 @@ class ShardedGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        answer = _metadata(func, name, args, kwargs)
+        if answer is not _NOT_METADATA:
+            return answer
         if name == "__get__":
-            attr = getattr(getattr(func, "__self__", None), "__name__", "")
-            if attr in _METADATA:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
-            raise _unsupported(args[0], f"reading .{attr}")
-        if name in _METADATA_METHODS:
-            if name in ("requires_grad_", "detach_"):
-                return args[0]  # a placeholder never requires grad (Module.zero_grad(set_to_none=False) asks)
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+            raise _unsupported(args[0], f"reading .{_attribute(func)}")
         if func in _NORMS:
             return _norm(args[0], _norm_type(func, args, kwargs))
         if func is torch._foreach_norm:
@@ -291,20 +285,13 @@ class SpentGrad(ShardedGrad):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        answer = _metadata(func, name, args, kwargs)
+        if answer is not _NOT_METADATA:
+            return answer
         if name == "__get__":
-            attr = getattr(getattr(func, "__self__", None), "__name__", "")
-            if attr in _METADATA:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
-            raise spent_error(args[0]._name, f"reading .{attr} of param.grad")
-        elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data" \
-                and len(args) > 1 and args[1] is args[0]:
+            raise spent_error(args[0]._name, f"reading .{_attribute(func)} of param.grad")
+        if name == "__set__" and _attribute(func) == "data" and len(args) > 1 and args[1] is args[0]:
             return None  # Module._apply's `param.grad.data = fn(param.grad)`, fn having returned the marker
-        elif name in _METADATA_METHODS:
-            if name in ("requires_grad_", "detach_"):
-                return args[0]
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
         elif func in _CONVERSIONS:
             return args[0]  # Module._apply (model.to(), .cpu(), .float()...) carries the marker along
         elif func is torch._has_compatible_shallow_copy_type:  # (Module._apply asks, then sets .data)
@@ -334,6 +321,29 @@ def spent_error(name: str, what: str) -> RuntimeError:
         "(a second step() applies it again, a backward adds to it, a clip or a norm reads it); tritonshard's "
         "step() consumes it (each rank keeps only its shard of the reduced gradient). Call opt.zero_grad() (or "
         "model.zero_grad()) after step() and before the next backward, and read gradients before step().")
+
+
+_NOT_METADATA = object()
+
+
+def _attribute(func) -> str:
+    """The attribute a ``__get__`` / ``__set__`` call of ``__torch_function__`` reads or writes."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
+
+
+def _metadata(func, name: str, args, kwargs):
+    """What both markers answer alike: a metadata read or call (``shape``, ``dtype``, ``size()``...), with
+    ``requires_grad_()`` and ``detach_()`` returning the marker, which never requires grad
+    (``Module.zero_grad(set_to_none=False)`` asks); ``_NOT_METADATA`` for anything else."""
+    if name == "__get__":
+        if _attribute(func) not in _METADATA:
+            return _NOT_METADATA
+    elif name not in _METADATA_METHODS:
+        return _NOT_METADATA
+    elif name in ("requires_grad_", "detach_"):
+        return args[0]
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
 
 
 def _flat(args, kwargs):
