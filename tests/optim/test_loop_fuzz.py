@@ -60,8 +60,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.opt = self._ours()
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.launched = False      # overlap_comm: a backward outside no_sync() launched this step's reduce-scatters
-        self.ref = copy.deepcopy(fp32).to(torch.bfloat16)
-        self.master_model = fp32
+        self.ref = copy.deepcopy(fp32).to(torch.bfloat16)  # autograd's bf16 gradients; fp32 holds the masters
         self.ropt = self.THEIRS(_groups(fp32), lr=LRS[0], **self.HPARAMS)
         names = [n for n, _ in fp32.named_parameters()]
         self.ours = dict(self.model.named_parameters())
