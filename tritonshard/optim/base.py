@@ -603,9 +603,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._forget_discarded_launches()
         if self._reduced is not None or any(b.rs_launched for b in self.buckets):
             return True
-        if self._zeros_only:
-            return False
-        placeholders = self._placeholders  # (placed, unless the loop cleared them since: model.zero_grad())
+        return not self._zeros_only and self._holds_placed_gradients()
+
+    def _holds_placed_gradients(self) -> bool:
+        """Whether some ``param.grad`` still holds the placeholder a flush placed there (not cleared since by the
+        loop: ``model.zero_grad()``, ``p.grad = None``)."""
+        placeholders = self._placeholders
         return any(p.grad is placeholders[p] for b in self.buckets for p in b.placed)
 
     def _check_not_retired(self) -> None:
@@ -1243,10 +1246,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         forgets them. Otherwise nothing changes: gradients cleared in part, or one accumulated onto a launched
         bucket, stay the flush's errors (a reduction cannot take a gradient back)."""
         self._launched_by_backward = False
-        if self._taken_after_launch or self._reduced is not None:
-            return
-        placeholders = self._placeholders
-        if any(p.grad is placeholders[p] for b in self.buckets for p in b.placed):
+        if self._taken_after_launch or self._reduced is not None or self._holds_placed_gradients():
             return
         self._reset_step_state()
         self._stale = {}  # (their sums were cleared with the rest)
@@ -1284,19 +1284,30 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         as in torch.optim, ``param`` has a gradient of zeros from now on, which a backward adds to and a step
         applies (weight decay, momentum); ``param.grad`` becomes its placeholder again."""
         self._check_not_retired()
-        b, i = self._bucket_of[param]
         self._spent.pop(param, None)
+        fresh = not any(b.placed for b in self.buckets)  # (no backward's gradients placed since the step)
+        self._hold_zeros(self._bucket_of[param][0], [param])
+        if fresh:
+            self._zeros_only = True
+
+    def _hold_zeros(self, b: _Bucket, params: list) -> None:
+        """``params`` (of bucket ``b``) hold a gradient of zeros from now on, as torch's zeroed ``param.grad``:
+        their part of the grad buffer zeroed and their placeholder in ``param.grad`` (a backward adds to it, step()
+        applies it). The bucket's first gradient since the last reset zero-fills the buffer and marks the others as
+        without one (a later flush gives them one)."""
         self._after_last_step_readers()
-        if not b.has_grads:  # the first gradient in this bucket since step(): the others have none yet
+        filled = not b.has_grads
+        if filled:
             b.grad_buffer.get_data().zero_()
             b.no_grad = {p: True for p in b.params if p not in b.placed}
             b.has_grads = True
-        b.grad_buffer.get_views()[i].zero_()
-        b.no_grad.pop(param, None)
-        param.grad = self._placeholders[param]
-        if not any(other.placed for other in self.buckets):  # (no backward's gradients placed since the step)
-            self._zeros_only = True
-        b.placed[param] = True
+        views, placeholders = b.grad_buffer.get_views(), self._placeholders
+        for p in params:
+            if not filled:
+                views[self._bucket_of[p][1]].zero_()
+            b.no_grad.pop(p, None)
+            p.grad = placeholders[p]
+            b.placed[p] = True
 
     def _launch_all(self) -> None:
         """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
@@ -1532,21 +1543,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.rs_work.wait()
             b.rs_work, b.rs_launched, b.launch_wanted, b.has_grads = None, False, False, False
         self._scratch_user = [None, None]
+        placeholders, markers = self._placeholders, (self._spent_grads if spent else None)
         for b in self.buckets:
             b.ready.clear()
             if not compiling:  # step() and zero_grad() consume the gradients (see SpentGrad for step()'s markers)
-                placeholders = self._placeholders
-                if spent:
-                    markers = self._spent_grads
-                    if b.placed:
-                        self._spent_unlisted = True
-                    for p in b.placed:
-                        if p.grad is placeholders[p]:
-                            p.grad = markers[p]
-                else:
-                    for p in b.placed:
-                        if p.grad is placeholders[p]:
-                            p.grad = None
+                if spent and b.placed:
+                    self._spent_unlisted = True
+                for p in b.placed:
+                    if p.grad is placeholders[p]:
+                        p.grad = markers[p] if markers is not None else None
                 b.placed.clear()
             if b.no_grad:
                 b.no_grad = {}
@@ -2197,17 +2202,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                         grad.zero_()
         self._spent_unlisted, self._spent, self._stale = False, {}, {}
         if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
-            self._after_last_step_readers()
-            placeholders = self._placeholders
-            for b in self.buckets:
-                b.grad_buffer.zero_()
-                b.has_grads = True  # (the next flush accumulates onto them)
-                # (a gradient set by hand is still in param.grad, zeroed there: the next flush takes it)
-                b.no_grad = {p: True for p in b.params if p not in had}
-                for p in b.params:
-                    if p in had:
-                        p.grad = placeholders[p]
-                        b.placed[p] = True
+            for b in self.buckets:  # (a gradient set by hand is still in param.grad, zeroed there: the next flush
+                self._hold_zeros(b, [p for p in b.params if p in had])  # takes it; every other has none)
             self._zeros_only = True
 
     # ------------------------------------------------------------------ introspection
