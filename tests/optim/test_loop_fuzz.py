@@ -66,16 +66,18 @@ class TrainingLoop(RuleBasedStateMachine):
         self.ours = dict(self.model.named_parameters())
         self.refs = dict(self.ref.named_parameters())
         self.masters = dict(fp32.named_parameters())
+        self.fp32 = fp32
         self.names = names
         self.spent: set = set()    # names whose torch gradient a step already applied, not cleared since
+        self.spent_values: dict = {}  # their gradients then
         self.clipped = None        # the reference's clipped fp32 gradients of this step, once clipped
         self.by_hand = False       # a gradient set by hand is still a plain bf16 tensor (until a flush: see clip)
         self.batch = 0
 
     # ------------------------------------------------------------------ helpers
-    def _ours(self):
+    def _ours(self, lr=LRS[0]):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        return self.OURS(_groups(self.model), lr=LRS[0], **hparams, **self.OPTIONS)
+        return self.OURS(_groups(self.model), lr=lr, **hparams, **self.OPTIONS)
 
     def _reuses_spent(self) -> bool:
         return any(self.refs[n].grad is not None for n in self.spent)
@@ -159,6 +161,7 @@ class TrainingLoop(RuleBasedStateMachine):
             for n in self.names:
                 self.refs[n].copy_(self.masters[n])
         self.spent = {n for n in self.names if grads[n] is not None}
+        self.spent_values = {n: self.refs[n].grad.clone() for n in self.spent}  # (what a backward may add to)
         self.clipped, self.launched, self.by_hand = None, False, False
         self._compare()
 
@@ -201,6 +204,29 @@ class TrainingLoop(RuleBasedStateMachine):
         self.opt = self._ours()
         self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
+
+    @precondition(lambda self: self.clipped is None)
+    @rule()
+    def rebuild(self):
+        """A new optimizer over the model, without state (a second phase of training, a notebook cell run again):
+        torch.optim's starts from the weights and finds the param.grad the loop left (zeros from a
+        zero_grad(set_to_none=False) are applied at its first step; a spent gradient would be applied again, ours
+        raises there). While a backward's gradient waits for its step in the old optimizer's buffers it is an error
+        (README), and only then: torch.optim's gradient there is neither None, nor zeros, nor spent."""
+        lr = self.opt.param_groups[0]["lr"]
+        live = [n for n, p in self.refs.items() if p.grad is not None and p.grad.any()
+                and not (n in self.spent and torch.equal(p.grad, self.spent_values[n]))]
+        try:
+            self.opt = self._ours(lr)
+        except RuntimeError as e:
+            assert "between a backward and its step()" in str(e), e
+            assert live, "a new optimizer refused where every gradient is None, zeros or spent"
+            return
+        with torch.no_grad():
+            for n in self.names:
+                self.masters[n].copy_(self.refs[n].float())
+        self.ropt = self.THEIRS(_groups(self.fp32), lr=lr, **self.HPARAMS)
+        self.launched = False
 
     @rule(lr=st.sampled_from(LRS))
     def set_lr(self, lr):

@@ -8,6 +8,8 @@ optimizer's hooks still fired in the next backward and it failed there ("reshape
 The reference is bitwise: the new optimizer on the model must compute exactly what the same optimizer built over a
 fresh copy of the model (the same weights, no optimizer before it) computes from the same data."""
 
+import gc
+
 import pytest
 import torch
 
@@ -115,6 +117,12 @@ def test_built_between_a_backward_and_its_step_is_an_error_until_the_step():
         ShardedSGD(model.parameters(), lr=0.1)
     old.step()  # the old optimizer was left as it was: it steps
     new = ShardedSGD(model.parameters(), lr=0.1)
+    # nothing cleared the gradients old.step() used: torch.optim's new optimizer would add the next backward's to
+    # them, so its step is the spent-gradient error (test_spent_grads.py), until the loop clears them
+    model(torch.randn(4, 9).to(torch.bfloat16)).float().sum().backward()
+    with pytest.raises(RuntimeError, match="was used by the last step"):
+        new.step()
+    new.zero_grad()
     _train(model, new, range(2))
     with pytest.raises(RuntimeError, match="no longer trains"):
         old.step()
@@ -140,3 +148,139 @@ def test_add_param_group_takes_parameters_over_too():
         assert_bitwise_equal(a.detach(), b.detach(), "after add_param_group took the backbone over")
     with pytest.raises(RuntimeError, match="no longer trains"):
         old.zero_grad()
+
+
+def _torch_reference(model, grads, make):
+    """torch.optim over fp32 masters taken from ``model``'s bf16 weights (as a new ShardedAdamW/SGD takes them),
+    with ``grads`` (None or an fp32 tensor per parameter) as the gradients its first step finds."""
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    for m, g in zip(masters, grads):
+        m.grad = g
+    return masters, make(masters)
+
+
+def _reference_backward(model, masters, x):
+    """The bf16 gradients a backward of ``model``'s architecture at the masters' rounding gives, as fp32 ``.grad``
+    of the masters (what the optimizer steps them with)."""
+    twin = _model()
+    with torch.no_grad():
+        for t, m in zip(twin.parameters(), masters):
+            t.copy_(m)
+    twin(x).float().square().mean().backward()
+    for t, m in zip(twin.parameters(), masters):
+        m.grad = t.grad.float()
+
+
+def _assert_as_torch(model, new, masters, ropt, what):
+    """Weights within one bf16 ulp (+2e-6: a master within fp32 op-order noise of a rounding boundary), masters to
+    2e-6 (values ~0.3, a wrong step moves them by ~lr), step counts exact."""
+    state = new.state_dict()["state"]
+    for i, (p, m) in enumerate(zip(model.parameters(), masters)):
+        bound = m.detach().abs() * 2.0 ** -7 + 2e-6
+        assert ((p.detach().float() - m.detach()).abs() <= bound).all(), f"{what}: weights of parameter {i}"
+        torch.testing.assert_close(state[i]["master"].reshape(m.shape), m.detach(), rtol=0, atol=2e-6,
+                                   msg=f"{what}: master of parameter {i}")
+        theirs = ropt.state.get(m, {})
+        if "step" in theirs:
+            assert float(state[i]["step"]) == float(theirs["step"]), f"{what}: step count of parameter {i}"
+
+
+_MAKERS = {
+    "ShardedAdamW": (lambda ps: ShardedAdamW(ps, lr=1e-2, weight_decay=0.1),
+                     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)),
+    "ShardedSGD": (lambda ps: ShardedSGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+                   lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1, foreach=False)),
+}
+
+
+@pytest.mark.parametrize("maker", list(_MAKERS))
+@pytest.mark.parametrize("zeroed_by", ["opt.zero_grad(set_to_none=False) after step()",
+                                       "model.zero_grad(set_to_none=False) after a backward"])
+def test_a_new_optimizer_applies_the_zeroed_gradients_it_finds(maker, zeroed_by):
+    """Gradients of zeros in param.grad when the new optimizer is built: torch.optim's first step applies them
+    (weight decay, momentum, a step count); until session 19 the new optimizer dropped them, so its first step
+    skipped every parameter (and a backward right after a zeroing refused the new optimizer as 'between a
+    backward and its step'). A parameter whose gradient is None stays skipped."""
+    ours, theirs = _MAKERS[maker]
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2)
+    _train(model, old, range(1))
+    model(torch.randn(4, 9, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)).float().sum().backward()
+    if zeroed_by.startswith("opt"):
+        old.step()
+        old.zero_grad(set_to_none=False)
+    else:
+        model.zero_grad(set_to_none=False)
+    model[2].bias.grad = None  # (this one has no gradient: skipped by both)
+    grads = [None if p.grad is None else torch.zeros(p.shape) for p in model.parameters()]
+    assert sum(g is not None for g in grads) == 3
+    new = ours(list(model.parameters()))
+    masters, ropt = _torch_reference(model, grads, theirs)
+    before = masters[0].detach().clone()
+    new.step()
+    ropt.step()
+    _assert_as_torch(model, new, masters, ropt, f"{maker}, {zeroed_by}: first step")
+    assert not torch.equal(masters[0].detach(), before), "the reference's first step did not move the weights"
+    new.zero_grad()
+    ropt.zero_grad()
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    model(x).float().square().mean().backward()
+    _reference_backward(model, masters, x)
+    new.step()
+    ropt.step()
+    _assert_as_torch(model, new, masters, ropt, f"{maker}, {zeroed_by}: second step")
+
+
+def test_a_new_optimizer_built_right_after_step_keeps_the_spent_gradient_error():
+    """old.step() and no zero_grad(): torch.optim's new optimizer would apply the same gradient again at its
+    first step; ours raises there instead (the gradient is gone: test_spent_grads.py), until the loop clears it.
+    Until session 19 the new optimizer found no gradient and its step skipped every parameter, silently."""
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 9).to(torch.bfloat16)).float().sum().backward()
+    old.step()
+    new = ShardedSGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    for call in (new.step, lambda: new.clip_grad_norm_(1.0)):
+        with pytest.raises(RuntimeError, match="was used by the last step"):
+            call()
+    for p, b in zip(model.parameters(), before):
+        assert_bitwise_equal(p.detach(), b, "weights after the refused step")
+    model.zero_grad()
+    _train(model, new, range(1))
+
+
+def test_a_placeholder_of_an_optimizer_that_is_gone_is_an_error():
+    """A backward's gradients in the buffers of an optimizer the program let go of before its step(): the new
+    optimizer cannot take them (torch.optim would apply them), so it says so instead of starting without them."""
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 9).to(torch.bfloat16)).float().sum().backward()
+    del old
+    gc.collect()
+    with pytest.raises(RuntimeError, match="optimizer that no longer exists, from a backward that no step"):
+        ShardedAdamW(model.parameters(), lr=1e-2)
+    model.zero_grad()
+    _train(model, ShardedAdamW(model.parameters(), lr=1e-2), range(1))
+
+
+def test_a_refused_new_optimizer_can_be_built_once_the_launched_gradients_are_cleared():
+    """overlap_comm: a backward's end launched the reduce-scatters, so a new optimizer is refused; the loop then
+    clears every gradient (model.zero_grad()), which drops the launched reductions as torch.optim would drop the
+    gradients, and the new optimizer can be built. Until session 19 the refused attempt had used up the old
+    optimizer's one look at whether the launches were discarded, so it stayed refused until the old one stepped."""
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=True, bucket_cap_mb=1e-9)
+    old.attach(model)
+    model(torch.randn(4, 9).to(torch.bfloat16)).float().sum().backward()
+    assert old.reduce_scatters_launched == len(old.buckets)
+    with pytest.raises(RuntimeError, match=r"still holds between a backward and its step\(\)"):
+        ShardedSGD(model.parameters(), lr=0.1)
+    model.zero_grad()
+    new = ShardedSGD(model.parameters(), lr=0.1, momentum=0.9)
+    fresh = _fresh_copy(model)
+    ref = ShardedSGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    _train(model, new, range(2))
+    _train(fresh, ref, range(2))
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert_bitwise_equal(a.detach(), b.detach(), "the weights")

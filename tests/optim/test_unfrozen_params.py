@@ -312,3 +312,60 @@ def test_unfrozen_parameters_skipped_later_count_as_in_an_optimizer_built_then(o
 
 def test_unfrozen_parameters_skipped_later_on_two_ranks():
     run_on_ranks(_refreeze_run, 2, {"bucket_cap_mb": 1e-9, "overlap_comm": True})
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True])
+@pytest.mark.parametrize("when", ["left from before it was frozen", "set by hand after building"])
+def test_a_frozen_parameter_holding_a_gradient_is_stepped_as_torch_optim_steps_it(when, overlap_comm):
+    """torch.optim steps every parameter whose .grad is not None, requires_grad or not: a layer frozen without
+    clearing its gradient keeps being updated with it (until zero_grad()), and a gradient set by hand on a frozen
+    parameter is applied. Until session 19 a parameter frozen when the optimizer was built was left out while
+    frozen, gradient or not, silently. Laid out when it is found holding one, it is a parameter like the others:
+    skipped while frozen without a gradient, trained once unfrozen (its hooks launch its bucket's reduction during
+    the backward, with overlap_comm). Against torch.optim.AdamW on fp32 masters from the same bf16 weights: the
+    weights within one bf16 ulp (+2e-6: a master within fp32 op-order noise of a rounding boundary), step counts
+    exact."""
+    model = _model()
+    weight = model[0].weight
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ropt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=False)
+    grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    if when.startswith("left"):
+        weight.grad = grad.clone()
+    weight.requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9, overlap_comm=overlap_comm)
+    if overlap_comm:
+        opt.attach(model)
+    if when.startswith("set"):
+        weight.grad = grad.clone()
+    twin = copy.deepcopy(model)  # (its bf16 gradients are the reference's)
+
+    def check(what):
+        for i, (p, m) in enumerate(zip(model.parameters(), masters)):
+            bound = m.detach().abs() * 2.0 ** -7 + 2e-6
+            assert ((p.detach().float() - m.detach()).abs() <= bound).all(), f"{what}: weights of parameter {i}"
+            assert float(opt.state[p].get("step", 0)) == float(ropt.state.get(m, {}).get("step", 0)), \
+                f"{what}: step count of parameter {i}"
+
+    for step in range(4):
+        if step == 2:
+            for p in (weight, twin[0].weight):
+                p.requires_grad_(True)
+        launched = opt.reduce_scatters_launched
+        _loss(model, step).backward()
+        if overlap_comm and step >= 2:
+            assert opt.reduce_scatters_launched - launched == len(opt.buckets), "the unfrozen weight's hooks"
+        with torch.no_grad():
+            for t, m in zip(twin.parameters(), masters):
+                t.copy_(m)
+        twin.zero_grad()
+        _loss(twin, step).backward()
+        for t, m in zip(twin.parameters(), masters):
+            m.grad = None if t.grad is None else t.grad.float()
+        if step == 0:
+            masters[0].grad = grad.float()  # (the frozen weight's gradient, in torch.optim's loop too)
+        opt.step()
+        ropt.step()
+        check(f"{when}, overlap_comm={overlap_comm}, step {step}")
+        opt.zero_grad()
+        ropt.zero_grad()

@@ -414,9 +414,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             loss_scale = None
         self.loss_scale_config = loss_scale
         held = _held_grads(trainable)  # (laying the parameters out drops them; torch.optim's first step uses them)
-        if held and loss_scale is not None:
+        plain = [p for p, g in held if not isinstance(g, ShardedGrad)]  # (zeros and spent markers need no scale)
+        if plain and loss_scale is not None:
             raise ValueError(
-                f"{len(held)} parameters hold gradients from a backward run before this {type(self).__name__} "
+                f"{len(plain)} parameters hold gradients from a backward run before this {type(self).__name__} "
                 "existed, and it scales the loss itself (fp16 weights, or loss_scale given): those gradients were "
                 "not multiplied by its loss scale, so its first step would divide them by it. Zero them first "
                 "(model.zero_grad()), or build the optimizer before the first backward")
@@ -502,9 +503,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # a later backward took a placeholder of a launched bucket to accumulate onto it (an error at the flush)
         self._launched_by_backward = False
         self._taken_after_launch = False
-        # the placeholders in param.grad stand for zeros only (zero_grad(set_to_none=False), no backward since):
-        # not the middle of a step (_mid_step)
-        self._zeros_only = False
+        # the placed parameters whose placeholder stands for zeros, not for a backward's gradient (zeroed: by
+        # zero_grad(set_to_none=False), or param.grad.zero_(); since the last flush): not the middle of a step
+        # (_holds_placed_gradients)
+        self._zeroed: dict = {}
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -544,7 +546,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._index_buckets(self.buckets, range(len(self.param_groups)))
         self._note_group_lists()
         _LIVE.add(self)
-        _restore_grads(held)
+        self._restore_grads(held)
 
     # ------------------------------------------------------------------ another optimizer over the same parameters
     def _holders(self, params: list) -> list:
@@ -596,20 +598,21 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _mid_step(self) -> bool:
         """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
-        placed, a reduce-scatter launched) or reduced already. (zero_grad(set_to_none=False) leaves zero-filled
-        buffers and placeholders standing for them, which are not in the way; launched reductions of gradients the
-        loop cleared since are forgotten first, see _forget_discarded_launches.)"""
+        placed, a reduce-scatter launched) or reduced already. (Gradients zeroed since, by either
+        zero_grad(set_to_none=False), leave placeholders standing for zeros, which are not in the way; launched
+        reductions of gradients the loop cleared since are forgotten first, see _forget_discarded_launches.)"""
         if self._launched_by_backward:  # (reductions of gradients the loop cleared since are not in the way)
-            self._forget_discarded_launches()
+            self._forget_discarded_launches(at_flush=False)
         if self._reduced is not None or any(b.rs_launched for b in self.buckets):
             return True
-        return not self._zeros_only and self._holds_placed_gradients()
+        return self._holds_placed_gradients()
 
     def _holds_placed_gradients(self) -> bool:
-        """Whether some ``param.grad`` still holds the placeholder a flush placed there (not cleared since by the
-        loop: ``model.zero_grad()``, ``p.grad = None``)."""
-        placeholders = self._placeholders
-        return any(p.grad is placeholders[p] for b in self.buckets for p in b.placed)
+        """Whether some ``param.grad`` still holds the placeholder a flush placed there for a backward's (or a
+        hand-set) gradient: not cleared since by the loop (``model.zero_grad()``, ``p.grad = None``), nor zeroed
+        (``_zeroed``)."""
+        placeholders, zeroed = self._placeholders, self._zeroed
+        return any(p.grad is placeholders[p] and p not in zeroed for b in self.buckets for p in b.placed)
 
     def _check_not_retired(self) -> None:
         if self._retired_by is not None:
@@ -631,6 +634,22 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             made.append(self._make_bucket(gi, chunk, self._align, len(self.buckets) + len(made)))
         return made
 
+    def _restore_grads(self, held: list) -> None:
+        """The gradients of :func:`_held_grads` back, for the next step to use as torch.optim would use the
+        ``param.grad`` it finds: a plain one in the parameter's new dtype (autograd requires it; rounded once),
+        taken as a gradient set by hand; another optimizer's placeholder (``zero_grad(set_to_none=False)``, its
+        only meaning between steps) as a gradient of zeros, in this optimizer's placeholder; another optimizer's
+        spent marker (its last step() used that gradient, nothing cleared it since) as this optimizer's, so that
+        a step or a clip that would apply it again is the same error (torch.optim would apply it again)."""
+        for p, g in held:
+            if type(g) is SpentGrad:
+                p.grad = self._spent_grads[p]
+                self._spent_unlisted = True
+            elif isinstance(g, ShardedGrad):
+                self._hold_zeros(self._bucket_of[p][0], [p])
+            else:
+                p.grad = g.detach().to(dtype=p.dtype)
+
     def _add_buckets(self, gi: int, params: list, groups) -> None:
         """New buckets of ``params`` (of param group ``gi``) join the optimizer after construction (``groups``: see
         :meth:`_index_buckets`). A gradient one of them already holds is kept, in bf16, for the next step, as
@@ -645,17 +664,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             handles += self._attach_buckets(model, new)
         self._prepared_state = None
         self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
-        _restore_grads(held)
+        self._restore_grads(held)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and
-        are trainable now start to train, as with torch.optim: laid out in new buckets of their group, with their
+        are trainable now, or hold a gradient (set by hand, or left from before they were frozen: torch.optim steps
+        every parameter whose ``.grad`` is not None, frozen or not), start to train, as with torch.optim: laid out in new buckets of their group, with their
         fp32 master taken from their current values, zero state and a step count of their own from 0 (torch.optim
         counts from their first step: the new buckets' counter, so the flat update of those buckets applies it, one
         launch per counter as for any group), and any gradient they hold kept for the step. Runs at the end of the
         backward that first gives them a gradient, before anything is reduced (or at the next ``step()`` or
         state_dict, where nothing is reduced yet). A collective: every rank unfreezes the same parameters."""
-        unfrozen = [p for p in self._frozen_at_build if p.requires_grad]
+        unfrozen = [p for p in self._frozen_at_build if p.requires_grad or p.grad is not None]
         if not unfrozen:
             return
         if self._reduced is not None:  # unfrozen after this step's reduction (clip_grad_norm_ before step())
@@ -663,13 +683,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if not with_grad:
                 return  # torch.optim would skip them in this step too (no gradient): taken in at the next backward
             raise RuntimeError(
-                f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built, trainable "
-                "now and holding a gradient, but this step's gradients were already reduced (by clip_grad_norm_ or "
-                "grad_norm) without it; unfreeze before the backward")
+                f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built and "
+                "holding a gradient now, but this step's gradients were already reduced (by clip_grad_norm_ or "
+                "grad_norm) without it; unfreeze (or set the gradient) before the backward")
         for p in unfrozen:
             if p.device != self.device or not p.is_floating_point():
                 raise RuntimeError(f"{self._param_names[p]} was frozen when the optimizer was built and is trainable "
-                                   f"now, but it is a {p.dtype} tensor on {p.device}; the optimizer's buffers are on "
+                                   f"now (or holds a gradient), but it is a {p.dtype} tensor on {p.device}; the optimizer's buffers are on "
                                    f"{self.device}")
         self._entry("unfreeze")
         names = [self._param_names[p] for p in unfrozen]  # (the same parameters on every rank: new buckets' layout)
@@ -677,7 +697,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             {"unfrozen parameters": f"{_names(names)}; {_layout_digest([{'params': unfrozen, 'param_names': names}])}"},
             verb="unfroze parameters of", hints={"unfrozen parameters": "every rank must unfreeze the same parameters "
                                                                         "before the same backward"})
-        self._frozen_at_build = [p for p in self._frozen_at_build if not p.requires_grad]
+        taken = {id(p) for p in unfrozen}
+        self._frozen_at_build = [p for p in self._frozen_at_build if id(p) not in taken]
         group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         by_group: dict = {}
         for p in unfrozen:
@@ -767,8 +788,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._placeholders.update({p: ShardedGrad(p, self) for p in added})
         self._spent_grads.update({p: SpentGrad(p, self) for p in added})
         self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
-        self._hooks += [p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)) for p in added]
-        self._hooks += [p.register_hook(model_sync.ClearPlaceholderHook(self, p)) for p in added]
+        for p in added:
+            frozen = not p.requires_grad  # (adopted for a gradient it holds: _adopt_unfrozen)
+            if frozen:  # torch checks requires_grad only when a hook is registered; the hook stays on the tensor,
+                p.requires_grad_(True)  # for when it is unfrozen
+            try:
+                self._hooks.append(p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)))
+                self._hooks.append(p.register_hook(model_sync.ClearPlaceholderHook(self, p)))
+            finally:
+                if frozen:
+                    p.requires_grad_(False)
 
     def _make_bucket(self, gi, params, align, index: int) -> _Bucket:
         # Stochastic rounding: the 64-bit Philox key of this bucket at step t is seed + t (step() advances it on
@@ -1189,7 +1218,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
                     p.grad = None
         b.has_grads = True
-        self._zeros_only = False
+        if self._zeroed:  # (a backward's gradient is placed now: the middle of a step, whatever was zeroed)
+            self._zeroed.clear()
 
     def _after_last_step_readers(self) -> None:
         """Streams, rule 3: before the first write into a grad buffer after ``step()``, the current stream waits for
@@ -1233,21 +1263,27 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if b.has_grads:
             self._after_last_step_readers()
             b.grad_buffer.get_views()[i].zero_()
+            if keep_placeholder and param in b.placed:
+                self._zeroed[param] = True
             if not keep_placeholder and param.grad is None:  # cleared (not zeroed, not replaced): no gradient,
                 b.no_grad[param] = True                       # as for torch.optim
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
 
-    def _forget_discarded_launches(self) -> None:
+    def _forget_discarded_launches(self, at_flush: bool = True) -> None:
         """The first flush after a backward whose end launched reduce-scatters (``overlap_comm``), before anything
         used them: if the loop cleared every gradient since (``model.zero_grad()``, ``p.grad = None``; the
         discriminator's ``netD.zero_grad()`` in a GAN loop, whose generator's backward ran through it), the launched
         reductions hold nothing torch.optim would use, and they are finished and forgotten as ``opt.zero_grad()``
         forgets them. Otherwise nothing changes: gradients cleared in part, or one accumulated onto a launched
-        bucket, stay the flush's errors (a reduction cannot take a gradient back)."""
-        self._launched_by_backward = False
+        bucket, stay the flush's errors (a reduction cannot take a gradient back). ``at_flush=False``: a look
+        from outside a flush (another optimizer asking whether this one is mid-step), which leaves the question
+        open for a later look (the loop may still clear them) unless it forgot them."""
         if self._taken_after_launch or self._reduced is not None or self._holds_placed_gradients():
+            if at_flush:
+                self._launched_by_backward = False
             return
+        self._launched_by_backward = False
         self._reset_step_state()
         self._stale = {}  # (their sums were cleared with the rest)
 
@@ -1285,10 +1321,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         applies (weight decay, momentum); ``param.grad`` becomes its placeholder again."""
         self._check_not_retired()
         self._spent.pop(param, None)
-        fresh = not any(b.placed for b in self.buckets)  # (no backward's gradients placed since the step)
         self._hold_zeros(self._bucket_of[param][0], [param])
-        if fresh:
-            self._zeros_only = True
 
     def _hold_zeros(self, b: _Bucket, params: list) -> None:
         """``params`` (of bucket ``b``) hold a gradient of zeros from now on, as torch's zeroed ``param.grad``:
@@ -1301,13 +1334,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.grad_buffer.get_data().zero_()
             b.no_grad = {p: True for p in b.params if p not in b.placed}
             b.has_grads = True
-        views, placeholders = b.grad_buffer.get_views(), self._placeholders
+        views, placeholders, zeroed = b.grad_buffer.get_views(), self._placeholders, self._zeroed
         for p in params:
             if not filled:
                 views[self._bucket_of[p][1]].zero_()
             b.no_grad.pop(p, None)
             p.grad = placeholders[p]
-            b.placed[p] = True
+            b.placed[p] = zeroed[p] = True
 
     def _launch_all(self) -> None:
         """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
@@ -1557,7 +1590,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad = {}
         self._next_launch = 0
         self._reduce_entered = self._lr_filled = False
-        self._launched_by_backward = self._taken_after_launch = self._zeros_only = False
+        self._launched_by_backward = self._taken_after_launch = False
+        self._zeroed.clear()
         self._reduced, self._clip_coef = None, None
         self._clamped = False
         self._step_cache.clear()
@@ -2204,7 +2238,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
             for b in self.buckets:  # (a gradient set by hand is still in param.grad, zeroed there: the next flush
                 self._hold_zeros(b, [p for p in b.params if p in had])  # takes it; every other has none)
-            self._zeros_only = True
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:
@@ -2232,13 +2265,23 @@ def _names(names: list) -> str:
 
 
 def _held_grads(params: list) -> list:
-    """``(parameter, its .grad)`` for the parameters among ``params`` that hold a plain gradient (not another
-    optimizer's placeholder), before laying them out in buffers drops it (see :func:`_restore_grads`)."""
-    return [(p, p.grad) for p in params if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
-
-
-def _restore_grads(held: list) -> None:
-    """The gradients of :func:`_held_grads` back, in the parameters' new dtype (autograd requires it; rounded
-    once), for the next step to use as torch.optim would: it takes them as gradients set by hand."""
-    for p, g in held:
-        p.grad = g.detach().to(dtype=p.dtype)
+    """``(parameter, its .grad)`` for the parameters among ``params`` that hold a gradient, before laying them out
+    in buffers drops it (see :meth:`ShardedOptimizerBase._restore_grads`): a plain tensor, or another optimizer's
+    marker: a :class:`~.model_sync.SpentGrad`, or a placeholder, which between steps stands for zeros
+    (``zero_grad(set_to_none=False)``). A placeholder standing for a backward's gradients is a RuntimeError:
+    here for an optimizer that is gone or retired (its buffers cannot be trusted to hold them), in ``_holders``
+    for a live one."""
+    held = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, ShardedGrad) and type(g) is not SpentGrad:
+            owner = g._optimizer()
+            if owner is None or (owner._retired_by is not None and owner._mid_step()):
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} holds the gradient placeholder of a tritonshard optimizer "
+                    f"that {'no longer exists' if owner is None else 'was replaced'}, from a backward that no step() "
+                    "used: that gradient is gone. Clear it (model.zero_grad()) and run the backward again")
+        held.append((p, g))
+    return held
