@@ -136,9 +136,19 @@ def _is_lead(opt) -> bool:
     return opt.rank == 0 and opt.replica_rank == 0
 
 
-def _param_signature(opt) -> list[dict]:
-    return [{"index": i, "group": gi, "shape": list(p.shape), "trainable": p in opt._bucket_of}
+def _param_signature(opt, laid_out: frozenset = frozenset()) -> list[dict]:
+    """Each parameter's index, group, shape and whether it is in the buffers (or, ``laid_out``: ids of
+    parameters about to be)."""
+    return [{"index": i, "group": gi, "shape": list(p.shape), "trainable": p in opt._bucket_of or id(p) in laid_out}
             for i, gi, p in opt._indexed_params()]
+
+
+def _frozen_with_saved_state(opt, meta) -> list:
+    """The parameters frozen when ``opt`` was built that the saved run trained (it froze them after building its
+    optimizer; the resume script freezes them before building): their state is in the checkpoint, and is loaded
+    as torch.optim's load_state_dict keeps it (``_lay_out_frozen_with_state``)."""
+    saved = {row["index"]: row["trainable"] for row in meta["params"]}
+    return [p for i, _, p in opt._indexed_params() if saved.get(i) and p not in opt._bucket_of]
 
 
 def _refuse_dict_hooks(opt, call: str, kinds: tuple[str, ...]) -> None:
@@ -275,8 +285,8 @@ def _single_process_ok():
         yield
 
 
-def _check_signature(opt, meta) -> None:
-    ours, theirs = _param_signature(opt), meta["params"]
+def _check_signature(opt, meta, laid_out: frozenset = frozenset()) -> None:
+    ours, theirs = _param_signature(opt, laid_out), meta["params"]
     if len(ours) != len(theirs):
         raise CheckpointMismatchError(f"the checkpoint has {len(theirs)} parameters, the optimizer {len(ours)}")
     n_groups = len(opt.param_groups)
@@ -332,10 +342,12 @@ def load_sharded(opt, path: str) -> dict:
     if meta.get("format") != _FORMAT:
         raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
     opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
-    _check_signature(opt, meta)
+    frozen = _frozen_with_saved_state(opt, meta)
+    _check_signature(opt, meta, frozenset(id(p) for p in frozen))
     # again: every rank got through the checks above before DCP's collectives, and reads the same checkpoint (a
     # rank that resolved "the latest" before the last save reached its filesystem would load older shards)
     opt._entry("load", settings=lambda: _identity(path, meta, meta_digest))
+    opt._lay_out_frozen_with_state(frozen)  # (a collective: after the ranks agreed on the checkpoint)
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
     with torch.no_grad():

@@ -194,12 +194,11 @@ class TrainingLoop(RuleBasedStateMachine):
             self.spent.discard(n)
 
     @precondition(lambda self: self.clipped is None and not self.launched
-                  and all(p.grad is None and p.requires_grad for p in self.refs.values()))
+                  and all(p.grad is None for p in self.refs.values()))
     @rule()
     def resume(self):
         """A resume in the middle of the run: a new optimizer over the model, loaded from the old one's state_dict
-        (torch.optim's is unchanged by the same round trip). (With a parameter frozen at the time, the load is a
-        ValueError naming it: noted in the README.)"""
+        (torch.optim's is unchanged by the same round trip), also while a head is frozen (its state is loaded)."""
         state = self.opt.state_dict()
         self.opt = self._ours()
         self.opt.load_state_dict(state)

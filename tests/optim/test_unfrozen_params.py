@@ -191,9 +191,9 @@ def _train_unfreezing(model, opt, steps):
 
 def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
     """Saved after the unfreeze (state_dict and save_sharded), loaded into a fresh optimizer built as the run was
-    (the backbone frozen) once the loop has unfrozen it again: the run continues bit for bit. Before it is unfrozen,
-    the sharded load is an error that says so."""
-    from tritonshard.checkpoint import CheckpointMismatchError, load_sharded, save_sharded
+    (the backbone frozen), once the loop has unfrozen it again or before (the load lays it out, frozen, with its
+    state: until session 19 the sharded load was an error there): the run continues bit for bit."""
+    from tritonshard.checkpoint import save_sharded
 
     def build():
         model = _model()
@@ -208,21 +208,28 @@ def test_a_run_that_unfroze_resumes_from_its_checkpoint(tmp_path):
     _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
     truth = [p.detach().clone() for p in model.parameters()]
     for how in ("state_dict", "save_sharded"):
-        model, opt = build()
-        model.load_state_dict(weights)
-        if how == "save_sharded":
-            with pytest.raises(CheckpointMismatchError, match="unfrozen in the saved run"):
-                load_sharded(opt, str(tmp_path / "ckpt"))
-        for p in model[0].parameters():
-            p.requires_grad_(True)  # the loop unfreezes at its step, as before the save
-        if how == "state_dict":
-            opt.load_state_dict(saved)
-        else:
-            load_sharded(opt, str(tmp_path / "ckpt"))
-        assert not opt._own_steps, "the unfrozen parameters count on their buckets' counter after the load too"
-        _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
-        for a, b in zip(model.parameters(), truth):
-            assert_bitwise_equal(a.detach(), b, f"resumed through {how} after an unfreeze")
+        for loaded_while_frozen in (False, True):
+            model, opt = build()
+            model.load_state_dict(weights)
+            if loaded_while_frozen:
+                _load(opt, how, saved, tmp_path)
+            for p in model[0].parameters():
+                p.requires_grad_(True)  # the loop unfreezes at its step, as before the save
+            if not loaded_while_frozen:
+                _load(opt, how, saved, tmp_path)
+            assert not opt._own_steps, "the unfrozen parameters count on their buckets' counter after the load too"
+            _train_unfreezing(model, opt, range(UNFROZEN_AT + 1, STEPS))
+            for a, b in zip(model.parameters(), truth):
+                assert_bitwise_equal(a.detach(), b, f"resumed through {how} after an unfreeze "
+                                                    f"(loaded while frozen: {loaded_while_frozen})")
+
+
+def _load(opt, how, saved, tmp_path):
+    from tritonshard.checkpoint import load_sharded
+    if how == "state_dict":
+        opt.load_state_dict(saved)
+    else:
+        load_sharded(opt, str(tmp_path / "ckpt"))
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])  # (the rules whose update reads the count)
@@ -369,3 +376,61 @@ def test_a_frozen_parameter_holding_a_gradient_is_stepped_as_torch_optim_steps_i
         check(f"{when}, overlap_comm={overlap_comm}, step {step}")
         opt.zero_grad()
         ropt.zero_grad()
+
+
+def _frozen_resume_run(rank, world_size, kind, how, tmp_path):
+    """Frozen after building (it has state by then), the run saved with it frozen (``how``: state_dict or
+    save_sharded into ``tmp_path``), resumed by a script that freezes it before building the optimizer and loads
+    the state; it is unfrozen again later."""
+    from tritonshard.checkpoint import save_sharded
+    make = MAKE[kind]
+    frozen_steps = range(2, 5)
+
+    def train(model, opt, steps):
+        for step in steps:
+            model[0].weight.requires_grad_(step not in frozen_steps)
+            x = torch.randn(4, 9, generator=torch.Generator().manual_seed(10 * step + rank)).to(torch.bfloat16)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = _model()
+    opt = make(list(model.parameters()))
+    train(model, opt, range(4))
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    if how == "save_sharded":
+        save_sharded(opt, str(tmp_path / "ckpt"))
+    train(model, opt, range(4, 7))
+    truth = [p.detach().clone() for p in model.parameters()]
+    truth_state = opt.state_dict()["state"]
+
+    model = _model()
+    model.load_state_dict(weights)
+    model[0].weight.requires_grad_(False)  # (the resume script freezes it as the run had it, then builds)
+    opt = make(list(model.parameters()))
+    _load(opt, how, saved, tmp_path)
+    train(model, opt, range(4, 7))
+    what = f"{kind}, {how}, rank {rank} of {world_size}: resumed with a frozen parameter"
+    for a, b in zip(model.parameters(), truth):
+        assert_bitwise_equal(a.detach(), b, f"{what}: the weights")
+    state = opt.state_dict()["state"]
+    assert state.keys() == truth_state.keys(), what
+    for i in truth_state:
+        for key in truth_state[i]:
+            assert_bitwise_equal(state[i][key], truth_state[i][key], f"{what}: state {i} {key}")
+
+
+@pytest.mark.parametrize("how", ["state_dict", "save_sharded"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_run_that_froze_a_parameter_resumes_with_it_frozen(kind, how, tmp_path):
+    """torch.optim loads the state of a parameter that is frozen when the resumed optimizer is built, and trains
+    it from that state once it is unfrozen. Until session 19 the load was a ValueError naming it (the parameter,
+    frozen at construction, had no buffers to load into); now it is laid out at the load, as an unfrozen one is,
+    and the run continues bit for bit (its moments and its step count, which differs from the others': AdamW's
+    bias correction reads it). The sharded checkpoint's load was a CheckpointMismatchError telling to unfreeze it
+    first."""
+    _frozen_resume_run(0, 1, kind, how, tmp_path)
+
+
+def test_a_run_that_froze_a_parameter_resumes_with_it_frozen_on_two_ranks(tmp_path):
+    run_on_ranks(_frozen_resume_run, 2, "adamw", "save_sharded", tmp_path)

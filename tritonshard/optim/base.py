@@ -686,10 +686,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built and "
                 "holding a gradient now, but this step's gradients were already reduced (by clip_grad_norm_ or "
                 "grad_norm) without it; unfreeze (or set the gradient) before the backward")
+        self._lay_out_frozen(unfrozen, "is trainable now (or holds a gradient)")
+
+    def _lay_out_frozen(self, unfrozen: list, why: str) -> None:
+        """Parameters frozen when the optimizer was built, laid out now in new buckets of their groups (see
+        :meth:`_adopt_unfrozen`; ``why``: what made them needed, for the errors). A collective: every rank lays out
+        the same parameters (compared, with a handshake first)."""
         for p in unfrozen:
             if p.device != self.device or not p.is_floating_point():
-                raise RuntimeError(f"{self._param_names[p]} was frozen when the optimizer was built and is trainable "
-                                   f"now (or holds a gradient), but it is a {p.dtype} tensor on {p.device}; the optimizer's buffers are on "
+                raise RuntimeError(f"{self._param_names[p]} was frozen when the optimizer was built and {why}, but "
+                                   f"it is a {p.dtype} tensor on {p.device}; the optimizer's buffers are on "
                                    f"{self.device}")
         self._entry("unfreeze")
         names = [self._param_names[p] for p in unfrozen]  # (the same parameters on every rank: new buckets' layout)

@@ -125,8 +125,9 @@ class StateDictMixin:
         optimizer does not have.
 
         Raises:
-            ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for a frozen
-                or unknown parameter).
+            ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for an
+                unknown parameter, or for one frozen at construction while a backward's gradients wait for their
+                step: outside that, such a parameter is laid out to take its state, ``_lay_out_frozen_with_state``).
             tritonshard.comm.SettingsMismatchError: (a ValueError) on every rank, naming each rank's, when the ranks
                 were given different dicts (see :func:`_fingerprint`); nothing is loaded.
         """
@@ -161,14 +162,12 @@ class StateDictMixin:
         saved_ids = [i for sg in saved_groups for i in sg["params"]]
         id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
         by_index = {i: p for i, _, p in indexed}
+        self._lay_out_frozen_with_state([by_index[id_map[k]] for k in saved_state if k in id_map])
         entries: dict[torch.Tensor, dict] = {}
         for key, entry in saved_state.items():
             if key not in id_map:
                 raise ValueError(f"the state dict has state for parameter {key}, which is in no param group")
             p = by_index[id_map[key]]
-            if p not in self._bucket_of:
-                raise ValueError(f"the state dict has state for parameter {key} (shape {tuple(p.shape)}), which is "
-                                 "frozen (requires_grad=False) here")
             for name in (*self._bucket_of[p][0].state, "master"):
                 if name == "master" and name not in entry:
                     continue
@@ -203,6 +202,24 @@ class StateDictMixin:
             self._load_rounding_state(extra)
             self._refresh_params_from_master()
         self._expose_state()
+
+    def _lay_out_frozen_with_state(self, params: list) -> None:
+        """Parameters frozen when this optimizer was built that the loaded dict has state for (a run that froze
+        them after building it, resumed by a script that freezes them before building: torch.optim keeps their
+        state, and uses it once they train again, or at a step that finds a gradient in them): laid out now, as
+        parameters unfrozen later are (``_adopt_unfrozen``: new buckets of their groups, a counter of their own),
+        so the load can put their state in; frozen still, a step skips them while they hold no gradient. Not
+        between a backward and its step() (this step's reduction would miss them): a ValueError then."""
+        frozen = [p for p in params if p not in self._bucket_of]
+        if not frozen:
+            return
+        from .base import _names  # (base imports this module)
+        names = _names([self._param_names[p] for p in frozen])
+        if self._mid_step():
+            raise ValueError(f"the state dict has state for {names}, which were frozen (requires_grad=False) when "
+                             "this optimizer was built, and this is between a backward and its step(): load it "
+                             "after step() or zero_grad(), or build the optimizer with them trainable")
+        self._lay_out_frozen(frozen, f"the state dict being loaded has state for it ({names})")
 
     def _rounding_state(self) -> dict:
         """Stochastic rounding's position: every bucket's Philox key advances by one per step() from its own base
