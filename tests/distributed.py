@@ -12,6 +12,7 @@ to their state at start-up, ``os.environ`` and the warning filters restored afte
 accelerate's singleton state cleared (process groups a call made stay; see ``_reset_after_call``). A call that
 fails on any rank, or a rank that dies, ends that set of processes (the others may be blocked in a collective with
 it); the next call starts a new one. ``fresh=True`` runs on new processes that end with the call, as every call did before.
+``timeout_s`` (kept processes): a call still running after that long fails as a hang, and its processes are ended.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from multiprocessing.connection import wait
@@ -144,12 +146,17 @@ class _Ranks:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def call(self, fn, args, warnings_as_errors) -> None:
+    def call(self, fn, args, warnings_as_errors, timeout_s: float | None = None) -> None:
         for conn in self.conns:
             conn.send((fn, args, warnings_as_errors))
         pending, failures = set(range(self.world_size)), {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending and not failures:
-            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], timeout=left)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise RankFailed(f"ranks {sorted(pending)} of {self.world_size} still running after {timeout_s} s "
+                                 "(a hang: ranks waiting in different collectives?)")
             for r in sorted(pending):
                 conn, proc = self.conns[r], self.procs[r]
                 if conn in ready:
@@ -200,7 +207,7 @@ def _close_kept() -> None:
 
 
 def run_on_ranks(fn, world_size: int, *args, warnings_as_errors: type[Warning] | None = None,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, timeout_s: float | None = None) -> None:
     if fresh:
         with tempfile.TemporaryDirectory() as tmp:
             store = os.path.join(tmp, "store")
@@ -211,7 +218,7 @@ def run_on_ranks(fn, world_size: int, *args, warnings_as_errors: type[Warning] |
     if ranks is None:
         ranks = _kept[world_size] = _Ranks(world_size)
     try:
-        ranks.call(fn, args, warnings_as_errors)
+        ranks.call(fn, args, warnings_as_errors, timeout_s)
     except BaseException:
         # a failed call may leave ranks blocked in a collective with the one that raised: end them all
         del _kept[world_size]

@@ -78,6 +78,17 @@ def test_a_rank_that_dies_fails_the_call_and_the_next_call_runs():
     run_on_ranks(_all_reduce_sum, 2)
 
 
+def _hang_on_rank_1(rank, world_size):
+    if rank == 1:
+        dist.barrier()  # (rank 0 never joins it: the wait of a rank in a collective the others left)
+
+
+def test_a_call_that_hangs_fails_after_its_timeout_and_the_next_call_runs():
+    with pytest.raises(RankFailed, match=r"ranks \[1\] of 2 still running after 2 s \(a hang"):
+        run_on_ranks(_hang_on_rank_1, 2, timeout_s=2)
+    run_on_ranks(_all_reduce_sum, 2)
+
+
 def _warn(rank, world_size):
     warnings.warn("deprecated", FutureWarning)
 

@@ -382,9 +382,15 @@ class EntryCheck:
         """``mask`` (a 1-D bool CPU tensor, the same length on every rank) AND-ed over every rank: over the first
         group, then that over the second, so over the whole grid. Only after a handshake whose flag was raised
         (every rank then calls it)."""
+        return self.combine(mask)[0]
+
+    def combine(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mask`` AND-ed and OR-ed over every rank (as :meth:`intersect`: one all-gather per group)."""
+        both = torch.cat([mask, mask])
+        n = mask.numel()
         for side in self._groups:
-            mine = mask.to(torch.uint8)
-            everyone = torch.empty(side.size * mine.numel(), dtype=torch.uint8)
-            all_gather_single(everyone, mine, group=side.group)
-            mask = everyone.view(side.size, -1).all(dim=0)
-        return mask
+            mine = both.to(torch.uint8)
+            everyone = torch.empty(side.size * mine.numel(), dtype=torch.uint8).view(side.size, -1)
+            all_gather_single(everyone.view(-1), mine, group=side.group)
+            both = torch.cat([everyone[:, :n].all(dim=0), everyone[:, n:].any(dim=0)])
+        return both[:n], both[n:]

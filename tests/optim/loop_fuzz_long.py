@@ -1,9 +1,12 @@
-"""Long runs of tests/optim/test_loop_fuzz.py's random training loops (the suite runs 40 per machine):
+"""Long runs of tests/optim/test_loop_fuzz.py's random training loops (the suite runs 40 per machine) and of
+tests/optim/test_loop_fuzz_ranks.py's two-rank programs (the suite runs 12 per machine):
 
     .venv/bin/python -m tests.optim.loop_fuzz_long --examples 1000 --steps 30
+    .venv/bin/python -m tests.optim.loop_fuzz_long --examples 200 --machines ranks-adamw,ranks-adamw-overlap,ranks-sgd
 
 Random (not derandomized) examples; a failure prints hypothesis's shrunk loop, a call per line. Session 18 ran
-1,000 loops of 30 calls per machine at f67b4d2 on the 2-core VM in about 10 minutes, without a failure."""
+1,000 loops of 30 calls per machine at f67b4d2 on the 2-core VM in about 10 minutes, without a failure. (The
+two-rank programs have at most 14 calls: ``--steps`` does not apply to them.)"""
 
 import argparse
 import os
@@ -23,14 +26,34 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
                                     test_loop_fuzz.SGDTrainingLoop)}
 
 
+def _ranks_machine(machine: str, examples: int) -> None:
+    from hypothesis import given
+
+    from tests.optim import test_loop_fuzz_ranks as ranks
+    ranks.HANG_S = 15  # (shrinking a hang re-runs it many times)
+
+    @settings(max_examples=examples, deadline=None, derandomize=False, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(program=ranks.PROGRAMS)
+    def run(program):
+        ranks._check(machine, program)
+    run()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
-    parser.add_argument("--machines", default=",".join(MACHINES), help="comma-separated: " + ", ".join(MACHINES))
+    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd")]
+    parser.add_argument("--machines", default=",".join(MACHINES),
+                        help="comma-separated: " + ", ".join([*MACHINES, *ranks]))
     args = parser.parse_args()
     interpreter_speed.install()
     for name in args.machines.split(","):
+        if name.startswith("ranks-"):
+            _ranks_machine(name[len("ranks-"):], args.examples)
+            print(f"{name}: {args.examples} two-rank programs, no failure", flush=True)
+            continue
         run_state_machine_as_test(MACHINES[name], settings=settings(
             max_examples=args.examples, stateful_step_count=args.steps, deadline=None, derandomize=False,
             suppress_health_check=list(HealthCheck)))

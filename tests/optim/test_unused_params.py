@@ -181,3 +181,49 @@ def test_a_parameter_frozen_after_its_backward_is_updated_with_that_gradient_as_
     model.loss(x, HEADS).backward()
     opt.step()
     _assert_changed_only(before, _state(opt, model), {"b", "c"}, "head a frozen, without a gradient")
+
+
+def _torch_clip_over_different_lists(rank, world_size, overlap_comm):
+    """Rank 0's backward uses head a, rank 1's heads a and b: param.grad of head b is None on rank 0 only."""
+    model = _Heads().to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9, overlap_comm=overlap_comm)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    used = ["a"] if rank == 0 else ["a", "b"]
+    model.loss(x, used).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # (each rank: the norm of its own list)
+    before = _state(opt, model)
+    # (head b's two parameters named, only they: head c has no gradient anywhere)
+    with pytest.raises(RuntimeError, match=r"different parameters: param_groups\[0\]\['params'\]\[5\] \(shape "
+                                           r"\(3,\)\), param_groups\[0\]\['params'\]\[4\] \(shape \(3, 16\)\) got a "
+                                           r"gradient on some ranks only.*Nothing was updated.*opt\.clip_grad_norm_"):
+        opt.step()
+    after = _state(opt, model)
+    for key in before:
+        assert_bitwise_equal(after[key], before[key], f"{key}: the refused step changed it")
+    opt.zero_grad()
+    # the same loop with the optimizer's clip (the norm over every rank's gradients) trains, and after its step
+    # head b's param.grad is spent on rank 0 too, as under DDP (it held the average there): a step without
+    # zero_grad() is the spent-gradient error on every rank, not on rank 1 alone (which left rank 0 waiting in
+    # the next step's collectives)
+    model.loss(x, used).backward()
+    opt.clip_grad_norm_(0.01)
+    opt.step()
+    assert type(model.heads["b"].weight.grad).__name__ == "SpentGrad", f"rank {rank}"
+    assert model.heads["c"].weight.grad is None, f"rank {rank}: no rank gave head c a gradient"
+    model.loss(x, ["a"]).backward()
+    with pytest.raises(RuntimeError, match="was used by the last step"):
+        opt.step()
+    opt.zero_grad()
+    model.loss(x, used).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True])
+def test_torch_clip_over_lists_that_differ_between_ranks_is_an_error_on_every_rank(overlap_comm):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) collects the param.grad that are not None: on a rank whose
+    backward did not reach a head that another rank's did, its list lacks that head, so its norm and its clip
+    coefficient differ from the other ranks', and each rank would clip its shard of the update by its own. Until
+    session 19 that was silent (found by tests/optim/test_loop_fuzz_ranks.py). Now step() raises on every rank,
+    before anything changes (the step's handshake already exchanges which parameters got no gradient where)."""
+    run_on_ranks(_torch_clip_over_different_lists, 2, overlap_comm)

@@ -507,6 +507,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # zero_grad(set_to_none=False), or param.grad.zero_(); since the last flush): not the middle of a step
         # (_holds_placed_gradients)
         self._zeroed: dict = {}
+        # this step: torch code multiplied or clamped param.grad over its own list of gradients (an error at step()
+        # if the ranks' lists differ: _without_grad_everywhere), and the parameters without a gradient here that
+        # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
+        self._list_dependent = False
+        self._missing_here: list = []
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -1583,6 +1588,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.rs_work, b.rs_launched, b.launch_wanted, b.has_grads = None, False, False, False
         self._scratch_user = [None, None]
         placeholders, markers = self._placeholders, (self._spent_grads if spent else None)
+        if self._missing_here:
+            if spent and not compiling:  # (DDP would have put the average in their param.grad: used, so spent)
+                for p in self._missing_here:
+                    if p.grad is None:
+                        p.grad = markers[p]
+                        self._spent_unlisted = True
+            self._missing_here = []
+        self._list_dependent = False
         for b in self.buckets:
             b.ready.clear()
             if not compiling:  # step() and zero_grad() consume the gradients (see SpentGrad for step()'s markers)

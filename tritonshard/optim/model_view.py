@@ -219,10 +219,29 @@ class ModelViewMixin:
             return [] if many else mine
         if not self._entry("step", flag=bool(mine), settings=self._step_settings):
             return []
-        mask = torch.zeros(len(self._param_list), dtype=torch.bool)
+        n = len(self._param_list)
+        mask = torch.zeros(n + 1, dtype=torch.bool)
         for p in mine:
             mask[self._param_index[p]] = True
-        everywhere = self._entry.intersect(mask).tolist()
+        mask[n] = self._list_dependent  # (OR-ed: whether torch code on some rank clipped over its own list)
+        everywhere, somewhere = self._entry.combine(mask)
+        everywhere, somewhere = everywhere[:n].tolist(), somewhere.tolist()
+        # with a gradient on some ranks only: under DDP every rank's param.grad would hold the average, so torch
+        # code over param.grad would see it on every rank, and torch.optim keeps it after the step
+        partial = [p for p, none, some in zip(self._param_list, everywhere, somewhere) if some and not none]
+        if partial and somewhere[n]:
+            from .base import _names  # (base imports this module)
+            raise RuntimeError(
+                f"tritonshard: torch code clipped or scaled param.grad in this step (torch.nn.utils.clip_grad_norm_, "
+                f"clip_grad_value_, p.grad.mul_) while the ranks hold gradients of different parameters: "
+                f"{_names([self._param_names[p] for p in partial])} got a gradient on some ranks only (param.grad "
+                "None on the others). Each rank's torch code ran over its own list of gradients (its clip_grad_norm_ "
+                "computed another norm), so the ranks would update with different clippings; under DDP every rank "
+                "would hold the average of each. Nothing was updated. Use opt.clip_grad_norm_(max_norm) (the norm "
+                "over every rank's gradients), or have every rank's backward reach the same parameters (a branch "
+                "not taken on some ranks: add 0 * its output to the loss)")
+        mine_here = set(mine)
+        self._missing_here = [p for p in partial if p in mine_here]  # (their SpentGrad after the step: see there)
         return [p for p, none in zip(self._param_list, everywhere) if none]
 
     def _snapshot_pieces(self, params: list) -> dict:
@@ -277,6 +296,7 @@ class ModelViewMixin:
         """``p.grad.mul_(coef)`` on a ShardedGrad: applied in the update (``grad_scale``), not as a pass."""
         self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
         self._grad_multipliers.setdefault(p, []).append(coef)
+        self._list_dependent = True
         self._norm_cache.clear()
 
     @torch.no_grad()
@@ -289,6 +309,7 @@ class ModelViewMixin:
         at once where every parameter of it is clamped (the padding is zeros, which stay zeros when low <= 0 <=
         high), else piece by piece. Norms computed before are dropped: the next ones see the clamped values."""
         self._reduce_grads()
+        self._list_dependent = True
         if low is None and high is None:
             raise ValueError("clamp: at least one of min and max must be given")
         factor = self._grad_average

@@ -1,0 +1,363 @@
+"""Random training loops on two ranks against torch.optim: tests/optim/test_loop_fuzz.py's loops, where each rank
+runs its own backward (its own data, and its own heads: a parameter gets a gradient on some ranks only), sets and
+clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr, freezing, a resume, a new
+optimizer) are made by every rank, as in a data-parallel loop.
+
+The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
+weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
+reduce-scatter(SUM) computes) and multiplied by 1/2 in fp32; a parameter without a gradient on every rank is
+skipped, as torch.optim skips it; then torch's clip_grad_norm_ and torch.optim.AdamW / SGD on fp32 masters, whose
+rounding is the bf16 weight (tests/optim/training.py's reference). Every rank simulates both ranks' replicas, so
+every rank knows the whole state and every rank takes the same decisions.
+
+Where ShardedAdamW must raise instead of doing what torch.optim does (a spent gradient reused: test_spent_grads.py;
+a backward onto launched reductions with overlap_comm), the loop expects the error on every rank and goes on after
+clearing. Where it would raise on some ranks only (a rank-local error before any collective: the others would go
+on into the step's collectives and wait for it; README, "noticed"), the program skips that call: the loops test
+what a loop that does not fail computes. Tolerances as in test_loop_fuzz.py: masters 2e-6, weights one bf16 ulp
+plus 2e-6, norms 1e-5 relative, step counts exact.
+
+The programs are drawn by hypothesis in the test process and run on two kept gloo processes (tests/distributed.py);
+a failure shows the shrunk program, one call per line."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import run_on_ranks
+from tritonshard import ShardedAdamW, ShardedSGD
+
+from .test_loop_fuzz import _NAMES, HEADS, LRS, _groups, _Net
+
+WORLD = 2
+MACHINES = {
+    "adamw": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), {}),
+    "adamw-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
+                      dict(overlap_comm=True, bucket_cap_mb=1e-9)),
+    "sgd": (ShardedSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, foreach=False), {}),
+}
+_SPENT = "was used by the last step() and is gone"
+HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
+
+
+class _RankLoop:
+    """One rank's side of a program: our optimizer on this rank's model, and the reference of every rank."""
+
+    def __init__(self, rank: int, machine: str):
+        self.rank = rank
+        self.OURS, self.THEIRS, self.HPARAMS, self.OPTIONS = MACHINES[machine]
+        fp32 = _Net()
+        self.model = copy.deepcopy(fp32)
+        self.opt = self._ours(LRS[0])
+        self.overlap = self.OPTIONS.get("overlap_comm", False)
+        self.refs_models = [copy.deepcopy(fp32).to(torch.bfloat16) for _ in range(WORLD)]
+        self.fp32 = fp32
+        self.ropt = self.THEIRS(_groups(fp32), lr=LRS[0], **self.HPARAMS)
+        self.names = [n for n, _ in fp32.named_parameters()]
+        self.ours = dict(self.model.named_parameters())
+        self.refs = [dict(m.named_parameters()) for m in self.refs_models]
+        self.masters = dict(fp32.named_parameters())
+        self.spent = [set() for _ in range(WORLD)]   # per rank: names whose gradient the last step applied
+        self.spent_values = [{} for _ in range(WORLD)]
+        self.clipped = None     # the reference's clipped fp32 gradients of this step, once clipped
+        self.list_clip = False  # torch's clip ran over lists of gradients that differ between the ranks
+        self.launched = False   # overlap_comm: a backward outside no_sync() launched the reduce-scatters
+        self.by_hand = [False] * WORLD
+        self.batch = 0
+        self.skipped: list = []  # (calls skipped because they would fail on some ranks only)
+
+    # ------------------------------------------------------------------ helpers
+    def _ours(self, lr):
+        hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
+        return self.OURS(_groups(self.model), lr=lr, **hparams, **self.OPTIONS)
+
+    def _grads(self, w):
+        return {n: p.grad for n, p in self.refs[w].items()}
+
+    def _any_grad(self) -> bool:
+        return any(p.grad is not None for refs in self.refs for p in refs.values())
+
+    def _reuses_spent(self, w) -> bool:
+        return any(self.refs[w][n].grad is not None for n in self.spent[w])
+
+    def _live(self, w) -> bool:
+        return any(p.grad is not None and p.grad.any()
+                   and not (n in self.spent[w] and torch.equal(p.grad, self.spent_values[w][n]))
+                   for n, p in self.refs[w].items())
+
+    def _frozen_names(self) -> set:
+        return {n for n, p in self.refs[0].items() if not p.requires_grad}
+
+    def _recover(self):
+        self.opt.zero_grad()
+        for m in self.refs_models:
+            m.zero_grad()
+        self.spent = [set() for _ in range(WORLD)]
+        self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
+
+    def _partial(self) -> list:
+        """Names with a gradient on some ranks only."""
+        return [n for n in self.names
+                if len({self.refs[w][n].grad is None for w in range(WORLD)}) > 1]
+
+    def _master_grads(self) -> dict:
+        """The averaged gradient of each parameter, as the reference steps it: the ranks' bf16 gradients summed in
+        bf16 in rank order (None as zeros), times 1/WORLD in fp32; None where no rank has one."""
+        if self.clipped is not None:
+            return self.clipped
+        out = {}
+        for n in self.names:
+            grads = [self.refs[w][n].grad for w in range(WORLD)]
+            if all(g is None for g in grads):
+                out[n] = None
+                continue
+            total = None
+            for g in grads:
+                g = torch.zeros_like(self.refs[0][n]) if g is None else g
+                total = g.clone() if total is None else total + g
+            out[n] = total.float() * (1.0 / WORLD)
+        return out
+
+    def _expect_error(self, errors: list) -> str:
+        """'all', 'none', or 'some' (the call is skipped) from each rank's prediction."""
+        return "all" if all(errors) else "none" if not any(errors) else "some"
+
+    # ------------------------------------------------------------------ calls
+    def backward(self, heads, sync):
+        if self.clipped is not None:
+            return self.skipped.append("backward after a clip")
+        with contextlib.nullcontext() if sync else self.opt.no_sync():
+            for w in range(WORLD):
+                x = torch.randn(5, 7, generator=torch.Generator().manual_seed(1000 * self.batch + w))
+                if w == self.rank:
+                    if self.launched:
+                        try:
+                            self.model.loss(x, sorted(heads[w])).backward()
+                        except RuntimeError as e:
+                            assert "no_sync" in str(e), e
+                            self.batch += 1
+                            return self._recover()
+                        raise AssertionError("a backward onto launched reduce-scatters did not raise")
+                    self.model.loss(x, sorted(heads[w])).backward()
+                self.refs_models[w].loss(x, sorted(heads[w])).backward()
+        self.batch += 1
+        self.launched, self.by_hand = self.overlap and sync, [False] * WORLD
+
+    def clip(self, max_norm, how):
+        if self.clipped is not None:
+            return self.skipped.append("second clip")
+        if how == "torch" and any(self.by_hand):
+            how = "opt"  # (torch's clip on a plain bf16 gradient: bf16 arithmetic; see test_loop_fuzz.py)
+        expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
+        if expect == "some":
+            return self.skipped.append("clip with spent gradients on some ranks")
+        if expect == "all":
+            try:
+                self._clip(max_norm, how)
+            except RuntimeError as e:
+                assert _SPENT in str(e), e
+                return self._recover()
+            raise AssertionError("clipping a spent gradient did not raise")
+        if how == "torch" and self._partial():
+            # each rank's torch clip_grad_norm_ runs over its own list of param.grad: its norm is that list's, and
+            # the step refuses to apply the ranks' different clippings (on every rank)
+            self._clip(max_norm, how)
+            self.clipped, self.list_clip = {}, True
+            return
+        norm = self._clip(max_norm, how)
+        grads = self._master_grads()
+        with_grad = [n for n in self.names if grads[n] is not None]
+        for n in self.names:
+            self.masters[n].grad = grads[n]
+        ref_norm = torch.nn.utils.clip_grad_norm_([self.masters[n] for n in with_grad], max_norm, foreach=False)
+        self.clipped = {n: (None if self.masters[n].grad is None else self.masters[n].grad.clone())
+                        for n in self.names}
+        torch.testing.assert_close(norm.float(), ref_norm.float(), rtol=1e-5, atol=1e-7)
+
+    def _clip(self, max_norm, how):
+        if how == "opt":
+            return self.opt.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def step(self):
+        if self.list_clip:
+            try:
+                self.opt.step()
+            except RuntimeError as e:
+                assert "while the ranks hold gradients of different parameters" in str(e), e
+                return self._recover()
+            raise AssertionError("a step after torch's clip over different lists on the ranks did not raise")
+        expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
+        if expect == "some":
+            return self.skipped.append("step with spent gradients on some ranks")
+        if expect == "all":
+            try:
+                self.opt.step()
+            except RuntimeError as e:
+                assert _SPENT in str(e), e
+                return self._recover()
+            raise AssertionError("a step that torch.optim would take with spent gradients did not raise")
+        self.opt.step()
+        grads = self._master_grads()
+        for n in self.names:
+            self.masters[n].grad = grads[n]
+        self.ropt.step()
+        with torch.no_grad():
+            for refs in self.refs:
+                for n in self.names:
+                    refs[n].copy_(self.masters[n])
+        # as under DDP, every rank's param.grad of a parameter with a gradient on any rank held the average: the
+        # step used it on every rank (ours: a SpentGrad on every rank); zeros stand for it in the reference, whose
+        # values after a step are only cleared, zeroed or an error to use
+        for n in self.names:
+            if grads[n] is not None:
+                for w in range(WORLD):
+                    if self.refs[w][n].grad is None:
+                        self.refs[w][n].grad = torch.zeros_like(self.refs[w][n])
+        self.spent = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
+        self.spent_values = [{n: self.refs[w][n].grad.clone() for n in self.spent[w]} for w in range(WORLD)]
+        self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
+        self._compare()
+
+    def zero_grad(self, via, set_to_none):
+        if via == "model" and (self.clipped is not None or (self.launched and not set_to_none)):
+            return self.skipped.append("model.zero_grad of reduced gradients")
+        (self.opt if via == "opt" else self.model).zero_grad(set_to_none=set_to_none)
+        for m in self.refs_models:
+            m.zero_grad(set_to_none=set_to_none)
+        self.spent, self.clipped, self.launched = [set() for _ in range(WORLD)], None, False
+        self.by_hand, self.list_clip = [b and not set_to_none for b in self.by_hand], False
+
+    def _symmetric_on_frozen(self, names):
+        """A frozen parameter's gradient set or cleared on some ranks only is a case without torch semantics
+        (DDP does not reduce frozen parameters; here the shard owner's decides: README): rank 0's choice for
+        every rank there."""
+        frozen = self._frozen_names()
+        return [(set(names[w]) - frozen) | (set(names[0]) & frozen) for w in range(WORLD)]
+
+    def set_grads(self, names, seed):
+        if self.clipped is not None or self.launched:
+            return self.skipped.append("set_grads after the reduction")
+        for w, chosen in enumerate(self._symmetric_on_frozen(names)):
+            gen = torch.Generator().manual_seed(seed * WORLD + w)
+            for n in sorted(chosen):
+                g = torch.randn(self.refs[w][n].shape, generator=gen).to(torch.bfloat16)
+                self.refs[w][n].grad = g.clone()
+                if w == self.rank:
+                    self.ours[n].grad = g.clone()
+                self.spent[w].discard(n)
+            self.by_hand[w] = self.by_hand[w] or bool(chosen)
+
+    def clear_some(self, names):
+        if self.clipped is not None or self.launched:
+            return self.skipped.append("clear_some after the reduction")
+        for w, chosen in enumerate(self._symmetric_on_frozen(names)):
+            for n in sorted(chosen):
+                self.refs[w][n].grad = None
+                if w == self.rank:
+                    self.ours[n].grad = None
+                self.spent[w].discard(n)
+
+    def set_lr(self, lr):
+        for g in (*self.opt.param_groups, *self.ropt.param_groups):
+            g["lr"] = lr
+
+    def freeze(self, head, trainable):
+        if self.clipped is not None or self._any_grad():
+            return self.skipped.append("freeze with gradients")
+        for tree in (self.model, *self.refs_models):
+            tree.heads[head].requires_grad_(trainable)
+
+    def resume(self):
+        if self.clipped is not None or self.launched or self._any_grad():
+            return self.skipped.append("resume with gradients")
+        state = self.opt.state_dict()
+        self.opt = self._ours(LRS[0])
+        self.opt.load_state_dict(state)
+        self.ropt.load_state_dict(self.ropt.state_dict())
+
+    def rebuild(self):
+        """A new optimizer without state; only where no rank holds a gradient torch.optim would still use (where
+        one does, the refusal is that rank's alone: test_loop_fuzz.py checks it on one rank)."""
+        if self.clipped is not None or any(self._live(w) for w in range(WORLD)):
+            return self.skipped.append("rebuild with live gradients")
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt = self._ours(lr)
+        with torch.no_grad():
+            for n in self.names:
+                self.masters[n].copy_(self.refs[0][n].float())
+        self.ropt = self.THEIRS(_groups(self.fp32), lr=lr, **self.HPARAMS)
+        self.launched = False
+
+    # ------------------------------------------------------------------ the comparison
+    def _compare(self):
+        state = self.opt.state_dict()["state"]
+        order = [p for g in self.opt.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        for n in self.names:
+            ours, ref = self.ours[n].detach(), self.refs[0][n].detach()
+            bound = ref.float().abs() * 2.0 ** -7 + 2e-6  # one bf16 ulp, and the masters' tolerance near zero
+            assert ((ours.float() - ref.float()).abs() <= bound).all(), f"{n}: weights differ from torch.optim's"
+            entry = state.get(index[id(self.ours[n])], {})
+            rstate = self.ropt.state.get(self.masters[n], {})
+            if "step" in rstate or self.THEIRS is torch.optim.AdamW:
+                assert float(entry.get("step", 0)) == float(rstate.get("step", 0)), f"{n}: step count"
+            if "master" in entry:
+                torch.testing.assert_close(entry["master"].reshape(ref.shape), self.masters[n].detach(),
+                                           rtol=0, atol=2e-6, msg=f"{n}: master")
+
+
+def _run_program(rank, world_size, machine, program):
+    assert world_size == WORLD
+    loop = _RankLoop(rank, machine)
+    for call, *args in program:
+        getattr(loop, call)(*args)
+    loop.opt.zero_grad()
+
+
+_heads = st.frozensets(st.sampled_from(HEADS), min_size=1)
+_names = st.frozensets(st.sampled_from(_NAMES))
+_CALLS = st.one_of(
+    st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans()),
+    st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans()),  # (twice as likely)
+    st.tuples(st.just("step")),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]), st.sampled_from(["opt", "torch"])),
+    st.tuples(st.just("zero_grad"), st.sampled_from(["opt", "model"]), st.booleans()),
+    st.tuples(st.just("set_grads"), st.tuples(*[_names] * WORLD), st.integers(0, 2 ** 16)),
+    st.tuples(st.just("clear_some"), st.tuples(*[_names] * WORLD)),
+    st.tuples(st.just("set_lr"), st.sampled_from(LRS)),
+    st.tuples(st.just("freeze"), st.sampled_from(HEADS), st.booleans()),
+    st.tuples(st.just("resume")),
+    st.tuples(st.just("rebuild")),
+)
+PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
+SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _check(machine, program):
+    run_on_ranks(_run_program, WORLD, machine, program, timeout_s=HANG_S)
+
+
+@SETTINGS
+@given(program=PROGRAMS)
+def test_two_rank_loops_match_torch_optim(program):
+    _check("adamw", program)
+
+
+@SETTINGS
+@given(program=PROGRAMS)
+def test_two_rank_overlapped_loops_match_torch_optim(program):
+    _check("adamw-overlap", program)
+
+
+@SETTINGS
+@given(program=PROGRAMS)
+def test_two_rank_sgd_loops_match_torch_optim(program):
+    _check("sgd", program)
