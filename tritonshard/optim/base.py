@@ -672,14 +672,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._restore_grads(held)
 
     def _adopt_unfrozen(self) -> None:
-        """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and
-        are trainable now, or hold a gradient (set by hand, or left from before they were frozen: torch.optim steps
-        every parameter whose ``.grad`` is not None, frozen or not), start to train, as with torch.optim: laid out in new buckets of their group, with their
-        fp32 master taken from their current values, zero state and a step count of their own from 0 (torch.optim
-        counts from their first step: the new buckets' counter, so the flat update of those buckets applies it, one
-        launch per counter as for any group), and any gradient they hold kept for the step. Runs at the end of the
-        backward that first gives them a gradient, before anything is reduced (or at the next ``step()`` or
-        state_dict, where nothing is reduced yet). A collective: every rank unfreezes the same parameters."""
+        """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and are
+        trainable now, or hold a gradient (set by hand, or left from before they were frozen: torch.optim steps every
+        parameter whose ``.grad`` is not None, frozen or not), start to train, as with torch.optim: laid out in new
+        buckets of their group, with their fp32 master taken from their current values, zero state and a step count of
+        their own from 0 (torch.optim counts from their first step: the new buckets' counter, so the flat update of
+        those buckets applies it, one launch per counter as for any group), and any gradient they hold kept for the
+        step. Runs at the end of the backward that first gives them a gradient, before anything is reduced (or at the
+        next ``step()`` or state_dict, where nothing is reduced yet). A collective: every rank unfreezes the same
+        parameters."""
         unfrozen = [p for p in self._frozen_at_build if p.requires_grad or p.grad is not None]
         if not unfrozen:
             return
@@ -2285,7 +2286,7 @@ def _names(names: list) -> str:
 
 def _held_grads(params: list) -> list:
     """``(parameter, its .grad)`` for the parameters among ``params`` that hold a gradient, before laying them out
-    in buffers drops it (see :meth:`ShardedOptimizerBase._restore_grads`): a plain tensor, or another optimizer's
+    in buffers drops it (see :meth:`ShardedOptimizer._restore_grads`): a plain tensor, or another optimizer's
     marker: a :class:`~.model_sync.SpentGrad`, or a placeholder, which between steps stands for zeros
     (``zero_grad(set_to_none=False)``). A placeholder standing for a backward's gradients is a RuntimeError:
     here for an optimizer that is gone or retired (its buffers cannot be trusted to hold them), in ``_holders``
