@@ -25,7 +25,7 @@ __all__ = ["reduce_scatter_single", "all_gather_single", "all_to_all_single", "r
            "all_gather_coalesced", "reduce_scatter_async", "all_gather_async", "group_object", "broadcast_coalesced",
            "SharedWork", "digest",
            "all_gather_text", "local_device", "group_size", "group_rank", "is_initialized", "CollectiveMismatchError",
-           "SettingsMismatchError", "EntryCheck", "destroy_process_group"]
+           "SettingsMismatchError", "PeerFailedError", "EntryCheck", "destroy_process_group"]
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
 _all_gather = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
@@ -233,6 +233,13 @@ class CollectiveMismatchError(RuntimeError):
     went on training). Raised on every rank involved, as soon as they meet, instead of a hang or a foreign error."""
 
 
+class PeerFailedError(RuntimeError):
+    """Another rank raised in a tritonshard call before the ranks' collectives (a check that found something wrong on
+    that rank only: a gradient that step() already used, say) and told the others through the call's handshake:
+    raised on every other rank, naming that rank and its error, instead of leaving them waiting in the collectives
+    that rank will not join."""
+
+
 #: the entry points that run collectives, as the handshake names them to the user
 ENTRIES = {
     "reduce": "the gradient reduction (the last backward with overlap_comm, clip_grad_norm_, grad_norm, a norm of "
@@ -329,20 +336,24 @@ class EntryCheck:
         #: whether there is anyone to shake hands with (more than one rank, checks on)
         self.active = bool(self._groups)
 
-    def __call__(self, entry: str, flag: bool = False, settings=None) -> bool:
+    def __call__(self, entry: str, flag: bool = False, settings=None,
+                 failure: Optional[BaseException] = None) -> bool:
         """Handshake for ``entry`` (a key of :data:`ENTRIES`). ``flag`` travels with it: returns whether any rank
         raised it (``flag`` itself where there is no handshake: one rank, or inside torch.compile). ``settings``:
         a callable giving ``(digest, description)`` of what must be the same on every rank for this call (step()'s
         hyper-parameters, the checkpoint a load reads: the entries of :data:`_DISAGREE`; :func:`digest` makes the
-        number); a :class:`SettingsMismatchError` on every rank, naming each rank's, where the digests differ."""
+        number); a :class:`SettingsMismatchError` on every rank, naming each rank's, where the digests differ.
+        ``failure``: the error this rank found before the call's collectives (it then shakes hands only to say so,
+        and raises it itself): every other rank raises :class:`PeerFailedError` naming it."""
         if not self._groups or torch.compiler.is_compiling():
             return flag
         code = _code(entry)
         digest, described = (0, None) if settings is None else settings()
+        failed = None if failure is None else (f"rank {dist.get_rank()}: {type(failure).__name__}: {failure}")
         for side in self._groups:  # (the flag of the first group's ranks travels on in the second: every rank ends
-            side.seq += 1           # with the OR over the whole grid)
-            mine = torch.tensor([code, side.seq, int(flag), digest], dtype=torch.int64)
-            everyone = torch.empty(4 * side.size, dtype=torch.int64)
+            side.seq += 1           # with the OR over the whole grid; a failure's text travels on too)
+            mine = torch.tensor([code, side.seq, int(flag), digest, int(failed is not None)], dtype=torch.int64)
+            everyone = torch.empty(5 * side.size, dtype=torch.int64)
             work = all_gather_single(everyone, mine, group=side.group, async_op=True)
             if entry in _COLD and WARN_AFTER_S > 0:
                 try:
@@ -355,8 +366,12 @@ class EntryCheck:
                         "every rank), this waits until the process group's timeout", dist.get_rank(), WARN_AFTER_S,
                         ENTRIES[entry])
             work.wait()
-            rows = everyone.view(side.size, 4).tolist()
+            rows = everyone.view(side.size, 5).tolist()
             if all(r[:2] == rows[0][:2] for r in rows):
+                if any(r[4] for r in rows):  # (before the settings: a failed rank's may be anything)
+                    texts = all_gather_text(failed or "", side.group, side.size, torch.device("cpu"))
+                    failed = failed or next(t for t in texts if t)
+                    continue
                 if any(r[3] != rows[0][3] for r in rows):  # the same call, not the same settings: every rank sees it
                     texts = all_gather_text(described, side.group, side.size, torch.device("cpu"))
                     listing = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
@@ -365,6 +380,8 @@ class EntryCheck:
                         f"tritonshard: the ranks called {ENTRIES[entry]} with different {what} ({listing}). {why}")
                 flag = any(r[2] for r in rows)
                 continue
+            if failed is not None:  # (mismatched calls, and a failure: the failure is the news)
+                break
             side.seq = max(r[1] for r in rows)  # (the group is unusable for training anyway; keep it consistent)
             calls = "; ".join(f"rank {r}: {_DESCRIBE.get(c, 'another tritonshard version')} (its entry {n})"
                               for r, (c, n, *_) in enumerate(rows))
@@ -376,7 +393,15 @@ class EntryCheck:
                 "attached model with buffers are collectives. A framework that "
                 "saves the optimizer on one rank only (the Hugging Face Trainer) must have every rank call "
                 "opt.prepare_state_dict() first (tritonshard.integrations.hf.ShardedOptimizerCallback does it)")
+        if failed is not None and failure is None:
+            raise PeerFailedError(
+                f"tritonshard: another rank raised in {ENTRIES[entry]} before the ranks' collectives, so this rank "
+                f"stops too instead of waiting for it ({failed})")
         return flag
+
+    def position(self) -> tuple:
+        """How many handshakes this process made in each group (changes with every handshake)."""
+        return tuple(side.seq for side in self._groups)
 
     def intersect(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` (a 1-D bool CPU tensor, the same length on every rank) AND-ed over every rank: over the first

@@ -233,3 +233,54 @@ def test_the_hf_trainer_saves_and_resumes_on_two_ranks(tmp_path):
     without a callback now, the save would deadlock (rank 1 in accelerate's gather, rank 0 in state_dict())."""
     run_on_ranks(_trainer, 2, str(tmp_path), False, True)
     run_on_ranks(_trainer, 2, str(tmp_path), True, False)
+
+
+def _error_on_one_rank(rank, world_size, case):
+    """An error that step() finds on one rank only, before any collective: that rank raises it, and the other one
+    PeerFailedError naming it, at once; then both clear their gradients and train on together."""
+    from tritonshard.comm import PeerFailedError
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+
+    def loss(step):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)).to(torch.bfloat16)
+        return model(x).float().square().mean()
+
+    loss(0).backward()
+    opt.step()
+    if case == "spent gradient":  # rank 0 clears param.grad after step(), rank 1 forgets to: its step would reuse it
+        if rank == 0:
+            opt.zero_grad()
+        loss(1).backward()
+        mine = r"was used by the last step\(\)"
+    else:  # "bad lr after the reduction": both clip (the reduction ran), then rank 1 alone sets an lr of -1
+        opt.zero_grad()
+        loss(1).backward()
+        opt.clip_grad_norm_(1.0)
+        if rank == 1:
+            opt.param_groups[0]["lr"] = -1.0
+        mine = r"lr"
+    start = time.monotonic()
+    if rank == 1:
+        with pytest.raises(Exception, match=mine) as raised:
+            opt.step()
+        assert not isinstance(raised.value, PeerFailedError), raised.value
+    else:
+        with pytest.raises(PeerFailedError, match=r"another rank raised in .* before the ranks. collectives.*\(rank 1: "
+                                                  r"\w+Error: .*" + mine):
+            opt.step()
+    assert time.monotonic() - start < SECONDS, "the ranks waited for each other"
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.zero_grad()
+    for step in range(2, 4):  # (together again: the next handshakes pair)
+        loss(step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("case", ["spent gradient", "bad lr after the reduction"])
+def test_an_error_on_one_rank_before_the_collectives_is_an_error_on_every_rank(case):
+    """Until session 19 the rank that found the error raised it and the others went on into the step's collectives
+    and waited for it (until that process exited, or for gloo's 30 minutes where the loop caught the error)."""
+    run_on_ranks(_error_on_one_rank, 2, case, timeout_s=3 * SECONDS)

@@ -12,9 +12,10 @@ every rank knows the whole state and every rank takes the same decisions.
 
 Where ShardedAdamW must raise instead of doing what torch.optim does (a spent gradient reused: test_spent_grads.py;
 a backward onto launched reductions with overlap_comm), the loop expects the error on every rank and goes on after
-clearing. Where it would raise on some ranks only (a rank-local error before any collective: the others would go
-on into the step's collectives and wait for it; README, "noticed"), the program skips that call: the loops test
-what a loop that does not fail computes. Tolerances as in test_loop_fuzz.py: masters 2e-6, weights one bf16 ulp
+clearing; where the error is found on some ranks only, before the step's collectives, those ranks raise it and the
+others PeerFailedError (step() and the optimizer's clip tell them through the reduce handshake). Where that cannot
+be (the reductions launched at the end of backward with overlap_comm; torch's clip meeting a SpentGrad first), the
+others would wait in the collectives (README), and the program skips that call. Tolerances as in test_loop_fuzz.py: masters 2e-6, weights one bf16 ulp
 plus 2e-6, norms 1e-5 relative, step counts exact.
 
 The programs are drawn by hypothesis in the test process and run on two kept gloo processes (tests/distributed.py);
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 
 from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
+from tritonshard.comm import PeerFailedError
 
 from .test_loop_fuzz import _NAMES, HEADS, LRS, _groups, _Net
 
@@ -123,9 +125,26 @@ class _RankLoop:
             out[n] = total.float() * (1.0 / WORLD)
         return out
 
-    def _expect_error(self, errors: list) -> str:
-        """'all', 'none', or 'some' (the call is skipped) from each rank's prediction."""
-        return "all" if all(errors) else "none" if not any(errors) else "some"
+    def _expect_error(self, errors: list, told: bool = True) -> str:
+        """'all', 'none', or 'some' (the call is skipped) from each rank's prediction; 'told' where the ranks that
+        find it tell the others (step() and the optimizer's clip before this step's reduce handshake: the others
+        raise PeerFailedError)."""
+        if all(errors) or not any(errors):
+            return "all" if all(errors) else "none"
+        return "told" if told and not self.launched else "some"
+
+    def _expect_told(self, call, what):
+        """A call that raises here (``_SPENT``) or, on a rank that found nothing wrong, PeerFailedError naming the
+        error of a rank that did."""
+        try:
+            call()
+        except PeerFailedError as e:
+            assert not self._reuses_spent(self.rank) and _SPENT in str(e), e
+            return self._recover()
+        except RuntimeError as e:
+            assert self._reuses_spent(self.rank) and _SPENT in str(e), e
+            return self._recover()
+        raise AssertionError(f"{what} with spent gradients on some ranks did not raise")
 
     # ------------------------------------------------------------------ calls
     def backward(self, heads, sync):
@@ -159,7 +178,9 @@ class _RankLoop:
             # that rank is not in the reduction the others' clip makes (a CollectiveMismatchError at its next
             # collective: under DDP it would skip the clip, silently)
             return self.skipped.append("torch's clip on a rank without gradients")
-        expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
+        expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)], told=how == "opt")
+        if expect == "told":
+            return self._expect_told(lambda: self._clip(max_norm, how), "a clip")
         if expect == "some":
             return self.skipped.append("clip with spent gradients on some ranks")
         if expect == "all":
@@ -199,6 +220,8 @@ class _RankLoop:
                 return self._recover()
             raise AssertionError("a step after torch's clip over different lists on the ranks did not raise")
         expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
+        if expect == "told":
+            return self._expect_told(self.opt.step, "a step")
         if expect == "some":
             return self.skipped.append("step with spent gradients on some ranks")
         if expect == "all":

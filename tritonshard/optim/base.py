@@ -499,6 +499,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         #: ... straight through the ProcessGroup's methods (comm.reduce_scatter_async: not even torch's wrapper)
         self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
         self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
+        self._step_entered = False  # ... and its "step" one (_without_grad_everywhere)
         # overlap_comm: a backward's end launched reduce-scatters, and no flush came since (_forget_discarded_launches);
         # a later backward took a placeholder of a launched bucket to accumulate onto it (an error at the flush)
         self._launched_by_backward = False
@@ -1434,11 +1435,20 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     # ------------------------------------------------------------------ reduction, norm, clipping
     def _reduce_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reduce-scatter + 1/d scale + global sum of squares and non-finite flag; once per step."""
+        """Reduce-scatter + 1/d scale + global sum of squares and non-finite flag; once per step. An error before
+        its collectives (a check of the gradients) is told to the other ranks (:meth:`_tell_peers`)."""
         if self._reduced is not None:
             if self._frozen_at_build and not torch.compiler.is_compiling():
                 self._adopt_unfrozen()  # (unfrozen since the reduction: an error if it would miss a gradient)
             return self._reduced
+        shaken = self._entry.position()
+        try:
+            return self._reduce_now()
+        except Exception as exc:
+            self._tell_peers(exc, shaken)
+            raise
+
+    def _reduce_now(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._no_sync_depth:
             raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
         if self._spent_unlisted or self._spent or self._stale:
@@ -1609,7 +1619,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if b.no_grad:
                 b.no_grad = {}
         self._next_launch = 0
-        self._reduce_entered = self._lr_filled = False
+        self._reduce_entered = self._step_entered = self._lr_filled = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
         self._reduced, self._clip_coef = None, None
@@ -1898,31 +1908,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_loss_scale_floor()
-        if self._look_for_trainer:  # once: a transformers.Trainer saves the optimizer on one rank only
-            self._look_for_trainer = False
-            if "transformers" in sys.modules and not torch.compiler.is_compiling():
-                from ..integrations import hf
-                hf.adopt_trainer(self)
-        # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
-        # a bad value in group 1 must not leave group 0 updated and the step counters advanced
-        for gi, group in self._trained_groups:
-            self._check_group(group, f" (param_groups[{gi}], at step())")
-        _, found_inf = self._reduce_grads()
-        if self._clamped and self._scale is None:  # clip_grad_value_ may have made an inf finite
-            self._recheck_finite()
-        # torch.amp.GradScaler.step(opt) sets these two around this call (see _step_supports_amp_scaling): the scale
-        # the loss was multiplied by, unless unscale_() folded its inverse in already, and its inf flag
-        amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
-        if amp_scale is not None or amp_found_inf is not None:
-            self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
-        self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
-        multiplier = self._common_multiplier()
-        # parameters frozen since construction (requires_grad=False now), and those without a gradient on every
-        # rank: torch.optim skips them (no grad), so their weights and state must come out of the flat update
-        # unchanged
-        # (two disjoint lists: the second holds parameters that require grad; the "step" handshake is in it)
-        frozen = self._frozen_since_build() + self._without_grad_everywhere()
+        shaken = self._entry.position()
+        try:
+            found_inf, amp_scale, amp_found_inf, multiplier, frozen = self._before_update()
+        except Exception as exc:
+            self._tell_peers(exc, shaken)
+            raise
         self._prepared_state = None
         compiling = torch.compiler.is_compiling()
         if self._graphs is not None and not compiling:
@@ -1951,6 +1942,57 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if not self._state_exposed and not torch.compiler.is_compiling():
             self._expose_state()
         return loss
+
+    def _before_update(self) -> tuple:
+        """What :meth:`step` checks and reduces before it changes anything (an error here is told to the other
+        ranks: :meth:`_tell_peers`): ``(found_inf, amp_scale, amp_found_inf, multiplier, frozen)``."""
+        self._check_loss_scale_floor()
+        if self._look_for_trainer:  # once: a transformers.Trainer saves the optimizer on one rank only
+            self._look_for_trainer = False
+            if "transformers" in sys.modules and not torch.compiler.is_compiling():
+                from ..integrations import hf
+                hf.adopt_trainer(self)
+        # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
+        # a bad value in group 1 must not leave group 0 updated and the step counters advanced
+        for gi, group in self._trained_groups:
+            self._check_group(group, f" (param_groups[{gi}], at step())")
+        _, found_inf = self._reduce_grads()
+        if self._clamped and self._scale is None:  # clip_grad_value_ may have made an inf finite
+            self._recheck_finite()
+        # torch.amp.GradScaler.step(opt) sets these two around this call (see _step_supports_amp_scaling): the scale
+        # the loss was multiplied by, unless unscale_() folded its inverse in already, and its inf flag
+        amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
+        if amp_scale is not None or amp_found_inf is not None:
+            self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
+        self.wait_for_params()  # the update rewrites the param shards the last all-gather reads
+        multiplier = self._common_multiplier()
+        # parameters frozen since construction (requires_grad=False now), and those without a gradient on every
+        # rank: torch.optim skips them (no grad), so their weights and state must come out of the flat update
+        # unchanged
+        # (two disjoint lists: the second holds parameters that require grad; the "step" handshake is in it)
+        frozen = self._frozen_since_build() + self._without_grad_everywhere()
+        return found_inf, amp_scale, amp_found_inf, multiplier, frozen
+
+    def _tell_peers(self, exc: BaseException, shaken: tuple) -> None:
+        """``exc`` was raised on this rank before the step's collectives: tell the other ranks through the
+        handshake they will meet next (the "reduce" one, or the "step" one after a reduction), so that they raise
+        too (:class:`~tritonshard.comm.PeerFailedError`, naming this rank's error) instead of waiting in collectives
+        this rank will not join. Nothing where this rank is past both (with ``overlap_comm`` the reduce handshake
+        ran at the end of backward, and the others may be in the reduction's collectives: they wait, as before),
+        nor where it shook hands since the call began (``shaken``, the handshake counts then: the ranks met, so
+        the error came after, from that handshake or on every rank)."""
+        if not self._entry.active or torch.compiler.is_compiling() or self._entry.position() != shaken:
+            return
+        if not self._reduce_entered:
+            entry, self._reduce_entered = "reduce", True
+        elif self._reduced is not None and not self._step_entered:
+            entry, self._step_entered = "step", True
+        else:
+            return
+        try:
+            self._entry(entry, failure=exc)
+        except Exception:  # noqa: BLE001 -- (ranks in other calls: this rank's own error is the one to raise)
+            pass
 
     def _update_phase(self, found_inf: torch.Tensor, amp_scale, amp_found_inf, multiplier, frozen: list) -> None:
         """The device work of :meth:`step` after the reduction: ``grad_scale``, the step counters, the updates, the

@@ -217,6 +217,7 @@ class ModelViewMixin:
         if not self._entry.active:  # one rank (mine are everyone's), or no handshake to agree through
             many = comm.is_initialized() and self.world_size * self.replica_size > 1
             return [] if many else mine
+        self._step_entered = True
         if not self._entry("step", flag=bool(mine), settings=self._step_settings):
             return []
         n = len(self._param_list)
