@@ -323,11 +323,12 @@ class EntryCheck:
     entry is this one, so entries always meet entries, and when the ranks are in different ones every rank
     raises :class:`CollectiveMismatchError` naming each rank's call, as soon as the others reach any entry.
 
-    Cost: one all-gather of 32 bytes per rank on CPU per entry (two per training step: the reduction and the
+    Cost: one all-gather of 40 bytes per rank on CPU per entry (two per training step: the reduction and the
     step), no device sync; nothing at world size 1. The third number is a flag any entry may raise (step() raises
     it when a parameter got no gradient on this rank: :meth:`intersect` then finds those that got none anywhere);
     the fourth a digest of settings that must agree (step()'s hyper-parameters, the checkpoint a load reads), 0 for
-    the other entries.
+    the other entries; the fifth says that this rank failed before the call's collectives (``failure``: the others
+    raise :class:`PeerFailedError`).
     """
 
     def __init__(self, groups: list):

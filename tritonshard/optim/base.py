@@ -292,7 +292,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             correctly rounded add): this changes nothing there.
         align: view alignment inside buckets, in elements (see :data:`tritonshard.buffer.DEFAULT_ALIGN`).
         check_collectives: shake hands before every collective entry point (:class:`tritonshard.comm.EntryCheck`),
-            so ranks in different calls get a CollectiveMismatchError instead of a hang. Costs two 24-byte gloo
+            so ranks in different calls get a CollectiveMismatchError instead of a hang. Costs two 40-byte gloo
             all-gathers per step with more than one rank; False saves them (every rank must pass the same), and
             then a parameter without a gradient on every rank is updated with zeros instead of skipped (the
             handshake is how the ranks agree on it; see ``_without_grad_everywhere``).
@@ -1808,7 +1808,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         gets a CollectiveMismatchError there, not a broadcast that waits forever. Its flag says whether any
         rank's buffers changed since the last broadcast (a tensor's version counter moved, or a tensor was
         replaced): where none did (a rotary embedding's ``inv_freq``, a causal mask), the broadcast is skipped, and
-        the forward costs the handshake alone (32 bytes per rank on CPU). With ``check_collectives=False``, no
+        the forward costs the handshake alone (40 bytes per rank on CPU). With ``check_collectives=False``, no
         handshake and a broadcast every time."""
         model, slots = self._buffer_slots
         found = (m._buffers.get(name) for m, name in slots) if model is module else module.buffers()
