@@ -240,20 +240,26 @@ class TrainingLoop(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):
-        state = self.opt.state_dict()["state"]
-        order = [p for g in self.opt.param_groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(order)}
-        for n in self.names:
-            ours, ref = self.ours[n].detach(), self.refs[n].detach()
-            bound = ref.float().abs() * 2.0 ** -7 + 2e-6  # one bf16 ulp, and the masters' tolerance near zero
-            assert ((ours.float() - ref.float()).abs() <= bound).all(), f"{n}: weights differ from torch.optim's"
-            entry = state.get(index[id(self.ours[n])], {})
-            rstate = self.ropt.state.get(self.masters[n], {})
-            if "step" in rstate or self.THEIRS is torch.optim.AdamW:  # (torch.optim.SGD keeps no count)
-                assert float(entry.get("step", 0)) == float(rstate.get("step", 0)), f"{n}: step count"
-            if "master" in entry:
-                torch.testing.assert_close(entry["master"].reshape(ref.shape), self.masters[n].detach(),
-                                           rtol=0, atol=2e-6, msg=f"{n}: master")
+        compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters)
+
+
+def compare_with_torch(opt, ropt, names, ours, refs, masters) -> None:
+    """Our weights (``ours``: name -> parameter) against the reference's bf16 weights (``refs``), our masters and
+    step counts against torch.optim's (``ropt`` over ``masters``), with the module's tolerances."""
+    state = opt.state_dict()["state"]
+    order = [p for g in opt.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(order)}
+    for n in names:
+        mine, ref = ours[n].detach(), refs[n].detach()
+        bound = ref.float().abs() * 2.0 ** -7 + 2e-6  # one bf16 ulp, and the masters' tolerance near zero
+        assert ((mine.float() - ref.float()).abs() <= bound).all(), f"{n}: weights differ from torch.optim's"
+        entry = state.get(index[id(ours[n])], {})
+        rstate = ropt.state.get(masters[n], {})
+        if "step" in rstate or isinstance(ropt, torch.optim.AdamW):  # (torch.optim.SGD keeps no count)
+            assert float(entry.get("step", 0)) == float(rstate.get("step", 0)), f"{n}: step count"
+        if "master" in entry:
+            torch.testing.assert_close(entry["master"].reshape(ref.shape), masters[n].detach(),
+                                       rtol=0, atol=2e-6, msg=f"{n}: master")
 
 
 class OverlappedTrainingLoop(TrainingLoop):
