@@ -121,45 +121,22 @@ class TrainingLoop(RuleBasedStateMachine):
             # bf16 model: not the fp32 arithmetic of the reference (nor of the placeholders, which give fp32 norms)
             how = "opt"
         if self._reuses_spent():
-            try:
-                self._clip(max_norm, how)
-            except RuntimeError as e:
-                assert "was used by the last step() and is gone" in str(e), e
-                self._recover()
-                return
-            raise AssertionError("clipping a spent gradient did not raise")
+            raises_spent(lambda: self._clip(max_norm, how), "clipping a spent gradient")
+            return self._recover()
         norm = self._clip(max_norm, how)
-        grads = self._master_grads()
-        with_grad = [n for n in self.names if grads[n] is not None]
-        for n in self.names:
-            self.masters[n].grad = grads[n]
-        ref_norm = torch.nn.utils.clip_grad_norm_([self.masters[n] for n in with_grad], max_norm, foreach=False)
-        self.clipped = {n: (None if self.masters[n].grad is None else self.masters[n].grad.clone()) for n in self.names}
-        torch.testing.assert_close(norm.float(), ref_norm.float(), rtol=1e-5, atol=1e-7)
+        self.clipped = reference_clip(norm, max_norm, self.masters, self._master_grads())
 
     def _clip(self, max_norm, how):
-        if how == "opt":
-            return self.opt.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return clip(self.opt, self.model, max_norm, how)
 
     @rule()
     def step(self):
         if self._reuses_spent():
-            try:
-                self.opt.step()
-            except RuntimeError as e:
-                assert "was used by the last step() and is gone" in str(e), e
-                self._recover()
-                return
-            raise AssertionError("a step that torch.optim would take with spent gradients did not raise")
+            raises_spent(self.opt.step, "a step that torch.optim would take with spent gradients")
+            return self._recover()
         self.opt.step()
         grads = self._master_grads()
-        for n in self.names:
-            self.masters[n].grad = grads[n]
-        self.ropt.step()
-        with torch.no_grad():
-            for n in self.names:
-                self.refs[n].copy_(self.masters[n])
+        reference_step(self.ropt, self.masters, grads, [self.refs])
         self.spent = {n for n in self.names if grads[n] is not None}
         self.spent_values = {n: self.refs[n].grad.clone() for n in self.spent}  # (what a backward may add to)
         self.clipped, self.launched, self.by_hand = None, False, False
@@ -241,6 +218,50 @@ class TrainingLoop(RuleBasedStateMachine):
     # ------------------------------------------------------------------ the comparison
     def _compare(self):
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters)
+
+
+SPENT = "was used by the last step() and is gone"  # (the spent-gradient error: test_spent_grads.py)
+
+
+def raises_spent(call, what: str) -> None:
+    """``call()`` must raise the spent-gradient error (where torch.optim would use a gradient a step used)."""
+    try:
+        call()
+    except RuntimeError as e:
+        assert SPENT in str(e), e
+        return
+    raise AssertionError(f"{what} did not raise")
+
+
+def clip(opt, model, max_norm, how: str):
+    """The loop's clip: the optimizer's (``how="opt"``) or torch's over ``param.grad``; its norm."""
+    if how == "opt":
+        return opt.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def reference_clip(norm, max_norm, masters: dict, grads: dict) -> dict:
+    """torch's clip_grad_norm_ of ``grads`` (name -> fp32 gradient or None) on the fp32 ``masters``; ``norm``, ours,
+    must be its norm (1e-5 relative: fp32 sums in another order). Returns the clipped gradients, by name."""
+    for n, g in grads.items():
+        masters[n].grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_([masters[n] for n, g in grads.items() if g is not None], max_norm,
+                                              foreach=False)
+    clipped = {n: (None if masters[n].grad is None else masters[n].grad.clone()) for n in grads}
+    torch.testing.assert_close(norm.float(), ref_norm.float(), rtol=1e-5, atol=1e-7)
+    return clipped
+
+
+def reference_step(ropt, masters: dict, grads: dict, replicas: list) -> None:
+    """torch.optim's step of the fp32 ``masters`` with ``grads`` (name -> fp32 gradient or None), and their
+    rounding into each bf16 replica of the reference (name -> parameter dicts)."""
+    for n, g in grads.items():
+        masters[n].grad = g
+    ropt.step()
+    with torch.no_grad():
+        for refs in replicas:
+            for n in grads:
+                refs[n].copy_(masters[n])
 
 
 def compare_with_torch(opt, ropt, names, ours, refs, masters) -> None:

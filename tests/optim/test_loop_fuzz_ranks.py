@@ -34,7 +34,8 @@ from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import PeerFailedError
 
-from .test_loop_fuzz import _NAMES, HEADS, LRS, _groups, _Net, compare_with_torch
+from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, _groups, _Net, compare_with_torch, raises_spent, \
+    clip, reference_clip, reference_step
 
 WORLD = 2
 MACHINES = {
@@ -43,7 +44,6 @@ MACHINES = {
                       dict(overlap_comm=True, bucket_cap_mb=1e-9)),
     "sgd": (ShardedSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, foreach=False), {}),
 }
-_SPENT = "was used by the last step() and is gone"
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
 
 
@@ -184,12 +184,8 @@ class _RankLoop:
         if expect == "some":
             return self.skipped.append("clip with spent gradients on some ranks")
         if expect == "all":
-            try:
-                self._clip(max_norm, how)
-            except RuntimeError as e:
-                assert _SPENT in str(e), e
-                return self._recover()
-            raise AssertionError("clipping a spent gradient did not raise")
+            raises_spent(lambda: self._clip(max_norm, how), "clipping a spent gradient")
+            return self._recover()
         if how == "torch" and self._partial():
             # each rank's torch clip_grad_norm_ runs over its own list of param.grad: its norm is that list's, and
             # the step refuses to apply the ranks' different clippings (on every rank)
@@ -197,19 +193,10 @@ class _RankLoop:
             self.clipped, self.list_clip = {}, True
             return
         norm = self._clip(max_norm, how)
-        grads = self._master_grads()
-        with_grad = [n for n in self.names if grads[n] is not None]
-        for n in self.names:
-            self.masters[n].grad = grads[n]
-        ref_norm = torch.nn.utils.clip_grad_norm_([self.masters[n] for n in with_grad], max_norm, foreach=False)
-        self.clipped = {n: (None if self.masters[n].grad is None else self.masters[n].grad.clone())
-                        for n in self.names}
-        torch.testing.assert_close(norm.float(), ref_norm.float(), rtol=1e-5, atol=1e-7)
+        self.clipped = reference_clip(norm, max_norm, self.masters, self._master_grads())
 
     def _clip(self, max_norm, how):
-        if how == "opt":
-            return self.opt.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return clip(self.opt, self.model, max_norm, how)
 
     def step(self):
         if self.list_clip:
@@ -225,21 +212,11 @@ class _RankLoop:
         if expect == "some":
             return self.skipped.append("step with spent gradients on some ranks")
         if expect == "all":
-            try:
-                self.opt.step()
-            except RuntimeError as e:
-                assert _SPENT in str(e), e
-                return self._recover()
-            raise AssertionError("a step that torch.optim would take with spent gradients did not raise")
+            raises_spent(self.opt.step, "a step that torch.optim would take with spent gradients")
+            return self._recover()
         self.opt.step()
         grads = self._master_grads()
-        for n in self.names:
-            self.masters[n].grad = grads[n]
-        self.ropt.step()
-        with torch.no_grad():
-            for refs in self.refs:
-                for n in self.names:
-                    refs[n].copy_(self.masters[n])
+        reference_step(self.ropt, self.masters, grads, self.refs)
         # as under DDP, every rank's param.grad of a parameter with a gradient on any rank held the average: the
         # step used it on every rank (ours: a SpentGrad on every rank); zeros stand for it in the reference, whose
         # values after a step are only cleared, zeroed or an error to use
