@@ -325,7 +325,7 @@ class EntryCheck:
 
     Cost: one all-gather of 40 bytes per rank on CPU per entry (two per training step: the reduction and the
     step), no device sync; nothing at world size 1. The third number is a flag any entry may raise (step() raises
-    it when a parameter got no gradient on this rank: :meth:`intersect` then finds those that got none anywhere);
+    it when a parameter got no gradient on this rank: :meth:`combine` then finds those that got none anywhere);
     the fourth a digest of settings that must agree (step()'s hyper-parameters, the checkpoint a load reads), 0 for
     the other entries; the fifth says that this rank failed before the call's collectives (``failure``: the others
     raise :class:`PeerFailedError`).
@@ -404,14 +404,10 @@ class EntryCheck:
         """How many handshakes this process made in each group (changes with every handshake)."""
         return tuple(side.seq for side in self._groups)
 
-    def intersect(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` (a 1-D bool CPU tensor, the same length on every rank) AND-ed over every rank: over the first
-        group, then that over the second, so over the whole grid. Only after a handshake whose flag was raised
-        (every rank then calls it)."""
-        return self.combine(mask)[0]
-
     def combine(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``mask`` AND-ed and OR-ed over every rank (as :meth:`intersect`: one all-gather per group)."""
+        """``mask`` (a 1-D bool CPU tensor, the same length on every rank) AND-ed and OR-ed over every rank: over
+        the first group, then that over the second, so over the whole grid (one all-gather per group). Only after
+        a handshake whose flag was raised (every rank then calls it)."""
         both = torch.cat([mask, mask])
         n = mask.numel()
         for side in self._groups:
