@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -274,3 +275,47 @@ def test_importing_the_checkpoint_module_leaves_dcp_until_the_first_sharded_save
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _numpy_rng_state():
+    import numpy as np
+    return {"numpy": np.random.default_rng(0).bit_generator.state, "legacy": np.random.get_state()}
+
+
+@pytest.mark.parametrize("extra,where,kind", [
+    (lambda np: {"step": 3, "best": np.float64(0.5)}, "extra['best']", "numpy.float64"),  # a np.mean of losses
+    (lambda np: {"rng": _numpy_rng_state()}, "extra['rng']['legacy'][1]", "numpy.ndarray"),
+    (lambda np: {"runs": [1, {"out": __import__("pathlib").PurePosixPath("/x")}]}, "extra['runs'][1]['out']",
+     "pathlib.PurePosixPath"),
+    (lambda np: {"fn": lambda: 0}, "extra['fn']", "builtins.function"),
+])
+def test_an_extra_that_could_not_be_loaded_is_refused_before_anything_is_written(tmp_path, extra, where, kind):
+    """meta.pt is read with torch.load(weights_only=True): these used to save without a word and make the
+    checkpoint unloadable (an UnpicklingError at load_sharded)."""
+    import numpy as np
+    model, opt, sched = _setup()
+    train_step(model, opt, sched, 0, 0)
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=rf"{re.escape(where)} is a {re.escape(kind)}, which load_sharded cannot "
+                                        r"read back"):
+        save_sharded(opt, path, extra=extra(np))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TypeError, match="extra must be a dict"):
+        save_sharded(opt, path, extra=[1, 2])
+
+
+def test_rng_states_and_nested_values_in_extra_come_back_from_the_load(tmp_path):
+    import numpy as np
+    model, opt, sched = _setup()
+    train_step(model, opt, sched, 0, 0)
+    legacy = np.random.get_state()
+    extra = {"step": 1, "torch": torch.get_rng_state(), "python": random.getstate(), "loss": 0.25,
+             "numpy": {"keys": torch.from_numpy(legacy[1].copy()), "pos": int(legacy[2])},
+             "tags": ("a", None, True), "ids": {3, 5}, "nested": [{"x": torch.arange(3)}]}
+    save_sharded(opt, str(tmp_path / "ckpt"), extra=extra)
+    got = load_sharded(opt, str(tmp_path / "ckpt"))
+    assert got.keys() == extra.keys()
+    assert torch.equal(got["torch"], extra["torch"]) and got["python"] == extra["python"]
+    assert torch.equal(got["numpy"]["keys"], extra["numpy"]["keys"]) and got["numpy"]["pos"] == extra["numpy"]["pos"]
+    assert (got["loss"], got["tags"], got["ids"], got["step"]) == (0.25, ("a", None, True), {3, 5}, 1)
+    assert torch.equal(got["nested"][0]["x"], torch.arange(3))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import pickle
 import warnings
@@ -132,6 +133,20 @@ def _barrier(opt) -> None:
         dist.barrier(group=opt.replica_group)
 
 
+@contextlib.contextmanager
+def _together(opt, entry: str, settings=None):
+    """A step of a save or load that may fail on one rank only (a file that only it cannot see, read or write),
+    ending where every rank meets: there an error on any rank is an error on every rank (the others raise
+    :class:`~tritonshard.comm.PeerFailedError` naming it), where before the others went on into the next collective
+    (DCP's, a barrier) and waited for that rank until the process group's timeout. The meeting is the call's
+    handshake (:meth:`~tritonshard.comm.EntryCheck.together`, 40 bytes per rank on the gloo side group; with
+    ``settings`` compared, as there); with ``check_collectives=False`` a barrier, which carries no error."""
+    with opt._entry.together(entry, settings):
+        yield
+    if not opt._entry.active:
+        _barrier(opt)
+
+
 def _is_lead(opt) -> bool:
     return opt.rank == 0 and opt.replica_rank == 0
 
@@ -173,64 +188,144 @@ _LOAD_HOOKS = ("load_state_dict_pre", "load_state_dict_post")
 def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     """Write ``opt``'s state as a sharded checkpoint directory ``path`` (a collective: every rank calls it).
 
-    ``extra``: small picklable-free data (numbers, strings, tensors, lists, dicts) stored in the metadata by rank 0,
-    e.g. the training step and RNG states. An optimizer with torch.optim state-dict hooks
+    ``extra``: small data (tensors, numbers, strings, bools, None, and lists, tuples, dicts and sets of them) stored
+    in the metadata by rank 0, e.g. the training step and RNG states (``torch.get_rng_state()``,
+    ``random.getstate()``; numpy's as a tensor): what :func:`load_sharded` could not read back (a numpy scalar, a
+    Path) is a TypeError naming it, before anything is written. An optimizer with torch.optim state-dict hooks
     (``register_state_dict_pre_hook``/``post_hook``) is an error: they act on the full dict, which a sharded save
-    never builds.
+    never builds. Every rank must name the same directory, on a filesystem they all share (a CheckpointError
+    otherwise, before any shard is written). An error on one rank only (a file it cannot write) is an error on
+    every rank (:class:`~tritonshard.comm.PeerFailedError` on the others), never a hang.
     """
-    _refuse_dict_hooks(opt, "save_sharded", _SAVE_HOOKS)
-    opt._entry("save")
-    opt.sync_from_model()
-    opt.wait_for_params()
-    index_of = {p: i for i, _, p in opt._indexed_params()}
-    partial = f"{path}.partial"
-    if _is_lead(opt) and os.path.exists(partial):
-        shutil.rmtree(partial)  # left by a save that died
-    _barrier(opt)
-    os.makedirs(partial, exist_ok=True)
-    pieces = {}  # DCP key -> (numel of the flattened parameter, offset of this rank's piece, the piece)
-    for b in opt.buckets:
-        master = b.master_fp32()
-        for piece in b.param_buffer.shard_pieces():
-            p = b.params[piece.tensor_index]
-            sl = slice(piece.shard_start, piece.shard_end)
-            for name, t in (("master", master), *b.state.items()):
-                pieces[_key(index_of[p], name)] = (p.numel(), piece.tensor_start, t[sl].detach())
+    with _together(opt, "save"):  # (the call's first handshake: every rank's checks travel in it)
+        _refuse_dict_hooks(opt, "save_sharded", _SAVE_HOOKS)
+        _check_extra(extra)
+    with _together(opt, "save"):
+        opt.sync_from_model()
+        opt.wait_for_params()
+        index_of = {p: i for i, _, p in opt._indexed_params()}
+        partial = f"{path}.partial"
+        if _is_lead(opt):
+            if os.path.exists(partial):
+                shutil.rmtree(partial)  # left by a save that died
+            os.makedirs(partial)
+    with _together(opt, "save"):
+        os.makedirs(partial, exist_ok=True)
+        _sign_in(opt, partial)
+    with _together(opt, "save"):
+        if _is_lead(opt):
+            _check_signed_in(opt, partial)
+        pieces = {}  # DCP key -> (numel of the flattened parameter, offset of this rank's piece, the piece)
+        for b in opt.buckets:
+            master = b.master_fp32()
+            for piece in b.param_buffer.shard_pieces():
+                p = b.params[piece.tensor_index]
+                sl = slice(piece.shard_start, piece.shard_end)
+                for name, t in (("master", master), *b.state.items()):
+                    pieces[_key(index_of[p], name)] = (p.numel(), piece.tensor_start, t[sl].detach())
     if opt.replica_rank == 0:  # hybrid sharding: replicas hold the same shards, the first one writes them
         from . import _dcp
         with _single_process_ok():
             _dcp.dcp.save({}, checkpoint_id=partial, planner=_dcp._PiecesSavePlanner(pieces),
                           process_group=_dcp_group(opt), no_dist=not comm.is_initialized())
-    if _is_lead(opt):
-        # every file DCP wrote, hashed once it is complete (DCP's coordinator returns after every rank's write);
-        # meta.pt carries these, and meta.pt's own digest sits beside it (checked on load before anything is used)
-        checksums = {name: _digest(os.path.join(partial, name)) for name in sorted(os.listdir(partial))}
-        # one host read per counter (most parameters share their group's)
-        counts = {id(t): float(t) for t in (*(b.step for _, (b, *_) in opt._step_units), *opt._own_steps.values())}
-        steps = {index_of[p]: counts[id(opt._param_step(p))] for b in opt.buckets for p in b.params}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
-                "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
-                "state_names": list(opt._state_names), "extra": extra or {},
-                "scaler": opt._scaler_state(), "rounding": opt._rounding_state(), "checksums": checksums}
-        atomic_save(meta, os.path.join(partial, "meta.pt"))
-        with open(os.path.join(partial, _META_DIGEST), "w") as f:
-            f.write(_digest(os.path.join(partial, "meta.pt")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    _barrier(opt)
-    if _is_lead(opt):
-        if os.path.exists(path):
-            old = f"{path}.old"
-            if os.path.exists(old):
+    # (DCP raises on every rank when a rank fails in it: its coordinator gathers every rank's result)
+    with _together(opt, "save"):
+        if _is_lead(opt):
+            # every file DCP wrote, hashed once it is complete (DCP's coordinator returns after every rank's
+            # write); meta.pt carries these, and meta.pt's own digest sits beside it (checked on load before
+            # anything is used)
+            checksums = {name: _digest(os.path.join(partial, name)) for name in sorted(os.listdir(partial))}
+            # one host read per counter (most parameters share their group's)
+            counters = (*(b.step for _, (b, *_) in opt._step_units), *opt._own_steps.values())
+            counts = {id(t): float(t) for t in counters}
+            steps = {index_of[p]: counts[id(opt._param_step(p))] for b in opt.buckets for p in b.params}
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
+                    "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),
+                    "state_names": list(opt._state_names), "extra": extra or {},
+                    "scaler": opt._scaler_state(), "rounding": opt._rounding_state(), "checksums": checksums}
+            atomic_save(meta, os.path.join(partial, "meta.pt"))
+            with open(os.path.join(partial, _META_DIGEST), "w") as f:
+                f.write(_digest(os.path.join(partial, "meta.pt")) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+    with _together(opt, "save"):
+        if _is_lead(opt):
+            if os.path.exists(path):
+                old = f"{path}.old"
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.replace(path, old)
+                os.replace(partial, path)
                 shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(partial, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    _barrier(opt)
+            else:
+                os.replace(partial, path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+_SIGNED_IN = ".signed-in-rank-"
+
+
+def _sign_in(opt, partial: str) -> None:
+    """A file named after this rank in ``partial`` as this rank sees it, for :func:`_check_signed_in` (the ranks
+    that write shards: the first replica's, with hybrid sharding)."""
+    if opt.replica_rank == 0:
+        with open(os.path.join(partial, f"{_SIGNED_IN}{opt.rank}"), "w"):
+            pass
+
+
+def _check_signed_in(opt, partial: str) -> None:
+    """On the lead, which writes meta.pt and renames the directory: every writing rank's :func:`_sign_in` file is
+    in its ``partial``, which it made empty, so they all write into this one directory. Ranks given another path
+    (a step number off by one on one rank), or a directory on each node's own disk, used to write their shards
+    elsewhere while the lead completed a checkpoint without them that looked whole (its checksums list the files it
+    sees) and failed only when loaded."""
+    here = {name for name in os.listdir(partial) if name.startswith(_SIGNED_IN)}
+    missing = [r for r in range(opt.world_size) if f"{_SIGNED_IN}{r}" not in here]
+    if missing:
+        raise CheckpointError(
+            f"save_sharded: rank(s) {missing} of the shard group did not write into {partial} as rank 0 sees it: "
+            "every rank must write into the same directory (the same path on every rank, on a filesystem every "
+            "rank shares), or the checkpoint would lack their shards")
+    for name in here:
+        os.remove(os.path.join(partial, name))
+
+
+def _check_extra(extra) -> None:
+    """``extra`` goes into meta.pt, which :func:`load_sharded` reads with ``torch.load(weights_only=True)`` (no
+    pickled code): what that cannot read back is refused here, before anything is written. A numpy scalar (a
+    ``np.mean`` of losses), a numpy RNG state or a ``pathlib.Path`` used to save fine and make the checkpoint
+    unloadable."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict (or None), got {type(extra).__name__}")
+
+    def refused(value) -> bool:
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception:  # noqa: BLE001 -- (UnpicklingError; torch.save's own for what pickle cannot write)
+            return True
+        return False
+
+    if not refused(extra):
+        return
+    where, value = "extra", extra  # down to the first value that is refused on its own
+    while True:
+        items = value.items() if isinstance(value, dict) else enumerate(value) \
+            if isinstance(value, (list, tuple)) else ()
+        inner = next(((k, v) for k, v in items if refused(v)), None)
+        if inner is None:
+            break
+        where, value = f"{where}[{inner[0]!r}]", inner[1]
+    raise TypeError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which load_sharded cannot read back: "
+        "meta.pt is loaded with torch.load(weights_only=True), which never runs pickled code, so it holds only "
+        "tensors, numbers, strings, bools, None, and lists, tuples, dicts and sets of them. Convert it first "
+        "(float(x) or x.item() for a numpy scalar, torch.from_numpy(a) for an array, str(path))")
 
 
 _META_DIGEST = "meta.pt.blake2b"
@@ -321,32 +416,33 @@ def load_sharded(opt, path: str) -> dict:
     checkpoints (meta.pt's checksums differ: another step, another run; a copy elsewhere is the same). An
     optimizer with torch.optim load-state-dict hooks is an error, as in :func:`save_sharded`.
     """
-    _refuse_dict_hooks(opt, "load_sharded", _LOAD_HOOKS)
-    opt._entry("load")
+    with _together(opt, "load"):  # (the call's first handshake: every rank's checks travel in it)
+        _refuse_dict_hooks(opt, "load_sharded", _LOAD_HOOKS)
     opt._prepared_state = None
-    meta_path = os.path.join(path, "meta.pt")
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path} is not a tritonshard sharded checkpoint (no meta.pt)")
-    digest_path = os.path.join(path, _META_DIGEST)
-    meta_digest = _digest(meta_path)  # (meta.pt holds every other file's checksum: this names the checkpoint)
-    if os.path.isfile(digest_path):
-        with open(digest_path) as f:
-            want = f.read().strip()
-        if meta_digest != want:
-            raise CheckpointError(f"{meta_path} is corrupt: its checksum does not match {digest_path}")
-    else:
-        warnings.warn(f"{path} has no checksums (written before 2026-12-01): its files are not verified",
-                      RuntimeWarning, stacklevel=2)
-    meta = load_file(meta_path)
-    _verify_files(opt, path, meta.get("checksums"))
-    if meta.get("format") != _FORMAT:
-        raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
-    opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
-    frozen = _frozen_with_saved_state(opt, meta)
-    _check_signature(opt, meta, frozenset(id(p) for p in frozen))
+    with _together(opt, "load"):  # (a path only some ranks see: on every rank, before the collective below)
+        meta_path = os.path.join(path, "meta.pt")
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(f"{path} is not a tritonshard sharded checkpoint (no meta.pt)")
+        digest_path = os.path.join(path, _META_DIGEST)
+        meta_digest = _digest(meta_path)  # (meta.pt holds every other file's checksum: this names the checkpoint)
+        if os.path.isfile(digest_path):
+            with open(digest_path) as f:
+                want = f.read().strip()
+            if meta_digest != want:
+                raise CheckpointError(f"{meta_path} is corrupt: its checksum does not match {digest_path}")
+        else:
+            warnings.warn(f"{path} has no checksums (written before 2026-12-01): its files are not verified",
+                          RuntimeWarning, stacklevel=2)
+        meta = load_file(meta_path)
+        if meta.get("format") != _FORMAT:
+            raise CheckpointMismatchError(f"unknown checkpoint format {meta.get('format')!r}")
+    _verify_files(opt, path, meta.get("checksums"))  # (rank 0 of the shard group reads them: an error on every rank)
     # again: every rank got through the checks above before DCP's collectives, and reads the same checkpoint (a
     # rank that resolved "the latest" before the last save reached its filesystem would load older shards)
-    opt._entry("load", settings=lambda: _identity(path, meta, meta_digest))
+    with _together(opt, "load", settings=lambda: _identity(path, meta, meta_digest)):
+        opt.sync_from_model()  # (first: parameters unfrozen before the load are laid out, as in the saved run)
+        frozen = _frozen_with_saved_state(opt, meta)
+        _check_signature(opt, meta, frozenset(id(p) for p in frozen))
     opt._lay_out_frozen_with_state(frozen)  # (a collective: after the ranks agreed on the checkpoint)
     opt.wait_for_params()
     index_of = {p: i for i, _, p in opt._indexed_params()}
@@ -408,33 +504,33 @@ def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = N
     timeline that ``latest`` must never point back to). Returns the checkpoint's path. The pointer moves only
     after the checkpoint is complete on every rank.
     """
-    _refuse_dict_hooks(opt, "save_checkpoint", _SAVE_HOOKS)
-    opt._entry("save")
-    if _is_lead(opt):
-        os.makedirs(directory, exist_ok=True)
-    _barrier(opt)
+    with _together(opt, "save"):  # (the call's first handshake: every rank's checks travel in it)
+        _refuse_dict_hooks(opt, "save_checkpoint", _SAVE_HOOKS)
+    with _together(opt, "save"):
+        if _is_lead(opt):
+            os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step_{step:08d}")
     save_sharded(opt, path, extra=extra)
-    if _is_lead(opt):
-        tmp = os.path.join(directory, f"latest.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(path) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, "latest"))
-        _fsync_dir(directory)
-        # prune: never the one just written; later steps belong to an abandoned timeline (a run restarted from
-        # an earlier checkpoint); of the earlier ones keep the newest keep - 1
-        current = os.path.basename(path)
-        others = sorted(d for d in os.listdir(directory)
-                        if d.startswith("step_") and d != current and not d.endswith((".partial", ".old")))
-        older = [d for d in others if d < current]
-        stale = [d for d in others if d > current] + (older[:len(older) - (keep - 1)] if keep > 0 else [])
-        # and what a crash left: ".old" copies of re-saved steps (the new one is complete now), other ".partial"s
-        stale += [d for d in os.listdir(directory) if d.startswith("step_") and d.endswith((".old", ".partial"))]
-        for d in stale:
-            shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
-    _barrier(opt)
+    with _together(opt, "save"):
+        if _is_lead(opt):
+            tmp = os.path.join(directory, f"latest.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(os.path.basename(path) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(directory, "latest"))
+            _fsync_dir(directory)
+            # prune: never the one just written; later steps belong to an abandoned timeline (a run restarted from
+            # an earlier checkpoint); of the earlier ones keep the newest keep - 1
+            current = os.path.basename(path)
+            others = sorted(d for d in os.listdir(directory)
+                            if d.startswith("step_") and d != current and not d.endswith((".partial", ".old")))
+            older = [d for d in others if d < current]
+            stale = [d for d in others if d > current] + (older[:len(older) - (keep - 1)] if keep > 0 else [])
+            # and what a crash left: ".old" copies of re-saved steps (the new one is complete now), other ".partial"s
+            stale += [d for d in os.listdir(directory) if d.startswith("step_") and d.endswith((".old", ".partial"))]
+            for d in stale:
+                shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
     return path
 
 

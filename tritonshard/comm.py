@@ -8,6 +8,7 @@ warns.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import hashlib
@@ -234,10 +235,10 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class PeerFailedError(RuntimeError):
-    """Another rank raised in a tritonshard call before the ranks' collectives (a check that found something wrong on
-    that rank only: a gradient that step() already used, say) and told the others through the call's handshake:
-    raised on every other rank, naming that rank and its error, instead of leaving them waiting in the collectives
-    that rank will not join."""
+    """Another rank raised in a tritonshard call where the others would go on into collectives without it (a check
+    that found something wrong on that rank only: a gradient that step() already used, a checkpoint file only that
+    rank cannot read or write) and told them through the call's next handshake: raised on every other rank, naming
+    that rank and its error, instead of leaving them waiting in the collectives that rank will not join."""
 
 
 #: the entry points that run collectives, as the handshake names them to the user
@@ -344,8 +345,9 @@ class EntryCheck:
         a callable giving ``(digest, description)`` of what must be the same on every rank for this call (step()'s
         hyper-parameters, the checkpoint a load reads: the entries of :data:`_DISAGREE`; :func:`digest` makes the
         number); a :class:`SettingsMismatchError` on every rank, naming each rank's, where the digests differ.
-        ``failure``: the error this rank found before the call's collectives (it then shakes hands only to say so,
-        and raises it itself): every other rank raises :class:`PeerFailedError` naming it."""
+        ``failure``: the error this rank found where the others would go on into collectives without it (it then
+        shakes hands only to say so, and raises it itself): every other rank raises :class:`PeerFailedError` naming
+        it, whichever handshake it is in (the others may be in another call already: the failure is the news)."""
         if not self._groups or torch.compiler.is_compiling():
             return flag
         code = _code(entry)
@@ -368,11 +370,12 @@ class EntryCheck:
                         ENTRIES[entry])
             work.wait()
             rows = everyone.view(side.size, 5).tolist()
+            if any(r[4] for r in rows):  # a rank failed: that is the news, whatever call the others are in (they
+                side.seq = max(r[1] for r in rows)  # may be in the next one already), and before the settings
+                texts = all_gather_text(failed or "", side.group, side.size, torch.device("cpu"))
+                failed = failed or next(t for t in texts if t)
+                continue
             if all(r[:2] == rows[0][:2] for r in rows):
-                if any(r[4] for r in rows):  # (before the settings: a failed rank's may be anything)
-                    texts = all_gather_text(failed or "", side.group, side.size, torch.device("cpu"))
-                    failed = failed or next(t for t in texts if t)
-                    continue
                 if any(r[3] != rows[0][3] for r in rows):  # the same call, not the same settings: every rank sees it
                     texts = all_gather_text(described, side.group, side.size, torch.device("cpu"))
                     listing = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
@@ -381,8 +384,6 @@ class EntryCheck:
                         f"tritonshard: the ranks called {ENTRIES[entry]} with different {what} ({listing}). {why}")
                 flag = any(r[2] for r in rows)
                 continue
-            if failed is not None:  # (mismatched calls, and a failure: the failure is the news)
-                break
             side.seq = max(r[1] for r in rows)  # (the group is unusable for training anyway; keep it consistent)
             calls = "; ".join(f"rank {r}: {_DESCRIBE.get(c, 'another tritonshard version')} (its entry {n})"
                               for r, (c, n, *_) in enumerate(rows))
@@ -396,9 +397,32 @@ class EntryCheck:
                 "opt.prepare_state_dict() first (tritonshard.integrations.hf.ShardedOptimizerCallback does it)")
         if failed is not None and failure is None:
             raise PeerFailedError(
-                f"tritonshard: another rank raised in {ENTRIES[entry]} before the ranks' collectives, so this rank "
-                f"stops too instead of waiting for it ({failed})")
+                f"tritonshard: another rank raised in a call where the ranks would go on into collectives without "
+                f"it, so this rank stops in {ENTRIES[entry]} instead of waiting for it ({failed})")
         return flag
+
+    def tell(self, entry: str, failure: BaseException) -> None:
+        """The handshake for ``entry`` carrying this rank's ``failure`` (the others raise :class:`PeerFailedError`),
+        whatever they do: an error of the handshake itself (ranks in other calls) is dropped, ``failure`` being the
+        one this rank raises."""
+        try:
+            self(entry, failure=failure)
+        except Exception:  # noqa: BLE001
+            pass
+
+    @contextlib.contextmanager
+    def together(self, entry: str, settings=None):
+        """Run the block, then shake hands for ``entry`` (with ``settings``, as in ``__call__``): an error in the
+        block on any rank is an error on every rank once they reach the block's end (the others raise
+        :class:`PeerFailedError` naming it), where otherwise they would go on into the collectives after the block
+        and wait there for the rank that left. For work that may fail on one rank only (a file only it cannot see
+        or write) before the ranks' next collective."""
+        try:
+            yield
+        except Exception as exc:
+            self.tell(entry, exc)
+            raise
+        self(entry, settings=settings)
 
     def position(self) -> tuple:
         """How many handshakes this process made in each group (changes with every handshake)."""

@@ -241,7 +241,10 @@ def _error_on_one_rank(rank, world_size, case):
     from tritonshard.comm import PeerFailedError
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(torch.bfloat16)
-    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    overlap = "overlap_comm" in case
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+    if overlap:
+        opt.attach(model)  # (the end of backward launches the reduce-scatters: its handshake is behind the step)
 
     def loss(step):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)).to(torch.bfloat16)
@@ -249,27 +252,33 @@ def _error_on_one_rank(rank, world_size, case):
 
     loss(0).backward()
     opt.step()
-    if case == "spent gradient":  # rank 0 clears param.grad after step(), rank 1 forgets to: its step would reuse it
-        if rank == 0:
+    call = opt.step
+    if case.startswith("spent gradient"):  # rank 0 clears param.grad after step(), rank 1 forgets to: its step
+        if rank == 0:                      # would reuse it
             opt.zero_grad()
-        loss(1).backward()
+        torch_clip = case == "spent gradient, torch's clip"
+        if torch_clip:  # and rank 1 skipped its backward: torch's clip meets the spent markers before any reduction
+            call = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
+        if not torch_clip or rank == 0:
+            loss(1).backward()
         mine = r"was used by the last step\(\)"
-    else:  # "bad lr after the reduction": both clip (the reduction ran), then rank 1 alone sets an lr of -1
-        opt.zero_grad()
+    else:  # "bad lr": rank 1 alone sets an lr of -1 after both clipped (the reduction ran), or with overlap_comm
+        opt.zero_grad()  # after the backward that launched the reduction
         loss(1).backward()
-        opt.clip_grad_norm_(1.0)
+        if not overlap:
+            opt.clip_grad_norm_(1.0)
         if rank == 1:
             opt.param_groups[0]["lr"] = -1.0
         mine = r"lr"
     start = time.monotonic()
     if rank == 1:
         with pytest.raises(Exception, match=mine) as raised:
-            opt.step()
+            call()
         assert not isinstance(raised.value, PeerFailedError), raised.value
     else:
-        with pytest.raises(PeerFailedError, match=r"another rank raised in .* before the ranks. collectives.*\(rank 1: "
-                                                  r"\w+Error: .*" + mine):
-            opt.step()
+        with pytest.raises(PeerFailedError, match=r"another rank raised in .* would go on into collectives without "
+                                                  r"it.*\(rank 1: \w+Error: .*" + mine):
+            call()
     assert time.monotonic() - start < SECONDS, "the ranks waited for each other"
     opt.param_groups[0]["lr"] = 1e-2
     opt.zero_grad()
@@ -279,8 +288,105 @@ def _error_on_one_rank(rank, world_size, case):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("case", ["spent gradient", "bad lr after the reduction"])
+@pytest.mark.parametrize("case", ["spent gradient", "bad lr after the reduction", "spent gradient, torch's clip",
+                                  "spent gradient, overlap_comm", "bad lr, overlap_comm"])
 def test_an_error_on_one_rank_before_the_collectives_is_an_error_on_every_rank(case):
     """Until session 19 the rank that found the error raised it and the others went on into the step's collectives
-    and waited for it (until that process exited, or for gloo's 30 minutes where the loop caught the error)."""
+    and waited for it (until that process exited, or for gloo's 30 minutes where the loop caught the error); until
+    session 20 still so with overlap_comm (the reduction in flight since the end of backward: the failing rank now
+    takes part in it, then tells the others at the step's handshake) and where torch's clip_grad_norm_ met the
+    spent gradient (SpentGrad now tells them through the reduction's handshake)."""
     run_on_ranks(_error_on_one_rank, 2, case, timeout_s=3 * SECONDS)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+SAVE_CASES = ["another directory on rank 1", "numpy scalar in rank 0's extra", "hook on rank 1",
+              "the directory is a file"]
+LOAD_CASES = ["no checkpoint at rank 1's path", "meta.pt digest wrong in rank 1's copy", "hook on rank 1"]
+
+
+def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
+    """A save or load that fails on one rank only (a file only it cannot see, read or write; a check only its
+    arguments fail): that rank raises its error and the other PeerFailedError naming it, within seconds, nothing
+    complete is left that looks like a checkpoint, and both go on to save, load and train together."""
+    import numpy as np
+
+    from tritonshard.checkpoint import CheckpointError, latest_checkpoint, save_sharded
+    from tritonshard.comm import PeerFailedError
+
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    _step(model, opt, rank, 0)
+    good = save_checkpoint(opt, os.path.join(tmp, "good"), 1)
+    directory, failing, extra = os.path.join(tmp, "run"), 1, None
+    if kind == "save":
+        target = os.path.join(directory, "step_00000002")
+        if case == "another directory on rank 1":  # (a step number off by one on one rank): the lead sees it
+            failing, mine = 0, (CheckpointError, r"rank\(s\) \[1\] of the shard group did not write into .*"
+                                                 r"the same directory")
+            call = lambda: save_sharded(opt, target if rank == 0 else target + "-other")  # noqa: E731
+        elif case == "numpy scalar in rank 0's extra":  # (used to save fine and never load)
+            failing, mine = 0, (TypeError, r"extra\['best'\] is a numpy.float64, which load_sharded cannot read back")
+            extra = {"step": 2, "best": np.float64(1.5) if rank == 0 else 1.5}
+            call = lambda: save_checkpoint(opt, directory, 2, extra=extra)  # noqa: E731
+        elif case == "hook on rank 1":
+            mine = (RuntimeError, r"save_checkpoint: the optimizer has 1 hook\(s\) from register_state_dict_pre")
+            if rank == 1:
+                handle = opt.register_state_dict_pre_hook(lambda o: None)
+            call = lambda: save_checkpoint(opt, directory, 2)  # noqa: E731
+        else:  # the lead makes the directory: a file in its way fails there only
+            failing, mine = 0, (FileExistsError, r"File exists")
+            if rank == 0:
+                with open(directory, "w") as f:
+                    f.write("not a directory\n")
+            call = lambda: save_checkpoint(opt, directory, 2)  # noqa: E731
+    else:
+        if case == "no checkpoint at rank 1's path":
+            mine = (FileNotFoundError, r"is not a tritonshard sharded checkpoint \(no meta.pt\)")
+            call = lambda: load_sharded(opt, good if rank == 0 else os.path.join(tmp, "nowhere"))  # noqa: E731
+        elif case == "meta.pt digest wrong in rank 1's copy":
+            copy = os.path.join(tmp, "copy")
+            if rank == 1:
+                shutil.copytree(good, copy)
+                with open(os.path.join(copy, "meta.pt.blake2b"), "w") as f:
+                    f.write("0" * 32 + "\n")
+            mine = (CheckpointError, r"meta.pt is corrupt: its checksum does not match")
+            call = lambda: load_sharded(opt, good if rank == 0 else copy)  # noqa: E731
+        else:
+            mine = (RuntimeError, r"load_sharded: the optimizer has 1 hook\(s\) from register_load_state_dict_pre")
+            if rank == 1:
+                handle = opt.register_load_state_dict_pre_hook(lambda o, sd: None)
+            call = lambda: load_sharded(opt, good)  # noqa: E731
+    before = flat_weights(model)
+    start = time.monotonic()
+    if rank == failing:
+        with pytest.raises(mine[0], match=mine[1]) as raised:
+            call()
+        assert not isinstance(raised.value, PeerFailedError), raised.value
+    else:
+        with pytest.raises(PeerFailedError, match=rf"another rank raised in .*\(rank {failing}: "
+                                                  rf"{mine[0].__name__}: .*{mine[1]}"):
+            call()
+    assert time.monotonic() - start < SECONDS, f"{kind}, {case}: the ranks waited for each other"
+    assert_bitwise_equal(flat_weights(model), before, f"weights after a failed {kind}")
+    if kind == "save":  # nothing that looks like a checkpoint (the lead completes one only with every shard)
+        assert not os.path.isdir(target) and latest_checkpoint(directory) is None, os.listdir(tmp)
+    if "handle" in locals():
+        handle.remove()
+    # together again: a save, a load of it, a step
+    if os.path.isfile(directory):
+        os.remove(directory)
+    saved = save_checkpoint(opt, os.path.join(tmp, "after"), 2)
+    _step(model, opt, rank, 1)
+    load_sharded(opt, saved)
+    assert_bitwise_equal(flat_weights(model), before, "weights loaded from the checkpoint saved after the error")
+    _step(model, opt, rank, 2)
+
+
+@pytest.mark.parametrize("kind,case", [("save", c) for c in SAVE_CASES] + [("load", c) for c in LOAD_CASES])
+def test_a_checkpoint_error_on_one_rank_is_an_error_on_every_rank(tmp_path, kind, case):
+    """Until session 20 the rank that failed raised and the others went on into the next collective (DCP's, a
+    barrier) and waited for it: 30 minutes, gloo's default timeout. A save into directories that differ between
+    ranks completed a checkpoint at rank 0's path without rank 1's shards, which looked whole (its checksums list
+    what rank 0 sees) and failed only when loaded; a numpy scalar in ``extra`` saved fine and could not be loaded."""
+    run_on_ranks(_checkpoint_error_on_one_rank, 2, str(tmp_path), kind, case, timeout_s=3 * SECONDS)

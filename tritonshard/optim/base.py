@@ -500,6 +500,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
         self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
         self._step_entered = False  # ... and its "step" one (_without_grad_everywhere)
+        self._reduction_started = False  # this step's reduction ran past its checks (_run_reduction)
         # overlap_comm: a backward's end launched reduce-scatters, and no flush came since (_forget_discarded_launches);
         # a later backward took a placeholder of a launched bucket to accumulate onto it (an error at the flush)
         self._launched_by_backward = False
@@ -1456,6 +1457,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self.sync_from_model()
         if not torch.compiler.is_compiling():  # (a compiled step takes the gradients its backward flushed)
             self._flush_buckets(self.buckets)  # gradients set by hand, without a backward
+        return self._run_reduction()
+
+    def _run_reduction(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reduction itself, after :meth:`_reduce_now`'s checks (its collectives come first: the "reduce"
+        handshake, unless ``overlap_comm`` shook hands at the end of backward)."""
+        self._reduction_started = True
         if self._graphs is not None and not torch.compiler.is_compiling():
             # cuda_graph=True: what runs on the host stays out of the graph (the handshake, a buffer that got no
             # gradient zeroed), the rest is captured once and replayed (graphs.py)
@@ -1619,7 +1626,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if b.no_grad:
                 b.no_grad = {}
         self._next_launch = 0
-        self._reduce_entered = self._step_entered = self._lr_filled = False
+        self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
         self._reduced, self._clip_coef = None, None
@@ -1977,22 +1984,29 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """``exc`` was raised on this rank before the step's collectives: tell the other ranks through the
         handshake they will meet next (the "reduce" one, or the "step" one after a reduction), so that they raise
         too (:class:`~tritonshard.comm.PeerFailedError`, naming this rank's error) instead of waiting in collectives
-        this rank will not join. Nothing where this rank is past both (with ``overlap_comm`` the reduce handshake
-        ran at the end of backward, and the others may be in the reduction's collectives: they wait, as before),
-        nor where it shook hands since the call began (``shaken``, the handshake counts then: the ranks met, so
-        the error came after, from that handshake or on every rank)."""
+        this rank will not join. With ``overlap_comm`` the reduce handshake ran at the end of backward: this rank
+        first takes part in the reduction the others are in, then tells them at the "step" one. Nothing where it
+        is past both, or where its reduction had started (an error in it: a bug, not a check), nor where it shook
+        hands since the call began (``shaken``, the handshake counts then: the ranks met, so the error came after,
+        from that handshake or on every rank)."""
         if not self._entry.active or torch.compiler.is_compiling() or self._entry.position() != shaken:
             return
         if not self._reduce_entered:
             entry, self._reduce_entered = "reduce", True
+        elif self._reduced is None and not self._reduction_started:
+            # overlap_comm: the end of backward shook hands and launched the reduce-scatters, so the others are
+            # (or will be) in the reduction's collectives, and the handshake they meet next is the "step" one:
+            # this rank takes part in the reduction (its result is never used) and then tells them there
+            try:
+                self._run_reduction()
+            except Exception:  # noqa: BLE001 -- (this rank's own error is the one to raise)
+                return
+            entry, self._step_entered = "step", True
         elif self._reduced is not None and not self._step_entered:
             entry, self._step_entered = "step", True
         else:
             return
-        try:
-            self._entry(entry, failure=exc)
-        except Exception:  # noqa: BLE001 -- (ranks in other calls: this rank's own error is the one to raise)
-            pass
+        self._entry.tell(entry, exc)
 
     def _update_phase(self, found_inf: torch.Tensor, amp_scale, amp_found_inf, multiplier, frozen: list) -> None:
         """The device work of :meth:`step` after the reduction: ``grad_scale``, the step counters, the updates, the

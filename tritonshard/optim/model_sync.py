@@ -178,6 +178,7 @@ _METADATA_METHODS = frozenset({
     "is_neg", "is_conj", "_is_zerotensor", "is_pinned",
 })
 _NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm}
+_REDUCING = {torch._foreach_norm, torch._amp_foreach_non_finite_check_and_unscale_}  # (with _NORMS: the reduction)
 
 
 class ShardedGrad(torch.Tensor):
@@ -304,8 +305,14 @@ class SpentGrad(ShardedGrad):
             opt._zero_spent(param)
             return args[0]
         marker = next((a for a in _flat(args, kwargs) if isinstance(a, SpentGrad)), args[0] if args else None)
-        raise spent_error(marker._name if isinstance(marker, ShardedGrad) else "a parameter",
-                          f"{name or func}() on param.grad")
+        error = spent_error(marker._name if isinstance(marker, ShardedGrad) else "a parameter",
+                            f"{name or func}() on param.grad")
+        opt = marker._optimizer() if isinstance(marker, ShardedGrad) else None
+        if opt is not None and (func in _NORMS or func in _REDUCING):
+            # torch's clip_grad_norm_ (or GradScaler.unscale_) on this rank: on the others it is in the gradient
+            # reduction, whose handshake now tells them (PeerFailedError) instead of waiting for this rank
+            opt._tell_peers(error, opt._entry.position())
+        raise error
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
