@@ -303,11 +303,12 @@ def test_an_error_on_one_rank_before_the_collectives_is_an_error_on_every_rank(c
 SAVE_CASES = ["another directory on rank 1", "numpy scalar in rank 0's extra", "hook on rank 1",
               "the directory is a file"]
 LOAD_CASES = ["no checkpoint at rank 1's path", "meta.pt digest wrong in rank 1's copy", "hook on rank 1"]
+DICT_CASES = ["state_dict pre-hook fails on rank 1", "load_state_dict pre-hook fails on rank 1"]
 
 
 def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
-    """A save or load that fails on one rank only (a file only it cannot see, read or write; a check only its
-    arguments fail): that rank raises its error and the other PeerFailedError naming it, within seconds, nothing
+    """A save or load (sharded, or of the full state dict) that fails on one rank only (a file only it cannot see,
+    read or write; a check only its arguments fail; a hook of the user's): that rank raises its error and the other PeerFailedError naming it, within seconds, nothing
     complete is left that looks like a checkpoint, and both go on to save, load and train together."""
     import numpy as np
 
@@ -340,6 +341,19 @@ def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
                 with open(directory, "w") as f:
                     f.write("not a directory\n")
             call = lambda: save_checkpoint(opt, directory, 2)  # noqa: E731
+    elif kind == "dict":  # a pre-hook of the user's that fails on one rank (it reads a file only that rank lacks)
+        def fails(*args):
+            raise OSError("the hook's file is missing on this rank")
+        mine = (OSError, r"the hook's file is missing on this rank")
+        saved = opt.state_dict()
+        if case.startswith("state_dict"):
+            if rank == 1:
+                handle = opt.register_state_dict_pre_hook(fails)
+            call = opt.state_dict
+        else:
+            if rank == 1:
+                handle = opt.register_load_state_dict_pre_hook(fails)
+            call = lambda: opt.load_state_dict(saved)  # noqa: E731
     else:
         if case == "no checkpoint at rank 1's path":
             mine = (FileNotFoundError, r"is not a tritonshard sharded checkpoint \(no meta.pt\)")
@@ -383,10 +397,11 @@ def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
     _step(model, opt, rank, 2)
 
 
-@pytest.mark.parametrize("kind,case", [("save", c) for c in SAVE_CASES] + [("load", c) for c in LOAD_CASES])
+@pytest.mark.parametrize("kind,case", [("save", c) for c in SAVE_CASES] + [("load", c) for c in LOAD_CASES]
+                         + [("dict", c) for c in DICT_CASES])
 def test_a_checkpoint_error_on_one_rank_is_an_error_on_every_rank(tmp_path, kind, case):
     """Until session 20 the rank that failed raised and the others went on into the next collective (DCP's, a
-    barrier) and waited for it: 30 minutes, gloo's default timeout. A save into directories that differ between
+    barrier, the state dict's gather) and waited for it: 30 minutes, gloo's default timeout. A save into directories that differ between
     ranks completed a checkpoint at rank 0's path without rank 1's shards, which looked whole (its checksums list
     what rank 0 sees) and failed only when loaded; a numpy scalar in ``extra`` saved fine and could not be loaded."""
     run_on_ranks(_checkpoint_error_on_one_rank, 2, str(tmp_path), kind, case, timeout_s=3 * SECONDS)

@@ -49,8 +49,14 @@ class StateDictMixin:
         tensors) per parameter while the dict lives (12 B/param for AdamW). For models where that does not fit,
         use :func:`tritonshard.checkpoint.save_sharded`, which writes each rank's slices only.
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as it runs them
-            pre_hook(self)
+        try:
+            for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as it runs them
+                pre_hook(self)
+        except Exception as exc:
+            prepared = self._prepared_state
+            if prepared is None or prepared[0] != self._param_version_key():  # (the others wait in the gather's
+                self._entry.tell("state_dict", exc)                             # handshake: tell them)
+            raise
         prepared, self._prepared_state = self._prepared_state, None
         if prepared is not None and prepared[0] == self._param_version_key():
             state_dict = self._with_groups(prepared[1])  # gathered by prepare_state_dict() on every rank; unchanged
@@ -133,10 +139,14 @@ class StateDictMixin:
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # as torch.optim: the hooks may change the copy, never the caller's dict
-            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-                result = pre_hook(self, state_dict)
-                if result is not None:
-                    state_dict = result
+            try:
+                for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                    result = pre_hook(self, state_dict)
+                    if result is not None:
+                        state_dict = result
+            except Exception as exc:  # (on this rank only, maybe: the others wait in the load's handshake)
+                self._entry.tell("load_state_dict", exc)
+                raise
         self._load_state_dict(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
