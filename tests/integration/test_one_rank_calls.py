@@ -388,7 +388,7 @@ def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
     if "handle" in locals():
         handle.remove()
     # together again: a save, a load of it, a step
-    if os.path.isfile(directory):
+    if rank == 0 and os.path.isfile(directory):  # (the rank that put it there)
         os.remove(directory)
     saved = save_checkpoint(opt, os.path.join(tmp, "after"), 2)
     _step(model, opt, rank, 1)
