@@ -9,6 +9,7 @@ offsets, other ranks' shards) cannot change a bit; a wrong count, lr, state or a
 added does. Gradients are set by hand, the same on every rank (their average is then exact)."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -421,6 +422,17 @@ def test_parameters_added_by_editing_param_groups_are_an_error_not_left_untraine
         yield "swapped", lambda opt, model: opt.param_groups[0].update(params=[extra]), r"changed after it was added"
         yield "group appended", lambda opt, model: opt.param_groups.append(
             {**opt.param_groups[0], "params": [extra]}), "has 2 groups, but 1 were added"
+        # (model surgery: a layer swapped after building, its new parameter put where the old one was)
+        yield "replaced in place", lambda opt, model: opt.param_groups[0]["params"].__setitem__(0, extra), \
+            r"changed after it was added \(1 parameters then, 1 now\)"
+
+        def in_users_list(opt, model):  # (a list of the user's is compared element by element at every step)
+            opt.param_groups[0]["params"] = mine = list(opt.param_groups[0]["params"])
+            model(x).float().sum().backward()
+            opt.step()  # (takes the new list: the same parameters)
+            opt.zero_grad()
+            mine[0] = extra
+        yield "replaced in a list of the user's", in_users_list, r"changed after it was added"
 
     for what, edit, message in edits():
         model = _model()
@@ -433,15 +445,24 @@ def test_parameters_added_by_editing_param_groups_are_an_error_not_left_untraine
             opt.state_dict()
 
     # the same parameters in a new list (code that rebuilds the groups): trains exactly as without the rebuild
+    # or written back in place
     runs = []
-    for rebuild in (False, True):
+    for rebuild in ("no", "a new list", "written back"):
         model = _model()
         opt = ShardedAdamW([model[2].weight], lr=1e-2)
         for step in range(2):
-            if rebuild:
+            if rebuild == "a new list":
                 opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+            elif rebuild == "written back":
+                ps = opt.param_groups[0]["params"]
+                ps[0] = ps[0]
             model(x).float().square().sum().backward()
             opt.step()
             opt.zero_grad()
         runs.append(model[2].weight.detach().clone())
     assert_bitwise_equal(runs[1], runs[0], "weights with the group's list rebuilt every step")
+    assert_bitwise_equal(runs[2], runs[0], "weights with the group's list written back in place every step")
+    # the lists stay lists for the code that reads them (a copy, a pickle: plain lists)
+    ps = opt.param_groups[0]["params"]
+    assert isinstance(ps, list) and type(copy.copy(ps)) is list and type(copy.deepcopy(ps)) is list
+    assert type(pickle.loads(pickle.dumps(ps))) is list

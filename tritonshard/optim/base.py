@@ -551,7 +551,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # every structure derived from the buckets (norm workspace, lookups, launch order and plans, the model's
         # view), rebuilt for the new buckets by add_param_group after construction
         self._index_buckets(self.buckets, range(len(self.param_groups)))
-        self._note_group_lists()
+        self._note_group_lists(own=True)
         _LIVE.add(self)
         self._restore_grads(held)
 
@@ -1003,7 +1003,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._take_over(holders)
         self._sync_initial_weights(self.param_groups[gi]["params"])
         self._add_buckets(gi, trainable, [gi])
-        self._note_group_lists()
+        self._note_group_lists(own=True)
 
     def _check_new_group(self, group: dict, where: str) -> None:
         """What a subclass cannot add after construction (its state names are fixed, say): a ValueError."""

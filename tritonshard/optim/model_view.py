@@ -24,6 +24,34 @@ from .bucket import _Bucket
 __all__ = ["ModelViewMixin"]
 
 
+class _ParamList(list):
+    """A group's ``params`` as the optimizer laid it out: a list that notes in-place changes (an element replaced,
+    appended, removed, the order changed), so that the check at every step (``_check_group_lists``) reads a flag
+    instead of comparing every parameter. Until session 20 an element replaced in place went unseen: the new
+    parameter never trained, the old one trained on, silently."""
+
+    __slots__ = ("changed",)
+
+    def __reduce_ex__(self, protocol):  # (a copy or a pickle is a plain list: the flag belongs to this one)
+        return list, (list(self),)
+
+
+def _noting(name: str):
+    method = getattr(list, name)
+
+    def noting(self, *args, **kwargs):
+        self.changed = True
+        return method(self, *args, **kwargs)
+    noting.__name__ = noting.__qualname__ = name
+    return noting
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+              "clear", "sort", "reverse"):
+    setattr(_ParamList, _name, _noting(_name))
+del _name
+
+
 class _Tensor:
     """How the settings compared across ranks show a hyper-parameter given as a GPU tensor (not read: that would
     wait for the device)."""
@@ -106,19 +134,29 @@ class ModelViewMixin:
             for i in sorted(dirty):
                 self._reconcile_master(self.buckets[i])
 
-    def _note_group_lists(self) -> None:
-        """Remember each group's ``params`` list as laid out (construction, ``add_param_group``)."""
-        self._group_lists = [(g["params"], tuple(g["params"])) for g in self.param_groups]
+    def _note_group_lists(self, own: bool = False) -> None:
+        """Remember each group's ``params`` list as laid out. ``own`` (construction, ``add_param_group``): the
+        lists are torch.optim's own copies, which nobody else holds, and become :class:`_ParamList` s."""
+        noted = []
+        for g in self.param_groups:
+            ps = g["params"]
+            if own and type(ps) is list:
+                ps = g["params"] = _ParamList(ps)
+            if type(ps) is _ParamList:
+                ps.changed = False
+            noted.append((ps, tuple(ps)))
+        self._group_lists = noted
 
     def _check_group_lists(self) -> None:
         """torch.optim reads ``param_groups`` afresh at every step, so code that appends a parameter to a group's
-        list (or a group to the list, or removes either) changes what it trains. Here the buffers were laid out
-        from them: such a parameter would silently never train, or one removed train on. A RuntimeError naming the
-        change instead (a list replaced by one with the same parameters is taken as it is)."""
+        list, replaces one in it (or a group to the list, or removes either) changes what it trains. Here the
+        buffers were laid out from them: such a parameter would silently never train, or one removed train on. A
+        RuntimeError naming the change instead (a list replaced by one with the same parameters is taken as it
+        is; such a list of the user's is compared element by element at every step from then on)."""
         groups, known = self.param_groups, self._group_lists
-        if len(groups) == len(known) and all(g["params"] is ps and len(ps) == len(was) for g, (ps, was) in
-                                             zip(groups, known)):
-            return  # (every step: no look at the parameters themselves; an element replaced in place goes unseen)
+        if len(groups) == len(known) and all(g["params"] is ps and type(ps) is _ParamList and not ps.changed
+                                             for g, (ps, _) in zip(groups, known)):
+            return  # (every step: a flag per group, no look at the parameters themselves)
         if len(groups) != len(known):
             raise RuntimeError(
                 f"optimizer.param_groups has {len(groups)} groups, but {len(known)} were added through the optimizer: "
@@ -132,7 +170,7 @@ class ModelViewMixin:
                     "now): tritonshard lays a group's parameters out in its buffers when the group is added, so a "
                     "parameter appended to the list would never train (and one removed would train on). Add "
                     "parameters with opt.add_param_group({'params': [...]}); freeze one with requires_grad_(False)")
-        self._note_group_lists()  # (the same parameters in new lists)
+        self._note_group_lists()  # (the same parameters, in new lists or written back in place)
 
     def _readopt(self, p: torch.Tensor) -> None:
         name = self._param_names[p]
