@@ -399,6 +399,46 @@ def test_saving_pickling_and_copying_an_attached_model():
     _train(model, opt, steps=1, first_step=1)  # and the original trains on
 
 
+def test_safetensors_save_model_and_load_model_keep_every_weight(tmp_path):
+    """safetensors' save_model / load_model (and accelerate's checkpoints, tests/integration/test_accelerate.py)
+    group tensors by storage. Until session 20 every parameter was a view of its bucket's buffer: save_model and
+    load_model refused the model ("None is covering the entire storage") and accelerate's save kept one weight per
+    bucket, silently. A model an optimizer holds loads the file as torch's load_state_dict would (the masters
+    follow)."""
+    from safetensors.torch import load_file, load_model, save_model
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    _train(model, opt, steps=1)
+    want = flat_weights(model)
+    save_model(model, str(tmp_path / "model.safetensors"))
+    assert load_file(str(tmp_path / "model.safetensors")).keys() == model.state_dict().keys()
+    other = tiny_llama(1)
+    other_opt = ShardedAdamW(other.parameters(), lr=3e-3)
+    _train(other, other_opt, steps=1)
+    load_model(other, str(tmp_path / "model.safetensors"))
+    assert_bitwise_equal(flat_weights(other), want, "weights loaded with safetensors' load_model")
+    masters = other_opt.state_dict()["state"]  # (the masters round to the loaded weights: the optimizer took them;
+    params = [p for g in other_opt.param_groups for p in g["params"]]  # one already rounding to it keeps its bits)
+    assert_bitwise_equal(torch.cat([masters[i]["master"].reshape(-1) for i in range(len(params))]).bfloat16(),
+                         torch.cat([p.detach().reshape(-1) for p in params]), "masters after the load, rounded")
+
+
+def test_moving_the_weights_to_shared_memory_after_building_is_an_error():
+    """``model.share_memory()`` (or sending the model to a torch.multiprocessing worker, which does it) copies each
+    parameter into shared memory; the step writes the optimizer's buffers, so another process would hold weights
+    that never change. While every parameter was a view of its bucket's buffer the whole buffer moved (until
+    session 20); now each has a storage of its own, and the next step says so instead of re-taking the parameter
+    silently."""
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    _train(model, opt, steps=1)
+    model.share_memory()
+    lm_loss(model, tokens(1)).backward()
+    with pytest.raises(RuntimeError, match=r"was moved to shared memory after the optimizer was built \(model\."
+                                           r"share_memory\(\).*not supported"):
+        opt.step()
+
+
 # ---------------------------------------------------------------------------------------------- 9. opt.state
 def _state_pieces(rank, world_size):
     model = tiny_gpt2(0)

@@ -26,14 +26,25 @@ def test_single_process_without_torch_distributed_matches_reference():
     assert model.frozen.dtype == torch.float32
 
 
-def test_parameters_become_views_of_the_param_buffer_and_master_keeps_original_values():
+def test_parameters_alias_the_param_buffer_and_master_keeps_original_values():
+    """Each parameter is its piece of the bucket's buffer (the same memory: a write to the buffer is in the
+    parameter) with a storage of its own that covers exactly it (code that groups tensors by storage, as
+    accelerate's and safetensors' saves do, sees each parameter as a tensor of its own)."""
     model = make_model(0)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = ShardedAdamW(model.parameters(), lr=LR)
     (bucket,) = opt.buckets
     data = bucket.param_buffer.get_data()
-    for p in bucket.params:
-        assert p.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    for p, view in zip(bucket.params, bucket.param_buffer.get_views()):
+        assert p.data_ptr() == view.data_ptr() and p.shape == view.shape
+        assert p.untyped_storage().data_ptr() == p.data_ptr() and p.untyped_storage().nbytes() == p.nbytes
+    kept = data.clone()
+    with torch.no_grad():
+        data.add_(1.0)
+    for p, view in zip(bucket.params, bucket.param_buffer.get_views()):
+        assert torch.equal(p.detach(), view), "a write to the buffer is in the parameter"
+    with torch.no_grad():
+        data.copy_(kept)
     by_id = {id(p): n for n, p in model.named_parameters()}
     for piece in bucket.param_buffer.shard_pieces():
         p = bucket.params[piece.tensor_index]

@@ -20,6 +20,16 @@ from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
 __all__ = ["split_into_buckets"]
 
 
+def alone(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a parameter's piece of its bucket's buffer) as a tensor with a storage of its own: the same memory
+    (the buffer kept alive by it, through DLPack's deleter), so every write to the buffer is in the parameter, but
+    each parameter looks like a tensor of its own to code that groups tensors by storage. A parameter that is a
+    view of a shared buffer does not: accelerate's safetensors save (``save_state``, ``save_model``) kept one
+    tensor per storage and silently dropped the rest (20 of 21 weights of a tiny Llama), and safetensors'
+    ``load_model`` refuses views that do not cover their storage. What becomes a parameter's ``.data``."""
+    return torch.from_dlpack(view)
+
+
 def split_into_buckets(params: list, cap_elems: int) -> list[list]:
     """``params`` cut into buckets in reverse order (the order backward produces gradients), each at most
     ``cap_elems`` elements unless one parameter alone is larger; each bucket lists its parameters in forward
@@ -68,7 +78,7 @@ class _Bucket:
         self.counter_index = -1
         for p, view in zip(params, self.param_buffer.get_views()):
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does
-            p.data = view  # the Parameter object stays (module and optimizer references keep working)
+            p.data = alone(view)  # the Parameter object stays (module and optimizer references keep working)
             p.grad = None
         #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
         self.master_remainder = None

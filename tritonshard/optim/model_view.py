@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .bucket import _Bucket
+from .bucket import _Bucket, alone
 
 __all__ = ["ModelViewMixin"]
 
@@ -185,6 +185,13 @@ class ModelViewMixin:
                 f"model.half()): tritonshard trains it as {self.param_dtype} views of its buffers (fp32 master "
                 "weights kept sharded). Don't convert the model after building the optimizer; choose the weights' "
                 "dtype with param_dtype=.")
+        if p.device.type == "cpu" and p.is_shared():  # (CUDA storages always say they are shared)
+            raise RuntimeError(
+                f"parameter {name} was moved to shared memory after the optimizer was built (model.share_memory(), "
+                "or the model sent to another process through torch.multiprocessing): that copies it, and the "
+                "optimizer's step writes its own buffers, so the other processes would hold a copy that never "
+                "changes. tritonshard's parameters are pieces of its buffers: sharing them with other processes is "
+                "not supported; send them a copy of the weights instead (state_dict())")
         view = self._param_views[p]
         if tuple(p.shape) != tuple(view.shape):
             raise RuntimeError(f"parameter {name} changed shape from {tuple(view.shape)} to {tuple(p.shape)} "
@@ -192,7 +199,7 @@ class ModelViewMixin:
         self.wait_for_params()
         with torch.no_grad():
             view.copy_(p.detach())
-        p.data = view  # the same Parameter object, aliasing the buffer again
+        p.data = alone(view)  # the same Parameter object, aliasing the buffer again
         i = self._param_index[p]
         self._param_versions[i] = p._version
         self._param_ptrs[i] = view.data_ptr()
