@@ -114,7 +114,7 @@ from . import graphs as _graphs
 from . import model_sync
 from .bucket import _Bucket, split_into_buckets
 from .model_sync import ShardedGrad, SpentGrad
-from .model_view import ModelViewMixin
+from .model_view import ModelViewMixin, _names
 from .param_steps import ParamStepsMixin
 from .state_io import StateDictMixin
 from .state_view import StateViewMixin
@@ -2333,11 +2333,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             out["workspace"] = workspace
         out["total"] = sum(out.values())
         return out
-
-
-def _names(names: list) -> str:
-    """Up to three parameter names, then how many more."""
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _held_grads(params: list) -> list:

@@ -81,6 +81,11 @@ def _setting(value) -> str:
     return repr(value)
 
 
+def _names(names: list) -> str:
+    """Up to three parameter names, then how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 class ModelViewMixin:
     """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` about the model's view of the weights."""
 
@@ -276,7 +281,6 @@ class ModelViewMixin:
         # code over param.grad would see it on every rank, and torch.optim keeps it after the step
         partial = [p for p, none, some in zip(self._param_list, everywhere, somewhere) if some and not none]
         if partial and somewhere[n]:
-            from .base import _names  # (base imports this module)
             raise RuntimeError(
                 f"tritonshard: torch code clipped or scaled param.grad in this step (torch.nn.utils.clip_grad_norm_, "
                 f"clip_grad_value_, p.grad.mul_) while the ranks hold gradients of different parameters: "

@@ -13,7 +13,7 @@ import torch
 
 from .. import comm
 from .bucket import _Bucket
-from .model_view import _setting
+from .model_view import _names, _setting
 
 __all__ = ["StateDictMixin"]
 
@@ -223,7 +223,6 @@ class StateDictMixin:
         frozen = [p for p in params if p not in self._bucket_of]
         if not frozen:
             return
-        from .base import _names  # (base imports this module)
         names = _names([self._param_names[p] for p in frozen])
         if self._mid_step():
             raise ValueError(f"the state dict has state for {names}, which were frozen (requires_grad=False) when "
