@@ -308,8 +308,9 @@ DICT_CASES = ["state_dict pre-hook fails on rank 1", "load_state_dict pre-hook f
 
 def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
     """A save or load (sharded, or of the full state dict) that fails on one rank only (a file only it cannot see,
-    read or write; a check only its arguments fail; a hook of the user's): that rank raises its error and the other PeerFailedError naming it, within seconds, nothing
-    complete is left that looks like a checkpoint, and both go on to save, load and train together."""
+    read or write; a check only its arguments fail; a hook of the user's): that rank raises its error and the
+    other PeerFailedError naming it, within seconds, nothing complete is left that looks like a checkpoint, and
+    both go on to save, load and train together."""
     import numpy as np
 
     from tritonshard.checkpoint import CheckpointError, latest_checkpoint, save_sharded
@@ -401,7 +402,8 @@ def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
                          + [("dict", c) for c in DICT_CASES])
 def test_a_checkpoint_error_on_one_rank_is_an_error_on_every_rank(tmp_path, kind, case):
     """Until session 20 the rank that failed raised and the others went on into the next collective (DCP's, a
-    barrier, the state dict's gather) and waited for it: 30 minutes, gloo's default timeout. A save into directories that differ between
-    ranks completed a checkpoint at rank 0's path without rank 1's shards, which looked whole (its checksums list
-    what rank 0 sees) and failed only when loaded; a numpy scalar in ``extra`` saved fine and could not be loaded."""
+    barrier, the state dict's gather) and waited for it: 30 minutes, gloo's default timeout. A save into
+    directories that differ between ranks completed a checkpoint at rank 0's path without rank 1's shards, which
+    looked whole (its checksums list what rank 0 sees) and failed only when loaded; a numpy scalar in ``extra``
+    saved fine and could not be loaded."""
     run_on_ranks(_checkpoint_error_on_one_rank, 2, str(tmp_path), kind, case, timeout_s=3 * SECONDS)
