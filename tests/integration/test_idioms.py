@@ -423,6 +423,54 @@ def test_safetensors_save_model_and_load_model_keep_every_weight(tmp_path):
                          torch.cat([p.detach().reshape(-1) for p in params]), "masters after the load, rounded")
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_writes_through_param_data_are_trained_from_as_in_place_writes_are(overlap):
+    """``p.data`` is a new tensor over the same memory with a version counter of its own: a write through it (an
+    EMA's weights swapped in with ``p.data.copy_``, a re-init written as ``m.weight.data.normal_()``, a
+    ``.data.fill_``) moved no version counter, and until session 20 the next step rewrote the weights from the
+    fp32 masters, silently (torch.optim trains from the written values). Now reading ``.data`` of a parameter the
+    optimizer holds is noted, and the step takes what was written, as for an in-place write under no_grad (whose
+    path is tested against torch.optim above): the two loops agree bit for bit, and reads alone change nothing."""
+    runs = {}
+    for how in ("in place", "through .data", "reads only"):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3, overlap_comm=overlap)
+        if overlap:
+            opt.attach(model)
+        _train(model, opt, steps=1)
+        ema = [p.detach().clone().mul_(0.5) for p in model.parameters()]
+        g = torch.Generator().manual_seed(3)
+        fresh = torch.empty_like(model.model.layers[0].mlp.up_proj.weight).normal_(0.0, 0.02, generator=g)
+        head = model.lm_head.weight
+        if how == "in place":
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), ema):
+                    p.copy_(e)
+                model.model.layers[0].mlp.up_proj.weight.copy_(fresh)
+                head[:3].fill_(0.25)
+        elif how == "through .data":
+            for p, e in zip(model.parameters(), ema):
+                p.data.copy_(e)
+            model.model.layers[0].mlp.up_proj.weight.data.copy_(fresh)
+            head.data[:3].fill_(0.25)
+        else:
+            norms = [float(p.data.float().norm()) for p in model.parameters()]
+            assert all(n > 0 for n in norms)
+        _train(model, opt, steps=2, first_step=1)
+        runs[how] = (flat_weights(model), torch.cat([v["master"].reshape(-1) for _, v in
+                                                     sorted(opt.state_dict()["state"].items())]))
+    assert_bitwise_equal(runs["through .data"][0], runs["in place"][0], "weights after writes through .data")
+    assert_bitwise_equal(runs["through .data"][1], runs["in place"][1], "masters after writes through .data")
+    reference = tiny_llama(0)
+    ref_opt = ShardedAdamW(reference.parameters(), lr=3e-3, overlap_comm=overlap)
+    if overlap:
+        ref_opt.attach(reference)
+    _train(reference, ref_opt, steps=3)
+    assert_bitwise_equal(runs["reads only"][0], flat_weights(reference), "weights after reading .data only")
+    assert repr(model.lm_head.weight).startswith("Parameter containing:\ntensor(")
+    assert isinstance(model.lm_head.weight, torch.nn.Parameter)
+
+
 def test_moving_the_weights_to_shared_memory_after_building_is_an_error():
     """``model.share_memory()`` (or sending the model to a torch.multiprocessing worker, which does it) copies each
     parameter into shared memory; the step writes the optimizer's buffers, so another process would hold weights

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .bucket import _Bucket, alone
+from .bucket import DATA_READS, _Bucket, alone, watch
 
 __all__ = ["ModelViewMixin"]
 
@@ -134,6 +134,11 @@ class ModelViewMixin:
             elif p._version != versions[i]:
                 versions[i] = p._version
                 dirty.add(self._bucket_of[p][0].index)
+        if DATA_READS:  # (p.data handed out: a write through it moves no version counter)
+            for p in self._param_list:
+                if id(p) in DATA_READS:
+                    DATA_READS.discard(id(p))
+                    dirty.add(self._bucket_of[p][0].index)
         if dirty:
             self.wait_for_params()
             for i in sorted(dirty):
@@ -205,6 +210,7 @@ class ModelViewMixin:
         with torch.no_grad():
             view.copy_(p.detach())
         p.data = alone(view)  # the same Parameter object, aliasing the buffer again
+        watch(p)  # (a swap of the module's tensors, torch.utils.swap_tensors, takes the class along)
         i = self._param_index[p]
         self._param_versions[i] = p._version
         self._param_ptrs[i] = view.data_ptr()
