@@ -469,6 +469,9 @@ def test_writes_through_param_data_are_trained_from_as_in_place_writes_are(overl
     assert_bitwise_equal(runs["reads only"][0], flat_weights(reference), "weights after reading .data only")
     assert repr(model.lm_head.weight).startswith("Parameter containing:\ntensor(")
     assert isinstance(model.lm_head.weight, torch.nn.Parameter)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # (copies are no optimizer's)
+        assert all(type(p) is torch.nn.Parameter for p in copied.parameters())
+        assert_bitwise_equal(flat_weights(copied), flat_weights(model), "weights of a copy")
 
 
 def test_moving_the_weights_to_shared_memory_after_building_is_an_error():

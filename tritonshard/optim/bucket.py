@@ -38,9 +38,10 @@ _TENSOR_DATA = torch._C.TensorBase.data  # (the getter and setter of Tensor.data
 DATA_READS: set = set()
 
 
-class Parameter(torch.nn.Parameter):
+class WatchedParameter(torch.nn.Parameter):
     """A parameter a tritonshard optimizer holds (its class is switched to this one when it is laid out: torch's
-    ``Parameter`` in every other way): reading ``.data`` notes it in :data:`DATA_READS`. ``.data`` is a new tensor
+    ``Parameter`` in every other way, and named so; a deep copy or a pickle is a plain one): reading ``.data``
+    notes it in :data:`DATA_READS`. ``.data`` is a new tensor
     over the same memory with a version counter of its own, so code that writes through it (an EMA swapped in,
     ``p.data.copy_(pretrained)``, an init written as ``m.weight.data.normal_()``) wrote the weights unseen: the next
     step() rewrote them from the masters, silently, where torch.optim trains from the written values. The step
@@ -59,15 +60,22 @@ class Parameter(torch.nn.Parameter):
     def __repr__(self, *, tensor_contents=None):
         return torch.nn.Parameter.__repr__(torch.nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
 
+    def __deepcopy__(self, memo):  # (torch's, with torch's class: a copy is no optimizer's)
+        if id(self) not in memo:
+            memo[id(self)] = torch.nn.Parameter(
+                _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format), self.requires_grad)
+        return memo[id(self)]
 
-Parameter.__module__, Parameter.__qualname__ = torch.nn.Parameter.__module__, torch.nn.Parameter.__qualname__
+
+WatchedParameter.__name__ = WatchedParameter.__qualname__ = torch.nn.Parameter.__qualname__
+WatchedParameter.__module__ = torch.nn.Parameter.__module__
 
 
 def watch(p: torch.Tensor) -> None:
-    """Switch ``p``'s class to :class:`Parameter` (a plain ``torch.nn.Parameter`` only: another subclass keeps its
-    class, and its ``.data`` is not watched)."""
+    """Switch ``p``'s class to :class:`WatchedParameter` (a plain ``torch.nn.Parameter`` only: another subclass
+    keeps its class, and its ``.data`` is not watched)."""
     if type(p) is torch.nn.Parameter:
-        p.__class__ = Parameter
+        p.__class__ = WatchedParameter
 
 
 def split_into_buckets(params: list, cap_elems: int) -> list[list]:

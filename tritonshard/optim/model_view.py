@@ -135,10 +135,10 @@ class ModelViewMixin:
                 versions[i] = p._version
                 dirty.add(self._bucket_of[p][0].index)
         if DATA_READS:  # (p.data handed out: a write through it moves no version counter)
-            for p in self._param_list:
-                if id(p) in DATA_READS:
-                    DATA_READS.discard(id(p))
-                    dirty.add(self._bucket_of[p][0].index)
+            mine = DATA_READS.intersection(self._param_ids)  # (as many lookups as reads: others' ids stay)
+            DATA_READS.difference_update(mine)
+            params = self._param_list
+            dirty.update(self._bucket_of[params[self._param_ids[i]]][0].index for i in mine)
         if dirty:
             self.wait_for_params()
             for i in sorted(dirty):
