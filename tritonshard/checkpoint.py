@@ -210,7 +210,6 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
                 shutil.rmtree(partial)  # left by a save that died
             os.makedirs(partial)
     with _together(opt, "save"):
-        os.makedirs(partial, exist_ok=True)
         _sign_in(opt, partial)
     with _together(opt, "save"):
         if _is_lead(opt):
@@ -268,8 +267,9 @@ _SIGNED_IN = ".signed-in-rank-"
 
 def _sign_in(opt, partial: str) -> None:
     """A file named after this rank in ``partial`` as this rank sees it, for :func:`_check_signed_in` (the ranks
-    that write shards: the first replica's, with hybrid sharding)."""
+    that write shards: the first replica's, with hybrid sharding; the others neither write nor make anything)."""
     if opt.replica_rank == 0:
+        os.makedirs(partial, exist_ok=True)
         with open(os.path.join(partial, f"{_SIGNED_IN}{opt.rank}"), "w"):
             pass
 
