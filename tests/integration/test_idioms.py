@@ -423,21 +423,14 @@ def test_safetensors_save_model_and_load_model_keep_every_weight(tmp_path):
                          torch.cat([p.detach().reshape(-1) for p in params]), "masters after the load, rounded")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_writes_through_param_data_are_trained_from_as_in_place_writes_are(overlap):
-    """``p.data`` is a new tensor over the same memory with a version counter of its own: a write through it (an
-    EMA's weights swapped in with ``p.data.copy_``, a re-init written as ``m.weight.data.normal_()``, a
-    ``.data.fill_``) moved no version counter, and until session 20 the next step rewrote the weights from the
-    fp32 masters, silently (torch.optim trains from the written values). Now reading ``.data`` of a parameter the
-    optimizer holds is noted, and the step takes what was written, as for an in-place write under no_grad (whose
-    path is tested against torch.optim above): the two loops agree bit for bit, and reads alone change nothing."""
+def _writes_through_data(rank, world_size, overlap):
     runs = {}
     for how in ("in place", "through .data", "reads only"):
         model = tiny_llama(0)
         opt = ShardedAdamW(model.parameters(), lr=3e-3, overlap_comm=overlap)
         if overlap:
             opt.attach(model)
-        _train(model, opt, steps=1)
+        _train(model, opt, steps=1, rank=rank)
         ema = [p.detach().clone().mul_(0.5) for p in model.parameters()]
         g = torch.Generator().manual_seed(3)
         fresh = torch.empty_like(model.model.layers[0].mlp.up_proj.weight).normal_(0.0, 0.02, generator=g)
@@ -456,7 +449,7 @@ def test_writes_through_param_data_are_trained_from_as_in_place_writes_are(overl
         else:
             norms = [float(p.data.float().norm()) for p in model.parameters()]
             assert all(n > 0 for n in norms)
-        _train(model, opt, steps=2, first_step=1)
+        _train(model, opt, steps=2, rank=rank, first_step=1)
         runs[how] = (flat_weights(model), torch.cat([v["master"].reshape(-1) for _, v in
                                                      sorted(opt.state_dict()["state"].items())]))
     assert_bitwise_equal(runs["through .data"][0], runs["in place"][0], "weights after writes through .data")
@@ -465,13 +458,28 @@ def test_writes_through_param_data_are_trained_from_as_in_place_writes_are(overl
     ref_opt = ShardedAdamW(reference.parameters(), lr=3e-3, overlap_comm=overlap)
     if overlap:
         ref_opt.attach(reference)
-    _train(reference, ref_opt, steps=3)
+    _train(reference, ref_opt, steps=3, rank=rank)
     assert_bitwise_equal(runs["reads only"][0], flat_weights(reference), "weights after reading .data only")
     assert repr(model.lm_head.weight).startswith("Parameter containing:\ntensor(")
     assert isinstance(model.lm_head.weight, torch.nn.Parameter)
     for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # (copies are no optimizer's)
         assert all(type(p) is torch.nn.Parameter for p in copied.parameters())
         assert_bitwise_equal(flat_weights(copied), flat_weights(model), "weights of a copy")
+
+
+@pytest.mark.parametrize("world_size,overlap", [(1, False), (1, True), (2, True)])
+def test_writes_through_param_data_are_trained_from_as_in_place_writes_are(world_size, overlap):
+    """``p.data`` is a new tensor over the same memory with a version counter of its own: a write through it (an
+    EMA's weights swapped in with ``p.data.copy_``, a re-init written as ``m.weight.data.normal_()``, a
+    ``.data.fill_``) moved no version counter, and until session 20 the next step rewrote the weights from the
+    fp32 masters, silently (torch.optim trains from the written values). Now reading ``.data`` of a parameter the
+    optimizer holds is noted, and the step takes what was written, as for an in-place write under no_grad (whose
+    path is tested against torch.optim above): the two loops agree bit for bit (on 2 ranks each reconciles its own
+    shard, and the all-gather spreads it), and reads alone change nothing."""
+    if world_size == 1:
+        _writes_through_data(0, 1, overlap)
+    else:
+        run_on_ranks(_writes_through_data, world_size, overlap)
 
 
 def test_moving_the_weights_to_shared_memory_after_building_is_an_error():
