@@ -125,14 +125,6 @@ def load_file(path: str, map_location=None, mmap: bool = False) -> Any:
     return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
-def _barrier(opt) -> None:
-    """Every rank of the optimizer: its shard group, and with hybrid sharding its replica group too."""
-    if comm.is_initialized() and opt.world_size > 1:
-        dist.barrier(group=opt.process_group)
-    if comm.is_initialized() and opt.replica_size > 1:
-        dist.barrier(group=opt.replica_group)
-
-
 @contextlib.contextmanager
 def _together(opt, entry: str, settings=None):
     """A step of a save or load that may fail on one rank only (a file that only it cannot see, read or write),
@@ -140,11 +132,34 @@ def _together(opt, entry: str, settings=None):
     :class:`~tritonshard.comm.PeerFailedError` naming it), where before the others went on into the next collective
     (DCP's, a barrier) and waited for that rank until the process group's timeout. The meeting is the call's
     handshake (:meth:`~tritonshard.comm.EntryCheck.together`, 40 bytes per rank on the gloo side group; with
-    ``settings`` compared, as there); with ``check_collectives=False`` a barrier, which carries no error."""
-    with opt._entry.together(entry, settings):
+    ``settings`` compared, as there); with ``check_collectives=False``, an all-reduce of a failure flag over the
+    optimizer's groups (:func:`_agree`), which does not carry the error's text."""
+    if opt._entry.active:
+        with opt._entry.together(entry, settings):
+            yield
+        return
+    try:
         yield
-    if not opt._entry.active:
-        _barrier(opt)
+    except Exception:
+        _agree(opt, failed=True)
+        raise
+    if _agree(opt, failed=False):
+        raise comm.PeerFailedError(
+            f"tritonshard: another rank raised in {comm.ENTRIES[entry]}, so this rank stops too instead of waiting "
+            "for it (with check_collectives=False the ranks agree on a failure flag only: that rank's error says "
+            "what it was)")
+
+
+def _agree(opt, failed: bool) -> bool:
+    """Whether any rank of the optimizer (its shard group, and with hybrid sharding its replica group) ``failed``:
+    an all-reduce (MAX) of one number on the optimizer's device, which is also the barrier between the steps."""
+    if not comm.is_initialized() or opt.world_size * opt.replica_size == 1:
+        return failed
+    flag = torch.tensor([float(failed)], device=opt.device)
+    for group, size in ((opt.process_group, opt.world_size), (opt.replica_group, opt.replica_size)):
+        if size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def _is_lead(opt) -> bool:

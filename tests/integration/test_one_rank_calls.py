@@ -306,7 +306,7 @@ LOAD_CASES = ["no checkpoint at rank 1's path", "meta.pt digest wrong in rank 1'
 DICT_CASES = ["state_dict pre-hook fails on rank 1", "load_state_dict pre-hook fails on rank 1"]
 
 
-def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
+def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case, check=True):
     """A save or load (sharded, or of the full state dict) that fails on one rank only (a file only it cannot see,
     read or write; a check only its arguments fail; a hook of the user's): that rank raises its error and the
     other PeerFailedError naming it, within seconds, nothing complete is left that looks like a checkpoint, and
@@ -317,7 +317,7 @@ def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
     from tritonshard.comm import PeerFailedError
 
     model = tiny_llama(0)
-    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3, check_collectives=check)
     _step(model, opt, rank, 0)
     good = save_checkpoint(opt, os.path.join(tmp, "good"), 1)
     directory, failing, extra = os.path.join(tmp, "run"), 1, None
@@ -379,8 +379,9 @@ def _checkpoint_error_on_one_rank(rank, world_size, tmp, kind, case):
             call()
         assert not isinstance(raised.value, PeerFailedError), raised.value
     else:
-        with pytest.raises(PeerFailedError, match=rf"another rank raised in .*\(rank {failing}: "
-                                                  rf"{mine[0].__name__}: .*{mine[1]}"):
+        told = (rf"\(rank {failing}: {mine[0].__name__}: .*{mine[1]}" if check
+                else r"check_collectives=False the ranks agree on a failure flag only")
+        with pytest.raises(PeerFailedError, match=r"another rank raised in .*" + told):
             call()
     assert time.monotonic() - start < SECONDS, f"{kind}, {case}: the ranks waited for each other"
     assert_bitwise_equal(flat_weights(model), before, f"weights after a failed {kind}")
@@ -407,3 +408,11 @@ def test_a_checkpoint_error_on_one_rank_is_an_error_on_every_rank(tmp_path, kind
     looked whole (its checksums list what rank 0 sees) and failed only when loaded; a numpy scalar in ``extra``
     saved fine and could not be loaded."""
     run_on_ranks(_checkpoint_error_on_one_rank, 2, str(tmp_path), kind, case, timeout_s=3 * SECONDS)
+
+
+@pytest.mark.parametrize("kind,case", [("save", "another directory on rank 1"), ("save", "the directory is a file"),
+                                       ("load", "no checkpoint at rank 1's path")])
+def test_a_checkpoint_error_on_one_rank_is_an_error_on_every_rank_without_the_handshakes(tmp_path, kind, case):
+    """check_collectives=False: the steps of a save or load meet in an all-reduce of a failure flag (they met in
+    barriers until session 20, and the others waited there)."""
+    run_on_ranks(_checkpoint_error_on_one_rank, 2, str(tmp_path), kind, case, False, timeout_s=3 * SECONDS)
