@@ -26,6 +26,12 @@ DCP's metadata types, torch's dtypes and paths (anything else raises :class:`Uns
 imported; until 2026-12 a crafted ``.metadata`` ran its code), and DCP reads tensor chunks as raw bytes. Load
 failures are :class:`CheckpointError` s (Exceptions), not DCP's ``CheckpointException`` (a BaseException).
 
+One rank failing: every step of a save or load that may fail on one rank only (a path only it cannot see or write,
+a file in the lead's way, a corrupt copy) ends where the ranks meet (:func:`_together`), so its error is an error on
+every rank (:class:`~tritonshard.comm.PeerFailedError` on the others) instead of a wait in the next collective; and
+the ranks that write shards sign in with a file in the directory before writing, so a save whose ranks name
+different directories (or each node's own disk) is an error, never a checkpoint without some ranks' shards.
+
 Integrity: every file DCP writes is hashed (BLAKE2b) at save, the digests go into ``meta.pt``, and ``meta.pt``'s
 own digest into ``meta.pt.blake2b``; a load checks them all before anything is read into the optimizer, and reads
 into copies that replace the state only once everything succeeded: a load succeeds completely or changes nothing.
