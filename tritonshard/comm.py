@@ -328,8 +328,8 @@ class EntryCheck:
     step), no device sync; nothing at world size 1. The third number is a flag any entry may raise (step() raises
     it when a parameter got no gradient on this rank: :meth:`combine` then finds those that got none anywhere);
     the fourth a digest of settings that must agree (step()'s hyper-parameters, the checkpoint a load reads), 0 for
-    the other entries; the fifth says that this rank failed before the call's collectives (``failure``: the others
-    raise :class:`PeerFailedError`).
+    the other entries; the fifth says that this rank failed where the others would go on into collectives without
+    it (``failure``: the others raise :class:`PeerFailedError`; :meth:`tell`, :meth:`together`).
     """
 
     def __init__(self, groups: list):

@@ -790,7 +790,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         added = [p for b in new for p in b.params]
         self._param_list += added
         self._param_index = {p: i for i, p in enumerate(self._param_list)}
-        self._param_ids = {id(p): i for i, p in enumerate(self._param_list)}  # (bucket.DATA_READS holds ids)
+        self._param_by_id = {id(p): p for p in self._param_list}  # (bucket.DATA_READS holds ids)
         for gi in groups:
             for j, p in enumerate(self.param_groups[gi]["params"]):
                 self._param_names[p] = param_name(self.param_groups[gi], gi, j, p)

@@ -135,10 +135,9 @@ class ModelViewMixin:
                 versions[i] = p._version
                 dirty.add(self._bucket_of[p][0].index)
         if DATA_READS:  # (p.data handed out: a write through it moves no version counter)
-            mine = DATA_READS.intersection(self._param_ids)  # (as many lookups as reads: others' ids stay)
+            mine = DATA_READS.intersection(self._param_by_id)  # (as many lookups as reads: others' ids stay)
             DATA_READS.difference_update(mine)
-            params = self._param_list
-            dirty.update(self._bucket_of[params[self._param_ids[i]]][0].index for i in mine)
+            dirty.update(self._bucket_of[self._param_by_id[i]][0].index for i in mine)
         if dirty:
             self.wait_for_params()
             for i in sorted(dirty):

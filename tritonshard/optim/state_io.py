@@ -53,15 +53,12 @@ class StateDictMixin:
             for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as it runs them
                 pre_hook(self)
         except Exception as exc:
-            prepared = self._prepared_state
-            if prepared is None or prepared[0] != self._param_version_key():  # (the others wait in the gather's
-                self._entry.tell("state_dict", exc)                             # handshake: tell them)
+            if not self._prepared_fits():  # (the others wait in the gather's handshake: tell them)
+                self._entry.tell("state_dict", exc)
             raise
-        prepared, self._prepared_state = self._prepared_state, None
-        if prepared is not None and prepared[0] == self._param_version_key():
-            state_dict = self._with_groups(prepared[1])  # gathered by prepare_state_dict() on every rank; unchanged
-        else:
-            state_dict = self._with_groups(self._gather_state())
+        prepared = self._prepared_state if self._prepared_fits() else None  # (prepare_state_dict() on every rank)
+        self._prepared_state = None
+        state_dict = self._with_groups(prepared[1] if prepared is not None else self._gather_state())
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -111,6 +108,12 @@ class StateDictMixin:
         gathered = self._gather_state()
         if keep:
             self._prepared_state = (self._param_version_key(), gathered)
+
+    def _prepared_fits(self) -> bool:
+        """Whether :meth:`prepare_state_dict` left a state that still holds (no step, load or weight write since):
+        ``state_dict()`` then returns it without communicating."""
+        prepared = self._prepared_state
+        return prepared is not None and prepared[0] == self._param_version_key()
 
     def _param_version_key(self) -> tuple:
         """What tells that the weights are as they were (step() and loads drop the prepared state themselves)."""
