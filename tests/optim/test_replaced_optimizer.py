@@ -231,6 +231,50 @@ def test_a_new_optimizer_applies_the_zeroed_gradients_it_finds(maker, zeroed_by)
     _assert_as_torch(model, new, masters, ropt, f"{maker}, {zeroed_by}: second step")
 
 
+@pytest.mark.parametrize("maker", list(_MAKERS))
+@pytest.mark.parametrize("then", ["nothing", "model.zero_grad(set_to_none=False), the old optimizer gone",
+                                  "new.zero_grad(set_to_none=False)"])
+def test_a_frozen_parameter_holding_the_old_optimizers_marker_is_taken_over_with_it(maker, then):
+    """A parameter frozen after the old optimizer was built, given a gradient by hand and stepped with it (as
+    torch.optim steps any parameter whose grad is not None), holds the old optimizer's spent marker; the new
+    optimizer finds it frozen. torch.optim's new optimizer would apply that gradient again (ours: the spent error,
+    also after a second new optimizer, with the other parameters' new gradients set), or, once the loop zeroed
+    it, zeros (weight decay, momentum, a step count). Until session 21 the marker stayed the old optimizer's until
+    the next step: zeroing it raised once the old one was gone, zeroing through the new one did not make it zeros
+    (the step count differed from torch's) and the step applied the spent gradient again without the error (found
+    by tests/optim/test_loop_fuzz.py)."""
+    ours, theirs = _MAKERS[maker]
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2)
+    model[2].weight.requires_grad_(False)
+    model(torch.randn(4, 9, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)).float().sum().backward()
+    model[2].weight.grad = torch.randn(5, 13, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    old.step()
+    new = ours(list(model.parameters()))
+    if then == "nothing":
+        new = ours(list(model.parameters()))  # (a cell run again: a third optimizer takes over from the second)
+        del old
+        gc.collect()
+        for p in (model[0].weight, model[0].bias, model[2].bias):  # (new gradients of the others, by hand)
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match="was used by the last step"):
+            new.step()
+        for p, b in zip(model.parameters(), before):
+            assert_bitwise_equal(p.detach(), b, "weights after the refused step")
+        return
+    if then.startswith("model"):
+        del old
+        gc.collect()
+        model.zero_grad(set_to_none=False)
+    else:
+        new.zero_grad(set_to_none=False)
+    masters, ropt = _torch_reference(model, [torch.zeros(p.shape) for p in model.parameters()], theirs)
+    new.step()
+    ropt.step()
+    _assert_as_torch(model, new, masters, ropt, f"{maker}, {then}")  # (step counts too, where torch keeps them)
+
+
 def test_a_new_optimizer_built_right_after_step_keeps_the_spent_gradient_error():
     """old.step() and no zero_grad(): torch.optim's new optimizer would apply the same gradient again at its
     first step; ours raises there instead (the gradient is gone: test_spent_grads.py), until the loop clears it.

@@ -554,6 +554,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._note_group_lists(own=True)
         _LIVE.add(self)
         self._restore_grads(held)
+        self._adopt_marked()
 
     # ------------------------------------------------------------------ another optimizer over the same parameters
     def _holders(self, params: list) -> list:
@@ -695,6 +696,19 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 "holding a gradient now, but this step's gradients were already reduced (by clip_grad_norm_ or "
                 "grad_norm) without it; unfreeze (or set the gradient) before the backward")
         self._lay_out_frozen(unfrozen, "is trainable now (or holds a gradient)")
+
+    def _adopt_marked(self) -> None:
+        """Frozen parameters that hold another optimizer's gradient marker (the optimizer this one took them over
+        from: its spent gradient, or its placeholder for the zeros of ``zero_grad(set_to_none=False)``), laid out
+        at once, so that the marker becomes this optimizer's as for the trainable parameters (``_restore_grads``):
+        torch.optim steps every parameter whose ``.grad`` is not None, frozen or not. Left to
+        :meth:`_adopt_unfrozen` (the next backward or step), as a plain gradient is, the marker stayed the old
+        optimizer's until then: zeroing it (``model.zero_grad(set_to_none=False)``) raised once that optimizer was
+        gone, ``opt.zero_grad(set_to_none=False)`` did not make it zeros, and a step applied a spent gradient
+        again where it is an error (found by tests/optim/test_loop_fuzz.py in session 21)."""
+        marked = [p for p in self._frozen_at_build if isinstance(p.grad, ShardedGrad)]
+        if marked:
+            self._lay_out_frozen(marked, "holds a gradient marker of the optimizer it was taken over from")
 
     def _lay_out_frozen(self, unfrozen: list, why: str) -> None:
         """Parameters frozen when the optimizer was built, laid out now in new buckets of their groups (see
@@ -1005,6 +1019,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._sync_initial_weights(self.param_groups[gi]["params"])
         self._add_buckets(gi, trainable, [gi])
         self._note_group_lists(own=True)
+        self._adopt_marked()
 
     def _check_new_group(self, group: dict, where: str) -> None:
         """What a subclass cannot add after construction (its state names are fixed, say): a ValueError."""
