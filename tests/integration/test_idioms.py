@@ -265,6 +265,81 @@ def test_reading_the_weights_right_after_step_with_overlap_sees_the_new_weights(
 
 
 # ---------------------------------------------------------------------------------------------- 5. DDP
+def _attribute_paths(rank, world_size):
+    """One read or write per step, first thing after step() (see _reads_after_step), through the paths that do not
+    list the parameters: a module attribute, a block's, ``.data`` of a parameter taken before the step; and two
+    writes that real loops make right after step() (a padding row kept at zero, weight clipping), against the same
+    loop without overlap_comm, bit for bit."""
+    results = {}
+    for overlap in (False, True):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3, bucket_cap_mb=1e-9, overlap_comm=overlap)  # param/bucket
+        opt.attach(model)
+        held = model.lm_head.weight  # (taken before any step)
+        names = {id(p): n for n, p in model.named_parameters()}
+        reads = [
+            ("model.lm_head.weight", lambda: [model.lm_head.weight.detach().clone()]),
+            ("a block's attribute", lambda: [model.model.layers[1].mlp.down_proj.weight.detach().clone()]),
+            ("p.data of a parameter taken before step()", lambda: [held.data.clone()]),
+            ("a padding row zeroed through the attribute", lambda: model.model.embed_tokens.weight[0].zero_()),
+            ("weight clipping through the attribute", lambda: model.lm_head.weight.clamp_(-0.02, 0.02)),
+        ]
+        seen = []
+        for step, (what, read) in enumerate(reads):
+            lm_loss(model, tokens(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                got = read()  # right after step(), before any forward
+            opt.wait_for_params()
+            seen.append((what, None if isinstance(got, torch.Tensor) else got))
+        lm_loss(model, tokens(len(reads), rank)).backward()  # (the writes reach the masters: a step from them)
+        opt.step()
+        opt.wait_for_params()
+        results[overlap] = (seen, {names[id(p)]: p.detach().clone() for p in model.parameters()})
+    for (what, plain), (_, overlapped) in zip(results[False][0], results[True][0]):
+        for a, b in zip(plain or (), overlapped or ()):
+            assert_bitwise_equal(b, a, f"{what}, right after step() with overlap_comm")
+    for name, weight in results[False][1].items():
+        assert_bitwise_equal(results[True][1][name], weight, f"{name} after the writes and a step")
+
+
+def test_attribute_reads_and_writes_right_after_step_with_overlap_see_and_keep_the_new_weights():
+    """Until session 21, with overlap_comm + attach only the model's listings (parameters(), state_dict()...)
+    waited for the all-gathers still in flight after step(): ``model.lm_head.weight`` read there gave the last
+    step's values in some elements (6 of 12 such reads on 2 gloo ranks), and a write there (a padding row zeroed,
+    weights clamped) could be overwritten by the gather landing after it."""
+    run_on_ranks(_attribute_paths, 2)
+
+
+def _zero_grad_keeps_gathers(rank, world_size):
+    runs = {}
+    for zero in ("opt", "model"):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3, bucket_cap_mb=1e-9, overlap_comm=True)
+        opt.attach(model)
+        for step in range(3):
+            lm_loss(model, tokens(step, rank)).backward()
+            opt.step()
+            in_flight = sum(b.ag_work is not None for b in opt.buckets)
+            (opt if zero == "opt" else model).zero_grad()
+            assert model.dtype == torch.bfloat16 and model.device.type == "cpu"  # (HF: next(self.parameters()))
+            left = sum(b.ag_work is not None for b in opt.buckets)
+            assert in_flight == len(opt.buckets) and left == in_flight - 1, (zero, step, in_flight, left)
+        opt.wait_for_params()
+        runs[zero] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(runs["opt"], runs["model"]):
+        assert_bitwise_equal(b, a, "model.zero_grad() against opt.zero_grad()")
+
+
+def test_model_zero_grad_and_model_dtype_leave_the_gathers_in_flight():
+    """The Hugging Face Trainer calls ``model.zero_grad()`` right after ``step()``: until session 21 it listed the
+    parameters through the guarded ``parameters()``, which waited for every all-gather first, so with overlap_comm
+    nothing was left to overlap with the next forward. It reads no weight and now waits for none; HF's
+    ``model.dtype`` / ``model.device`` (``next(self.parameters())``) wait for the first parameter's gather only."""
+    run_on_ranks(_zero_grad_keeps_gathers, 2)
+
+
 def _ddp_wrapped(rank, world_size, attach):
     results = []
     for wrap in (False, True):

@@ -112,7 +112,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
                              partials_multi_launch_spec, shared_sum_sq_workspace)
 from . import graphs as _graphs
 from . import model_sync
-from .bucket import _Bucket, split_into_buckets
+from .bucket import _Bucket, split_into_buckets, trace as _trace
 from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin, _names
 from .param_steps import ParamStepsMixin
@@ -235,23 +235,12 @@ def kernels():
     return _op_kernels if torch.compiler.is_compiling() else _eager_kernels
 
 
-_NO_TRACE = contextlib.nullcontext()
 _FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
 def _nothing() -> None:
     """What a replay of step()'s update phase leaves to set on the host: nothing (its all-gathers are waited for
     inside it)."""
-
-
-def _trace(label: str, *args):
-    """A profiler range while a profiler records (visible in traces); nothing otherwise, nor under torch.compile.
-    (``record_function`` costs ~3 us of host time per range even with no profiler on: 6 ranges per bucket.) The
-    name is ``label.format(*args)``, formatted only then (an f-string at every call site cost its formatting, per
-    bucket, also without a profiler)."""
-    if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
-        return _NO_TRACE
-    return torch.profiler.record_function(label.format(*args) if args else label)
 
 
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
@@ -1656,9 +1645,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters."""
         for b in self.buckets if buckets is None else buckets:
             if b.ag_work is not None:
-                with _trace("tritonshard.wait_all_gather[bucket {}]", b.index):
-                    b.ag_work.wait()
-                b.ag_work = None
+                b.wait_gather()
 
     def attach(self, model: torch.nn.Module, *, cast_forward_inputs: bool = True,
                broadcast_buffers: bool = True) -> list:
@@ -1692,9 +1679,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           forward (a forward pre-hook on every module owning parameters waits for its buckets only), and the
           end-of-backward flush is queued from the model's outputs, so reentrant activation checkpointing works.
           Until the next forward, the model's own read and write paths wait for the gathers first:
-          ``parameters()``, ``named_parameters()``, ``state_dict()`` (so ``save_pretrained``), ``load_state_dict()``,
-          ``.to()`` and friends, pickling. A tensor taken from the model *before* ``step()`` and read after it
-          without going through the model needs ``opt.wait_for_params()`` first.
+          ``state_dict()`` (so ``save_pretrained``), ``load_state_dict()``, ``.to()`` and friends, pickling;
+          ``parameters()`` and ``named_parameters()`` each parameter's as they hand it out, a parameter read as an
+          attribute (``model.lm_head.weight``) or through ``.data`` its own (``model.zero_grad()``, which reads
+          no weight, none). A parameter taken from the model *before* ``step()`` and used after it otherwise
+          (a list of them made earlier) needs ``opt.wait_for_params()`` first.
 
         The model's class is replaced by a subclass of it (as FSDP2's ``fully_shard`` does; ``isinstance`` holds,
         pickles and deep copies get the original class). Returns the hook handles.
@@ -1761,10 +1750,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         every = len(self.buckets)
         for module in model.modules():
             owned = {self._bucket_of[p][0].index for p in module.parameters() if p in self._bucket_of}
+            # (with overlap_comm, a module holding some of them itself guards its attributes too)
+            attributes = self.overlap_comm and any(p in self._bucket_of for p in module._parameters.values())
             if module is model or len(owned) == every:
-                model_sync.guard_model(module, self)
+                model_sync.guard_model(module, self, attributes=attributes)
             elif owned:
-                model_sync.guard_model(module, self, sorted(owned))
+                model_sync.guard_model(module, self, sorted(owned), attributes=attributes)
 
     def _set_gather_order(self, params_in_forward_order: list) -> None:
         """Buckets sorted by the earliest position of any of their parameters in ``params_in_forward_order``."""

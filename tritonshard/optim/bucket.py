@@ -8,6 +8,8 @@ shard (see :class:`~tritonshard.layout.Layout`).
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -30,7 +32,40 @@ def alone(view: torch.Tensor) -> torch.Tensor:
     return torch.from_dlpack(view)
 
 
+_NO_TRACE = contextlib.nullcontext()
+
+
+def trace(label: str, *args):
+    """A profiler range while a profiler records (visible in traces); nothing otherwise, nor under torch.compile.
+    (``record_function`` costs ~3 us of host time per range even with no profiler on: 6 ranges per bucket.) The
+    name is ``label.format(*args)``, formatted only then (an f-string at every call site cost its formatting, per
+    bucket, also without a profiler)."""
+    if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
+        return _NO_TRACE
+    return torch.profiler.record_function(label.format(*args) if args else label)
+
+
 _TENSOR_DATA = torch._C.TensorBase.data  # (the getter and setter of Tensor.data)
+
+#: id of every laid-out parameter -> a weak reference to the bucket holding it (set by the bucket, so a parameter
+#: taken over by another optimizer points to its new bucket): how :func:`landed` finds a parameter's in-flight
+#: all-gather from the parameter alone. A stale id (a parameter gone) is never looked up: only parameters of
+#: :class:`WatchedParameter`, all of them laid out, are.
+OWNER: dict = {}
+
+
+def landed(p: torch.Tensor) -> None:
+    """Wait for the all-gather of ``p``'s bucket if it is in flight. With ``overlap_comm`` and ``attach``, step()
+    leaves the gathers running into the next forward, whose pre-hooks wait for them module by module; the other
+    paths to a parameter wait here: the model's attributes (``model.lm_head.weight``, a guarded module's
+    ``__getattr__``), ``.data`` (:class:`WatchedParameter`) and the model's parameter listings, each for the
+    parameter it hands out only. Without it a read right after step() saw the last step's weights in some
+    elements, and a write (``model.embed.weight[pad].zero_()``) could be overwritten by the gather landing after
+    it, silently."""
+    ref = OWNER.get(id(p))
+    b = ref() if ref is not None else None
+    if b is not None and b.ag_work is not None:
+        b.wait_gather()
 
 #: ids of the parameters whose ``.data`` was handed out since their optimizer last looked (sync_from_model): a
 #: write through it (``p.data.copy_(x)``, ``m.weight.data.normal_()``) does not move the parameter's version
@@ -41,7 +76,8 @@ DATA_READS: set = set()
 class WatchedParameter(torch.nn.Parameter):
     """A parameter a tritonshard optimizer holds (its class is switched to this one when it is laid out: torch's
     ``Parameter`` in every other way, and named so; a deep copy or a pickle is a plain one): reading ``.data``
-    notes it in :data:`DATA_READS`. ``.data`` is a new tensor
+    notes it in :data:`DATA_READS` (and waits for the parameter's in-flight all-gather, :func:`landed`). ``.data``
+    is a new tensor
     over the same memory with a version counter of its own, so code that writes through it (an EMA swapped in,
     ``p.data.copy_(pretrained)``, an init written as ``m.weight.data.normal_()``) wrote the weights unseen: the next
     step() rewrote them from the masters, silently, where torch.optim trains from the written values. The step
@@ -51,6 +87,7 @@ class WatchedParameter(torch.nn.Parameter):
     @property
     def data(self):
         DATA_READS.add(id(self))
+        landed(self)  # (what it hands out may be read or written at once)
         return _TENSOR_DATA.__get__(self)
 
     @data.setter
@@ -128,6 +165,7 @@ class _Bucket:
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does
             p.data = alone(view)  # the Parameter object stays (module and optimizer references keep working)
             watch(p)
+            OWNER[id(p)] = weakref.ref(self)
             p.grad = None
         #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
         self.master_remainder = None
@@ -151,6 +189,14 @@ class _Bucket:
         #: bound kernel launches of this bucket (kernels/_launch.py), keyed by role ("norm", "update", flatten's)
         self.launches: dict = {}
         self.ag_work = None         # handle of its in-flight param all-gather
+
+    def wait_gather(self) -> None:
+        """Wait for this bucket's in-flight param all-gather (launched by step()), if any."""
+        work = self.ag_work
+        if work is not None:
+            with trace("tritonshard.wait_all_gather[bucket {}]", self.index):
+                work.wait()
+            self.ag_work = None
 
     def master_fp32(self) -> torch.Tensor:
         """The fp32 master shard (rebuilt from the bf16 shard and the remainders when those are stored)."""

@@ -16,8 +16,8 @@ keeps every torch idiom either correct or loud (never silently wrong):
   weakly: the model does not keep the optimizer alive, and a pickled or deep-copied model carries inert hooks.
 * :func:`guard_model` (used by ``ShardedOptimizer.attach``) makes the model's own read and write paths
   (``parameters()``, ``named_parameters()``, ``state_dict()``, ``load_state_dict()``, ``.to()`` and friends,
-  pickling) wait for in-flight parameter all-gathers, as FSDP2's ``fully_shard`` does, by swapping the model's
-  class for a subclass of it.
+  pickling; with ``overlap_comm`` a parameter read as an attribute) wait for in-flight parameter all-gathers, as
+  FSDP2's ``fully_shard`` does, by swapping the model's class for a subclass of it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import weakref
 from typing import Optional
 
 import torch
+
+from .bucket import landed
 
 __all__ = ["ShardedGrad", "SpentGrad", "guard_model", "iter_tensors"]
 
@@ -468,13 +470,24 @@ class _GuardedModule:
         ref = self.__dict__.get("_tritonshard_optimizer")
         return ref() if ref is not None else None
 
-    def parameters(self, *args, **kwargs):
-        self._tritonshard_wait()
-        return super().parameters(*args, **kwargs)
+    def named_parameters(self, *args, **kwargs):  # (parameters() lists these too)
+        """Each parameter's all-gather waited for as it is handed out, not all of them first: ``next(model
+        .parameters())`` (Hugging Face's ``model.device`` and ``model.dtype``) waits for the first one's only, and
+        :meth:`zero_grad`, which reads no weight, for none."""
+        items = super().named_parameters(*args, **kwargs)
+        if self.__dict__.get("_tritonshard_grads_only") or torch.compiler.is_compiling():
+            return items
+        return _landed_as_listed(items)
 
-    def named_parameters(self, *args, **kwargs):
-        self._tritonshard_wait()
-        return super().named_parameters(*args, **kwargs)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, without waiting for the in-flight all-gathers: it touches ``param.grad`` only, and the Hugging
+        Face Trainer calls ``model.zero_grad()`` right after ``step()``, where waiting for every gather (as
+        ``parameters()`` did until session 21) left nothing to overlap with the next forward."""
+        object.__setattr__(self, "_tritonshard_grads_only", True)
+        try:
+            super().zero_grad(set_to_none)
+        finally:
+            object.__setattr__(self, "_tritonshard_grads_only", False)
 
     def state_dict(self, *args, **kwargs):
         self._tritonshard_wait()
@@ -497,7 +510,31 @@ class _GuardedModule:
         state = self.__getstate__()
         state.pop("_tritonshard_optimizer", None)
         state.pop("_tritonshard_buckets", None)
+        state.pop("_tritonshard_grads_only", None)
         return _rebuild_module, (type(self)._tritonshard_base, state)
+
+
+class _GuardedAttributes(_GuardedModule):
+    """:class:`_GuardedModule` for a model whose optimizer leaves its all-gathers in flight after ``step()``
+    (``overlap_comm``): a parameter read as an attribute (``model.lm_head.weight``, a block's ``.weight``) waits
+    for its own gather (:func:`~tritonshard.optim.bucket.landed`). Until session 21 a read there right after
+    ``step()`` saw old weights in some elements, and a write (a padding row zeroed after each step, weight
+    clipping) could be overwritten by the gather. Only modules that hold parameters themselves (a Linear, an
+    Embedding, a norm: where a parameter is an attribute) get it, and only with ``overlap_comm``: every attribute
+    read through ``nn.Module.__getattr__`` pays one more Python frame (~0.1 us; ~0.3 us for a parameter, whose
+    gather is looked up), ~10 reads per transformer layer and forward."""
+
+    def __getattr__(self, name):
+        value = super().__getattr__(name)
+        if isinstance(value, torch.nn.Parameter) and not torch.compiler.is_compiling():
+            landed(value)
+        return value
+
+
+def _landed_as_listed(items):
+    for item in items:
+        landed(item[1])
+        yield item
 
 
 def _rebuild_module(cls, state):
@@ -506,20 +543,23 @@ def _rebuild_module(cls, state):
     return module
 
 
-_GUARDED_CLASSES: dict[type, type] = {}
+_GUARDED_CLASSES: dict[tuple, type] = {}
 
 
-def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = None) -> None:
+def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = None, attributes: bool = False) -> None:
     """Swap ``model``'s class for a guarded subclass of it (same name, ``isinstance`` still holds) whose read and
     write paths wait for ``optimizer``'s in-flight all-gathers: of the buckets with these indices, or of all of them
-    (None). Pickling and deep copies produce the original class, without the guard. Idempotent."""
-    cls = type(model)
-    if not isinstance(model, _GuardedModule):
-        guarded = _GUARDED_CLASSES.get(cls)
+    (None); with ``attributes`` its parameters read as attributes too (:class:`_GuardedAttributes`: for a module
+    that holds parameters itself, where the optimizer leaves gathers in flight). Pickling and deep copies produce
+    the original class, without the guard. Idempotent."""
+    mixin = _GuardedAttributes if attributes or isinstance(model, _GuardedAttributes) else _GuardedModule
+    if not isinstance(model, mixin):
+        cls = type(model)._tritonshard_base if isinstance(model, _GuardedModule) else type(model)
+        guarded = _GUARDED_CLASSES.get((cls, mixin))
         if guarded is None:
-            guarded = type(cls.__name__, (_GuardedModule, cls),
+            guarded = type(cls.__name__, (mixin, cls),
                            {"_tritonshard_base": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-            _GUARDED_CLASSES[cls] = guarded
+            _GUARDED_CLASSES[(cls, mixin)] = guarded
         model.__class__ = guarded
     object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
     object.__setattr__(model, "_tritonshard_buckets", None if buckets is None else tuple(buckets))
