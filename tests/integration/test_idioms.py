@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 
 import pytest
@@ -338,6 +339,30 @@ def test_model_zero_grad_and_model_dtype_leave_the_gathers_in_flight():
     nothing was left to overlap with the next forward. It reads no weight and now waits for none; HF's
     ``model.dtype`` / ``model.device`` (``next(self.parameters())``) wait for the first parameter's gather only."""
     run_on_ranks(_zero_grad_keeps_gathers, 2)
+
+
+def _trainer_overlaps(rank, world_size, out):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(
+        world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29996")  # the process group exists already
+    from transformers import Trainer, TrainingArguments
+    data = [{"input_ids": ids, "labels": ids} for step in range(3) for ids in tokens(step, rank, batch=2)]
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3, overlap_comm=True, bucket_cap_mb=1e-9)
+    opt.attach(model)
+    in_flight = []  # at the start of each forward (after attach's own pre-hook), before any block's
+    model.register_forward_pre_hook(lambda m, args: in_flight.append(sum(b.ag_work is not None for b in opt.buckets)))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=3, save_strategy="no",
+                             learning_rate=3e-3, max_grad_norm=1.0, report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None)).train()
+    assert in_flight == [0] + [len(opt.buckets)] * 2, in_flight
+
+
+def test_the_hf_trainer_with_overlap_leaves_every_gather_to_the_next_forward(tmp_path):
+    """The Trainer's loop between step() and the next forward (lr scheduler, ``model.zero_grad()``, logging with
+    the clip's grad norm) waits for no all-gather: each next forward starts with all of them in flight (2 ranks).
+    Until session 21 its ``model.zero_grad()`` waited for all of them (0 in flight at every forward)."""
+    run_on_ranks(_trainer_overlaps, 2, str(tmp_path))
 
 
 def _ddp_wrapped(rank, world_size, attach):
