@@ -365,6 +365,46 @@ def test_the_hf_trainer_with_overlap_leaves_every_gather_to_the_next_forward(tmp
     run_on_ranks(_trainer_overlaps, 2, str(tmp_path))
 
 
+@pytest.mark.parametrize("clip", ["opt.clip_grad_norm_", "torch's clip_grad_norm_"])
+@pytest.mark.parametrize("how", ["load_state_dict", "in place under no_grad", "p.data"])
+def test_weights_written_between_the_clip_and_step_are_trained_from(clip, how):
+    """The clip reduces the gradients, and with them looked at the weights for writes; until session 21 step()
+    did not look again, so weights written between the clip and step() (a load, a parameter clamped in a
+    pre-step callback) were overwritten from the masters, silently. torch.optim trains from the written values:
+    bit for bit as the same write made before the clip (found by tests/optim/test_loop_fuzz.py's writes)."""
+    runs = []
+    for write_after_clip in (False, True):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        _train(model, opt, 1)
+        target = model.model.layers[0].mlp.up_proj.weight
+        value = (target.detach().float() * 1.5 + 0.01).to(target.dtype)
+
+        def write():
+            if how == "load_state_dict":
+                model.load_state_dict({"model.layers.0.mlp.up_proj.weight": value}, strict=False)
+            elif how == "p.data":
+                target.data.copy_(value)
+            else:
+                with torch.no_grad():
+                    target.copy_(value)
+
+        lm_loss(model, tokens(1)).backward()
+        if not write_after_clip:
+            write()
+        if clip == "opt.clip_grad_norm_":
+            opt.clip_grad_norm_(MAX_NORM)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if write_after_clip:
+            write()
+        opt.step()
+        opt.zero_grad()
+        _train(model, opt, 1, first_step=2)
+        runs.append(flat_weights(model))
+    assert_bitwise_equal(runs[1], runs[0], f"written after {clip} ({how}) against before it")
+
+
 def _ddp_wrapped(rank, world_size, attach):
     results = []
     for wrap in (False, True):

@@ -1970,7 +1970,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # a bad value in group 1 must not leave group 0 updated and the step counters advanced
         for gi, group in self._trained_groups:
             self._check_group(group, f" (param_groups[{gi}], at step())")
+        reduced_before = self._reduced is not None  # (by a clip, a norm: sync_from_model ran then)
         _, found_inf = self._reduce_grads()
+        if reduced_before:
+            # the model as it is now: weights written since the clip (until session 21 the update overwrote them
+            # from the masters, silently), parameters replaced or appended, opt.state edited
+            self.sync_from_model()
         if self._clamped and self._scale is None:  # clip_grad_value_ may have made an inf finite
             self._recheck_finite()
         # torch.amp.GradScaler.step(opt) sets these two around this call (see _step_supports_amp_scaling): the scale
