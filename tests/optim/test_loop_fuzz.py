@@ -1,6 +1,6 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
-(the optimizer's and the model's, to None or to zeros), step, lr changes and freezing a parameter, as real loops
-mix them; with the default options, and with overlap_comm and a bucket per parameter.
+(the optimizer's and the model's, to None or to zeros), step, lr changes, freezing a parameter and writing the
+weights, as real loops mix them; with the default options, and with overlap_comm and a bucket per parameter.
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
@@ -18,6 +18,7 @@ may round the other way; near zero, a bf16 ulp is smaller than the masters' tole
 
 import contextlib
 import copy
+import functools
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -29,6 +30,10 @@ from tritonshard import ShardedAdamW, ShardedSGD
 HEADS = ("a", "b", "c")
 _NAMES = ["trunk.weight", "trunk.bias"] + [f"heads.{h}.{k}" for h in HEADS for k in ("weight", "bias")]
 LRS = (1e-2, 3e-3, 2e-2)
+#: how the loop writes the weights between two calls (loaded weights, an EMA swapped in, a padding row zeroed, weight
+#: clipping): in place through the module attribute under no_grad, through ``.data`` of the parameter the loop
+#: holds, or ``model.load_state_dict(strict=False)``
+WRITES = ("attribute", "data", "load_state_dict")
 
 
 class _Net(torch.nn.Module):
@@ -209,6 +214,17 @@ class TrainingLoop(RuleBasedStateMachine):
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
             g["lr"] = lr
 
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
+    def write(self, names, how, seed):
+        """Weights written between any two calls: torch.optim trains on from the written values (its masters are
+        the weights), with the gradients it holds."""
+        for n in sorted(names):
+            value = written(self.refs[n], seed)
+            write_weight(self.model, self.ours[n], n, value, how)
+            with torch.no_grad():
+                self.refs[n].copy_(value)
+                self.masters[n].copy_(value.float())
+
     @precondition(lambda self: self.clipped is None and all(p.grad is None for p in self.refs.values()))
     @rule(head=st.sampled_from(HEADS), trainable=st.booleans())
     def freeze(self, head, trainable):
@@ -221,6 +237,27 @@ class TrainingLoop(RuleBasedStateMachine):
 
 
 SPENT = "was used by the last step() and is gone"  # (the spent-gradient error: test_spent_grads.py)
+
+
+def written(ref: torch.Tensor, seed: int) -> torch.Tensor:
+    """New bf16 values for a weight whose reference value is ``ref``: each element moved by 5% of (1 + |value|),
+    up or down at random, so that every element differs from the old weight by many ulps (tritonshard reconciles
+    a master only where the weight no longer is the master's rounding; a value equal to it keeps the master's fp32
+    bits, where torch.optim's would be the written value)."""
+    sign = torch.randint(0, 2, ref.shape, generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return (ref.float() + 0.05 * (1 + ref.float().abs()) * sign).to(torch.bfloat16)
+
+
+def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None:
+    """The loop writes ``value`` into the weight ``name`` of ``model`` (``param``: the parameter it holds), ``how``
+    one of :data:`WRITES`."""
+    with torch.no_grad():
+        if how == "attribute":
+            functools.reduce(getattr, name.split("."), model).copy_(value)
+        elif how == "data":
+            param.data.copy_(value)
+        else:
+            model.load_state_dict({name: value}, strict=False)
 
 
 def raises_spent(call, what: str) -> None:

@@ -1,7 +1,8 @@
 """Random training loops on two ranks against torch.optim: tests/optim/test_loop_fuzz.py's loops, where each rank
 runs its own backward (its own data, and its own heads: a parameter gets a gradient on some ranks only), sets and
 clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr, freezing, a resume, a new
-optimizer) are made by every rank, as in a data-parallel loop.
+optimizer, writing the weights) are made by every rank, as in a data-parallel loop; with overlap_comm the model is
+attached, so step() leaves its all-gathers in flight into whatever call comes next.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -33,14 +34,14 @@ from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import PeerFailedError
 
-from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, _groups, _Net, compare_with_torch, raises_spent, \
-    clip, reference_clip, reference_step
+from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, WRITES, _groups, _Net, compare_with_torch, \
+    raises_spent, clip, reference_clip, reference_step, write_weight, written
 
 WORLD = 2
 MACHINES = {
     "adamw": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), {}),
-    "adamw-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
-                      dict(overlap_comm=True, bucket_cap_mb=1e-9)),
+    "adamw-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),  # (attached: the gathers run on
+                      dict(overlap_comm=True, bucket_cap_mb=1e-9)),          #  into the next call)
     "sgd": (ShardedSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, foreach=False), {}),
 }
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
@@ -75,7 +76,10 @@ class _RankLoop:
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        return self.OURS(_groups(self.model), lr=lr, **hparams, **self.OPTIONS)
+        opt = self.OURS(_groups(self.model), lr=lr, **hparams, **self.OPTIONS)
+        if self.OPTIONS.get("overlap_comm"):  # step() leaves the all-gathers in flight, into whatever comes next
+            opt.attach(self.model)
+        return opt
 
     def _grads(self, w):
         return {n: p.grad for n, p in self.refs[w].items()}
@@ -275,6 +279,17 @@ class _RankLoop:
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
             g["lr"] = lr
 
+    def write(self, names, how, seed):
+        """The same weights written on every rank (a load, an EMA swapped in), between any two calls: right after
+        step() with overlap_comm, while the gathers are in flight."""
+        for n in sorted(names):
+            value = written(self.refs[0][n], seed)
+            write_weight(self.model, self.ours[n], n, value, how)
+            with torch.no_grad():
+                for w in range(WORLD):
+                    self.refs[w][n].copy_(value)
+                self.masters[n].copy_(value.float())
+
     def freeze(self, head, trainable):
         if self.clipped is not None or self._any_grad():
             return self.skipped.append("freeze with gradients")
@@ -330,6 +345,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("freeze"), st.sampled_from(HEADS), st.booleans()),
     st.tuples(st.just("resume")),
     st.tuples(st.just("rebuild")),
+    st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
