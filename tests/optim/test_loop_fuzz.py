@@ -1,6 +1,6 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
-(the optimizer's and the model's, to None or to zeros), step, lr changes, freezing a parameter and writing the
-weights, as real loops mix them; with the default options, and with overlap_comm and a bucket per parameter.
+(the optimizer's and the model's, to None or to zeros), step, lr changes, freezing a parameter, writing the
+weights and editing ``opt.state``, as real loops mix them; with the default options, and with overlap_comm and a bucket per parameter.
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
@@ -34,6 +34,8 @@ LRS = (1e-2, 3e-3, 2e-2)
 #: clipping): in place through the module attribute under no_grad, through ``.data`` of the parameter the loop
 #: holds, or ``model.load_state_dict(strict=False)``
 WRITES = ("attribute", "data", "load_state_dict")
+#: how the loop edits ``opt.state`` (an LR finder's reset, code written for torch.optim): see :func:`edit_state`
+STATE_EDITS = ("clear", "deleted", "count restarted", "moment zeroed")
 
 
 class _Net(torch.nn.Module):
@@ -225,6 +227,12 @@ class TrainingLoop(RuleBasedStateMachine):
                 self.refs[n].copy_(value)
                 self.masters[n].copy_(value.float())
 
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(STATE_EDITS))
+    def edit(self, names, how):
+        """``opt.state`` reset or edited between any two calls: torch.optim starts a parameter whose entry is gone
+        afresh at its next step, and counts on from a count set."""
+        edit_state(self.opt, self.ropt, self.ours, self.masters, names, how)
+
     @precondition(lambda self: self.clipped is None and all(p.grad is None for p in self.refs.values()))
     @rule(head=st.sampled_from(HEADS), trainable=st.booleans())
     def freeze(self, head, trainable):
@@ -258,6 +266,33 @@ def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None
             param.data.copy_(value)
         else:
             model.load_state_dict({name: value}, strict=False)
+
+
+def edit_state(opt, ropt, ours: dict, masters: dict, names, how: str) -> None:
+    """The same edit of ``opt.state`` (ours, keyed by ``ours[n]``) and of ``ropt.state`` (torch.optim's, keyed by
+    ``masters[n]``), ``how`` one of :data:`STATE_EDITS`. Entries are edited only where torch.optim has one (a
+    count or a moment set on an entry it lacks would break torch.optim's own next step)."""
+    if how == "clear":
+        opt.state.clear()
+        ropt.state.clear()
+        return
+    for n in sorted(names):
+        p, m = ours[n], masters[n]
+        if how == "deleted":
+            opt.state.pop(p, None)
+            ropt.state.pop(m, None)
+            continue
+        theirs = ropt.state.get(m)
+        key = "step" if how == "count restarted" else ("exp_avg" if "exp_avg" in (theirs or {}) else
+                                                       "momentum_buffer")
+        if not theirs or key not in theirs or theirs[key] is None:
+            continue
+        if how == "count restarted":
+            opt.state[p]["step"] = torch.tensor(0.0)
+            theirs["step"] = torch.tensor(0.0)
+        else:
+            opt.state[p][key].zero_()
+            theirs[key].zero_()
 
 
 def raises_spent(call, what: str) -> None:

@@ -1,7 +1,7 @@
 """Random training loops on two ranks against torch.optim: tests/optim/test_loop_fuzz.py's loops, where each rank
 runs its own backward (its own data, and its own heads: a parameter gets a gradient on some ranks only), sets and
 clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr, freezing, a resume, a new
-optimizer, writing the weights) are made by every rank, as in a data-parallel loop; with overlap_comm the model is
+optimizer, writing the weights, editing opt.state) are made by every rank, as in a data-parallel loop; with overlap_comm the model is
 attached, so step() leaves its all-gathers in flight into whatever call comes next.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
@@ -34,8 +34,8 @@ from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import PeerFailedError
 
-from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, WRITES, _groups, _Net, compare_with_torch, \
-    raises_spent, clip, reference_clip, reference_step, write_weight, written
+from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, _Net, clip, \
+    compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -290,6 +290,10 @@ class _RankLoop:
                     self.refs[w][n].copy_(value)
                 self.masters[n].copy_(value.float())
 
+    def edit(self, names, how):
+        """The same edit of ``opt.state`` on every rank (each holds its pieces of the state)."""
+        edit_state(self.opt, self.ropt, self.ours, self.masters, names, how)
+
     def freeze(self, head, trainable):
         if self.clipped is not None or self._any_grad():
             return self.skipped.append("freeze with gradients")
@@ -346,6 +350,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("resume")),
     st.tuples(st.just("rebuild")),
     st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
+    st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
