@@ -19,6 +19,8 @@ may round the other way; near zero, a bf16 ulp is smaller than the masters' tole
 import contextlib
 import copy
 import functools
+import os
+import tempfile
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tritonshard import ShardedAdamW, ShardedSGD
+from tritonshard.checkpoint import load_sharded, save_sharded
 
 HEADS = ("a", "b", "c")
 _NAMES = ["trunk.weight", "trunk.bias"] + [f"heads.{h}.{k}" for h in HEADS for k in ("weight", "bias")]
@@ -179,13 +182,20 @@ class TrainingLoop(RuleBasedStateMachine):
 
     @precondition(lambda self: self.clipped is None and not self.launched
                   and all(p.grad is None for p in self.refs.values()))
-    @rule()
-    def resume(self):
+    @rule(how=st.sampled_from(["state_dict", "checkpoint"]))
+    def resume(self, how):
         """A resume in the middle of the run: a new optimizer over the model, loaded from the old one's state_dict
-        (torch.optim's is unchanged by the same round trip), also while a head is frozen (its state is loaded)."""
-        state = self.opt.state_dict()
-        self.opt = self._ours()
-        self.opt.load_state_dict(state)
+        or from a sharded checkpoint on disk (torch.optim's is unchanged by the same round trip), also while a head
+        is frozen (its state is loaded)."""
+        if how == "checkpoint":
+            with tempfile.TemporaryDirectory() as tmp:
+                save_sharded(self.opt, os.path.join(tmp, "ckpt"))
+                self.opt = self._ours()
+                load_sharded(self.opt, os.path.join(tmp, "ckpt"))
+        else:
+            state = self.opt.state_dict()
+            self.opt = self._ours()
+            self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
 
     @precondition(lambda self: self.clipped is None)
