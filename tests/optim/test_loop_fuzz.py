@@ -1,6 +1,7 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
-(the optimizer's and the model's, to None or to zeros), step, lr changes, freezing a parameter, writing the
-weights and editing ``opt.state``, as real loops mix them; with the default options, and with overlap_comm and a bucket per parameter.
+(the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
+parameter, writing the weights and editing ``opt.state``, as real loops mix them; with the default options, and with
+overlap_comm and a bucket per parameter.
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
@@ -37,6 +38,12 @@ LRS = (1e-2, 3e-3, 2e-2)
 #: clipping): in place through the module attribute under no_grad, through ``.data`` of the parameter the loop
 #: holds, or ``model.load_state_dict(strict=False)``
 WRITES = ("attribute", "data", "load_state_dict")
+#: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
+HPARAM_CHOICES = {
+    torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
+                        ("eps", (1e-8, 1e-6))],
+    torch.optim.SGD: [("weight_decay", (0.0, 0.1, 0.3)), ("momentum", (0.9, 0.5)), ("dampening", (0.1, 0.0))],
+}
 #: how the loop edits ``opt.state`` (an LR finder's reset, code written for torch.optim): see :func:`edit_state`
 STATE_EDITS = ("clear", "deleted", "count restarted", "moment zeroed")
 
@@ -225,6 +232,15 @@ class TrainingLoop(RuleBasedStateMachine):
     def set_lr(self, lr):
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
             g["lr"] = lr
+
+    @rule(group=st.sampled_from([0, 1]), setting=st.integers(0, 2 ** 16))
+    def set_hparam(self, group, setting):
+        """Another hyper-parameter in one group (a scheduler's betas or momentum, weight decay switched): the
+        launches built for the old values must not be reused."""
+        key, values = HPARAM_CHOICES[self.THEIRS][setting % len(HPARAM_CHOICES[self.THEIRS])]
+        value = values[(setting // 8) % len(values)]
+        self.opt.param_groups[group][key] = value
+        self.ropt.param_groups[group][key] = value
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
     def write(self, names, how, seed):

@@ -1,8 +1,9 @@
 """Random training loops on two ranks against torch.optim: tests/optim/test_loop_fuzz.py's loops, where each rank
 runs its own backward (its own data, and its own heads: a parameter gets a gradient on some ranks only), sets and
-clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr, freezing, a resume, a new
-optimizer, writing the weights, editing opt.state) are made by every rank, as in a data-parallel loop; with overlap_comm the model is
-attached, so step() leaves its all-gathers in flight into whatever call comes next.
+clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr and other hyper-parameters,
+freezing, a resume, a new optimizer, writing the weights, editing opt.state) are made by every rank, as in a
+data-parallel loop; with overlap_comm the model is attached, so step() leaves its all-gathers in flight into whatever
+call comes next.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -34,8 +35,8 @@ from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import PeerFailedError
 
-from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, _Net, clip, \
-    compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, write_weight, written
+from .test_loop_fuzz import _NAMES, HEADS, HPARAM_CHOICES, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, \
+    _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -279,6 +280,12 @@ class _RankLoop:
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
             g["lr"] = lr
 
+    def set_hparam(self, group, setting):
+        key, values = HPARAM_CHOICES[self.THEIRS][setting % len(HPARAM_CHOICES[self.THEIRS])]
+        value = values[(setting // 8) % len(values)]
+        self.opt.param_groups[group][key] = value
+        self.ropt.param_groups[group][key] = value
+
     def write(self, names, how, seed):
         """The same weights written on every rank (a load, an EMA swapped in), between any two calls: right after
         step() with overlap_comm, while the gathers are in flight."""
@@ -346,6 +353,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("set_grads"), st.tuples(*[_names] * WORLD), st.integers(0, 2 ** 16)),
     st.tuples(st.just("clear_some"), st.tuples(*[_names] * WORLD)),
     st.tuples(st.just("set_lr"), st.sampled_from(LRS)),
+    st.tuples(st.just("set_hparam"), st.sampled_from([0, 1]), st.integers(0, 2 ** 16)),
     st.tuples(st.just("freeze"), st.sampled_from(HEADS), st.booleans()),
     st.tuples(st.just("resume")),
     st.tuples(st.just("rebuild")),
