@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import tempfile
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -33,6 +35,7 @@ from hypothesis import strategies as st
 
 from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
+from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import PeerFailedError
 
 from .test_loop_fuzz import _NAMES, HEADS, HPARAM_CHOICES, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, \
@@ -73,6 +76,7 @@ class _RankLoop:
         self.by_hand = [False] * WORLD
         self.batch = 0
         self.skipped: list = []  # (calls skipped because they would fail on some ranks only)
+        self.directory, self.saves = None, 0  # (resume through a checkpoint: set by _run_program)
 
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr):
@@ -307,12 +311,21 @@ class _RankLoop:
         for tree in (self.model, *self.refs_models):
             tree.heads[head].requires_grad_(trainable)
 
-    def resume(self):
+    def resume(self, how):
+        """A new optimizer loaded from the old one's state_dict, or from a sharded checkpoint both ranks write
+        into one directory (``self.directory``, made by the test process)."""
         if self.clipped is not None or self.launched or self._any_grad():
             return self.skipped.append("resume with gradients")
-        state = self.opt.state_dict()
-        self.opt = self._ours(LRS[0])
-        self.opt.load_state_dict(state)
+        if how == "checkpoint":
+            self.saves += 1
+            path = os.path.join(self.directory, f"ckpt-{self.saves}")
+            save_sharded(self.opt, path)
+            self.opt = self._ours(LRS[0])
+            load_sharded(self.opt, path)
+        else:
+            state = self.opt.state_dict()
+            self.opt = self._ours(LRS[0])
+            self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
 
     def rebuild(self):
@@ -333,9 +346,10 @@ class _RankLoop:
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs[0], self.masters)
 
 
-def _run_program(rank, world_size, machine, program):
+def _run_program(rank, world_size, machine, program, directory):
     assert world_size == WORLD
     loop = _RankLoop(rank, machine)
+    loop.directory = directory
     for call, *args in program:
         getattr(loop, call)(*args)
     loop.opt.zero_grad()
@@ -355,7 +369,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("set_lr"), st.sampled_from(LRS)),
     st.tuples(st.just("set_hparam"), st.sampled_from([0, 1]), st.integers(0, 2 ** 16)),
     st.tuples(st.just("freeze"), st.sampled_from(HEADS), st.booleans()),
-    st.tuples(st.just("resume")),
+    st.tuples(st.just("resume"), st.sampled_from(["state_dict", "checkpoint"])),
     st.tuples(st.just("rebuild")),
     st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
     st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
@@ -366,7 +380,8 @@ SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=N
 
 
 def _check(machine, program):
-    run_on_ranks(_run_program, WORLD, machine, program, timeout_s=HANG_S)
+    with tempfile.TemporaryDirectory() as directory:  # (checkpoints: one directory both ranks see)
+        run_on_ranks(_run_program, WORLD, machine, program, directory, timeout_s=HANG_S)
 
 
 @SETTINGS
