@@ -129,8 +129,8 @@ class ModelViewMixin:
         dirty = set()
         # (lists in _param_list's order, not dicts keyed by the parameters: Tensor.__hash__ is a Python method; and
         # read with map(), compared as lists, then looked at one by one only where they differ: this runs over
-        # every parameter at every step: ~0.15 us per parameter where a loop reading data_ptr, dtype, device and
-        # _version of each took ~0.75 us. A .data of another dtype or device has another address: _readopt says so)
+        # every parameter at every step, ~0.15 us per parameter, where a loop reading data_ptr, dtype, device and
+        # _version of each took ~0.75. A .data of another dtype or device has another address: _readopt says so)
         plist, ptrs, versions = self._param_list, self._param_ptrs, self._param_versions
         with torch._C.DisableTorchFunctionSubclass():  # (WatchedParameter: ~90 ns less per attribute read)
             now, now_versions = list(map(_DATA_PTR, plist)), list(map(_VERSION, plist))
@@ -138,6 +138,7 @@ class ModelViewMixin:
             for i, p in enumerate(plist):
                 if now[i] != ptrs[i]:
                     self._readopt(p)  # (sets ptrs[i] and versions[i])
+                    now_versions[i] = versions[i]
                     dirty.add(self._bucket_of[p][0].index)
         if now_versions != versions:
             for i, version in enumerate(now_versions):
