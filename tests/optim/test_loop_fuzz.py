@@ -237,10 +237,7 @@ class TrainingLoop(RuleBasedStateMachine):
     def set_hparam(self, group, setting):
         """Another hyper-parameter in one group (a scheduler's betas or momentum, weight decay switched): the
         launches built for the old values must not be reused."""
-        key, values = HPARAM_CHOICES[self.THEIRS][setting % len(HPARAM_CHOICES[self.THEIRS])]
-        value = values[(setting // 8) % len(values)]
-        self.opt.param_groups[group][key] = value
-        self.ropt.param_groups[group][key] = value
+        set_hparam(self.opt, self.ropt, group, setting)
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
     def write(self, names, how, seed):
@@ -293,6 +290,16 @@ def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None
             param.data.copy_(value)
         else:
             model.load_state_dict({name: value}, strict=False)
+
+
+def set_hparam(opt, ropt, group: int, setting: int) -> None:
+    """The same hyper-parameter of :data:`HPARAM_CHOICES` (``setting`` picks which, and its value) set in param
+    group ``group`` of ``opt`` and of ``ropt``, torch.optim's."""
+    choices = HPARAM_CHOICES[type(ropt)]
+    key, values = choices[setting % len(choices)]
+    value = values[(setting // 8) % len(values)]
+    opt.param_groups[group][key] = value
+    ropt.param_groups[group][key] = value
 
 
 def edit_state(opt, ropt, ours: dict, masters: dict, names, how: str) -> None:

@@ -38,8 +38,8 @@ from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import PeerFailedError
 
-from .test_loop_fuzz import _NAMES, HEADS, HPARAM_CHOICES, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, \
-    _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, write_weight, written
+from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, _Net, clip, \
+    compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -285,10 +285,7 @@ class _RankLoop:
             g["lr"] = lr
 
     def set_hparam(self, group, setting):
-        key, values = HPARAM_CHOICES[self.THEIRS][setting % len(HPARAM_CHOICES[self.THEIRS])]
-        value = values[(setting // 8) % len(values)]
-        self.opt.param_groups[group][key] = value
-        self.ropt.param_groups[group][key] = value
+        set_hparam(self.opt, self.ropt, group, setting)
 
     def write(self, names, how, seed):
         """The same weights written on every rank (a load, an EMA swapped in), between any two calls: right after
