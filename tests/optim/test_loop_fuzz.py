@@ -1,7 +1,7 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
 (the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
-parameter, writing the weights and editing ``opt.state``, as real loops mix them; with the default options, and with
-overlap_comm and a bucket per parameter.
+parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
+default options, and with overlap_comm and a bucket per parameter.
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
@@ -32,6 +32,7 @@ from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 
 HEADS = ("a", "b", "c")
+EXTRA = "x"  # the head of _Net.extra, trained once TrainingLoop.add_group added it with add_param_group
 _NAMES = ["trunk.weight", "trunk.bias"] + [f"heads.{h}.{k}" for h in HEADS for k in ("weight", "bias")]
 LRS = (1e-2, 3e-3, 2e-2)
 #: how the loop writes the weights between two calls (loaded weights, an EMA swapped in, a padding row zeroed, weight
@@ -54,16 +55,22 @@ class _Net(torch.nn.Module):
         torch.manual_seed(0)
         self.trunk = torch.nn.Linear(7, 13)
         self.heads = torch.nn.ModuleDict({h: torch.nn.Linear(13, 3) for h in HEADS})
+        self.extra = torch.nn.Linear(13, 3)  # (in no group at first: add_group adds it; head EXTRA)
 
     def loss(self, x, heads):
         h = torch.tanh(self.trunk(x.to(self.trunk.weight.dtype)))
-        return sum(self.heads[k](h).float().pow(2).mean() for k in heads)
+        return sum((self.extra if k == EXTRA else self.heads[k])(h).float().pow(2).mean() for k in heads)
 
 
-def _groups(model):
+def _groups(model, extra: bool = False):
     decay = [model.trunk.weight] + [model.heads[h].weight for h in HEADS]
-    return [dict(params=decay, weight_decay=0.1), dict(params=[model.trunk.bias] + [model.heads[h].bias for h in HEADS],
-                                                        weight_decay=0.0)]
+    groups = [dict(params=decay, weight_decay=0.1),
+              dict(params=[model.trunk.bias] + [model.heads[h].bias for h in HEADS], weight_decay=0.0)]
+    return groups + [_extra_group(model)] if extra else groups
+
+
+def _extra_group(model, **options):
+    return dict(params=[model.extra.weight, model.extra.bias], weight_decay=0.05, **options)
 
 
 class TrainingLoop(RuleBasedStateMachine):
@@ -74,6 +81,7 @@ class TrainingLoop(RuleBasedStateMachine):
         super().__init__()
         fp32 = _Net()
         self.model = copy.deepcopy(fp32)
+        self.added = False  # add_group added the extra head
         self.opt = self._ours()
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.launched = False      # overlap_comm: a backward outside no_sync() launched this step's reduce-scatters
@@ -94,7 +102,7 @@ class TrainingLoop(RuleBasedStateMachine):
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr=LRS[0]):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        return self.OURS(_groups(self.model), lr=lr, **hparams, **self.OPTIONS)
+        return self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
 
     def _reuses_spent(self) -> bool:
         return any(self.refs[n].grad is not None for n in self.spent)
@@ -112,11 +120,11 @@ class TrainingLoop(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: self.clipped is None)
-    @rule(heads=st.sets(st.sampled_from(HEADS), min_size=1), sync=st.booleans())
+    @rule(heads=st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1), sync=st.booleans())
     def backward(self, heads, sync):
         x = torch.randn(5, 7, generator=torch.Generator().manual_seed(self.batch))
         self.batch += 1
-        heads = sorted(heads)
+        heads = sorted(h for h in heads if h != EXTRA or self.added) or [HEADS[0]]  # (the extra head: once added)
         with contextlib.nullcontext() if sync else self.opt.no_sync():
             if self.launched:
                 try:
@@ -222,10 +230,12 @@ class TrainingLoop(RuleBasedStateMachine):
             assert "between a backward and its step()" in str(e), e
             assert live, "a new optimizer refused where every gradient is None, zeros or spent"
             return
-        with torch.no_grad():
-            for n in self.names:
-                self.masters[n].copy_(self.refs[n].float())
-        self.ropt = self.THEIRS(_groups(self.fp32), lr=lr, **self.HPARAMS)
+        held = {id(p) for g in self.opt.param_groups for p in g["params"]}
+        with torch.no_grad():  # (the new optimizer's masters: its parameters' bf16 weights; the extra head, in no
+            for n in self.names:  # group yet, keeps its fp32 values, which add_group takes)
+                if id(self.ours[n]) in held:
+                    self.masters[n].copy_(self.refs[n].float())
+        self.ropt = self.THEIRS(_groups(self.fp32, self.added), lr=lr, **self.HPARAMS)
         self.launched = False
 
     @rule(lr=st.sampled_from(LRS))
@@ -255,6 +265,18 @@ class TrainingLoop(RuleBasedStateMachine):
         """``opt.state`` reset or edited between any two calls: torch.optim starts a parameter whose entry is gone
         afresh at its next step, and counts on from a count set."""
         edit_state(self.opt, self.ropt, self.ours, self.masters, names, how)
+
+    @precondition(lambda self: not self.added and self.clipped is None
+                  and all(p.grad is None for p in self.refs.values()))
+    @rule()
+    def add_group(self):
+        """``opt.add_param_group`` with a head no group held (progressive unfreezing), between steps (between a
+        backward and its step() it is an error: README): it trains from the next step, from its current weights,
+        with a count and state of its own, as in torch.optim."""
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.add_param_group(_extra_group(self.model, lr=lr))
+        self.ropt.add_param_group(_extra_group(self.fp32, lr=lr))
+        self.added = True
 
     @precondition(lambda self: self.clipped is None and all(p.grad is None for p in self.refs.values()))
     @rule(head=st.sampled_from(HEADS), trainable=st.booleans())
@@ -380,6 +402,8 @@ def compare_with_torch(opt, ropt, names, ours, refs, masters) -> None:
         mine, ref = ours[n].detach(), refs[n].detach()
         bound = ref.float().abs() * 2.0 ** -7 + 2e-6  # one bf16 ulp, and the masters' tolerance near zero
         assert ((mine.float() - ref.float()).abs() <= bound).all(), f"{n}: weights differ from torch.optim's"
+        if id(ours[n]) not in index:  # (in no param group: the extra head before add_group)
+            continue
         entry = state.get(index[id(ours[n])], {})
         rstate = ropt.state.get(masters[n], {})
         if "step" in rstate or isinstance(ropt, torch.optim.AdamW):  # (torch.optim.SGD keeps no count)
