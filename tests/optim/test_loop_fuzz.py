@@ -57,9 +57,12 @@ class _Net(torch.nn.Module):
         self.heads = torch.nn.ModuleDict({h: torch.nn.Linear(13, 3) for h in HEADS})
         self.extra = torch.nn.Linear(13, 3)  # (in no group at first: add_group adds it; head EXTRA)
 
-    def loss(self, x, heads):
+    def forward(self, x, heads):
         h = torch.tanh(self.trunk(x.to(self.trunk.weight.dtype)))
         return sum((self.extra if k == EXTRA else self.heads[k])(h).float().pow(2).mean() for k in heads)
+
+    def loss(self, x, heads):
+        return self(x, heads)  # (through the module's call: an attached model's hooks run)
 
 
 def _groups(model, extra: bool = False):
@@ -102,7 +105,10 @@ class TrainingLoop(RuleBasedStateMachine):
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr=LRS[0]):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        return self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
+        opt = self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
+        if self.OPTIONS.get("overlap_comm"):  # (attached, as overlap_comm is meant to be used: the model's hooks)
+            opt.attach(self.model)
+        return opt
 
     def _reuses_spent(self) -> bool:
         return any(self.refs[n].grad is not None for n in self.spent)
