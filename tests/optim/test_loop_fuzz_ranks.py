@@ -1,9 +1,9 @@
 """Random training loops on two ranks against torch.optim: tests/optim/test_loop_fuzz.py's loops, where each rank
 runs its own backward (its own data, and its own heads: a parameter gets a gradient on some ranks only), sets and
 clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr and other hyper-parameters,
-freezing, a resume, a new optimizer, writing the weights, editing opt.state) are made by every rank, as in a
-data-parallel loop; with overlap_comm the model is attached, so step() leaves its all-gathers in flight into whatever
-call comes next.
+freezing, a resume, a new optimizer, a param group added, writing the weights, editing opt.state) are made by every
+rank, as in a data-parallel loop; with overlap_comm the model is attached, so step() leaves its all-gathers in
+flight into whatever call comes next.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -38,8 +38,9 @@ from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import PeerFailedError
 
-from .test_loop_fuzz import _NAMES, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _groups, _Net, clip, \
-    compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
+from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _extra_group, _groups, \
+    _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, \
+    write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -59,6 +60,7 @@ class _RankLoop:
         self.OURS, self.THEIRS, self.HPARAMS, self.OPTIONS = MACHINES[machine]
         fp32 = _Net()
         self.model = copy.deepcopy(fp32)
+        self.added = False  # add_group added the extra head
         self.opt = self._ours(LRS[0])
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.refs_models = [copy.deepcopy(fp32).to(torch.bfloat16) for _ in range(WORLD)]
@@ -81,7 +83,7 @@ class _RankLoop:
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        opt = self.OURS(_groups(self.model), lr=lr, **hparams, **self.OPTIONS)
+        opt = self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
         if self.OPTIONS.get("overlap_comm"):  # step() leaves the all-gathers in flight, into whatever comes next
             opt.attach(self.model)
         return opt
@@ -165,20 +167,22 @@ class _RankLoop:
     def backward(self, heads, sync):
         if self.clipped is not None:
             return self.skipped.append("backward after a clip")
+        # (the extra head once added only)
+        heads = [sorted(h for h in hs if h != EXTRA or self.added) or [HEADS[0]] for hs in heads]
         with contextlib.nullcontext() if sync else self.opt.no_sync():
             for w in range(WORLD):
                 x = torch.randn(5, 7, generator=torch.Generator().manual_seed(1000 * self.batch + w))
                 if w == self.rank:
                     if self.launched:
                         try:
-                            self.model.loss(x, sorted(heads[w])).backward()
+                            self.model.loss(x, heads[w]).backward()
                         except RuntimeError as e:
                             assert "no_sync" in str(e), e
                             self.batch += 1
                             return self._recover()
                         raise AssertionError("a backward onto launched reduce-scatters did not raise")
-                    self.model.loss(x, sorted(heads[w])).backward()
-                self.refs_models[w].loss(x, sorted(heads[w])).backward()
+                    self.model.loss(x, heads[w]).backward()
+                self.refs_models[w].loss(x, heads[w]).backward()
         self.batch += 1
         self.launched, self.by_hand = self.overlap and sync, [False] * WORLD
 
@@ -332,11 +336,22 @@ class _RankLoop:
             return self.skipped.append("rebuild with live gradients")
         lr = self.opt.param_groups[0]["lr"]
         self.opt = self._ours(lr)
-        with torch.no_grad():
+        held = {id(p) for g in self.opt.param_groups for p in g["params"]}
+        with torch.no_grad():  # (the extra head, in no group yet, keeps its fp32 values: see test_loop_fuzz.py)
             for n in self.names:
-                self.masters[n].copy_(self.refs[0][n].float())
-        self.ropt = self.THEIRS(_groups(self.fp32), lr=lr, **self.HPARAMS)
+                if id(self.ours[n]) in held:
+                    self.masters[n].copy_(self.refs[0][n].float())
+        self.ropt = self.THEIRS(_groups(self.fp32, self.added), lr=lr, **self.HPARAMS)
         self.launched = False
+
+    def add_group(self):
+        """add_param_group of the extra head on every rank, between steps (test_loop_fuzz.py's add_group)."""
+        if self.added or self.clipped is not None or self.launched or self._any_grad():
+            return self.skipped.append("add_group twice or with gradients")
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.add_param_group(_extra_group(self.model, lr=lr))
+        self.ropt.add_param_group(_extra_group(self.fp32, lr=lr))
+        self.added = True
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):  # (every rank's replica holds the same weights after a step)
@@ -352,7 +367,7 @@ def _run_program(rank, world_size, machine, program, directory):
     loop.opt.zero_grad()
 
 
-_heads = st.frozensets(st.sampled_from(HEADS), min_size=1)
+_heads = st.frozensets(st.sampled_from(HEADS + (EXTRA,)), min_size=1)
 _names = st.frozensets(st.sampled_from(_NAMES))
 _CALLS = st.one_of(
     st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans()),
@@ -368,6 +383,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("freeze"), st.sampled_from(HEADS), st.booleans()),
     st.tuples(st.just("resume"), st.sampled_from(["state_dict", "checkpoint"])),
     st.tuples(st.just("rebuild")),
+    st.tuples(st.just("add_group")),
     st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
     st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
 )
