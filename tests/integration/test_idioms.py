@@ -20,7 +20,7 @@ from tests.distributed import run_on_ranks
 from tests.helpers import assert_bitwise_equal, assert_close_rel
 from tests.integration.hf import eval_loss, flat_weights, lm_loss, tiny_gpt2, tiny_llama, tokens
 from tests.optim.training import LR, MAX_NORM, Reference, batch, loss_fn, make_model, param_groups, schedule
-from tritonshard import ShardedAdamW
+from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import all_gather_single
 from tritonshard.optim.model_sync import ShardedGrad
 
@@ -147,6 +147,43 @@ def test_torch_clip_grad_norm_on_model_parameters_clips_with_the_global_norm(wor
     """Before the fix torch.nn.utils.clip_grad_norm_ saw no gradients (param.grad None): it returned 0.0 and
     clipped nothing."""
     run_on_ranks(_torch_clip_vs_reference, world_size, how)
+
+
+def _divided(rank, world_size):
+    """ShardedSGD (its update is proportional to the gradient: a division missed or applied twice shows), three
+    steps of two micro-batches, the gradients divided by 4 after the backwards, against the loss divided by 4
+    before them: a power of two scales every bf16 gradient and every sum of them exactly, so the bits agree."""
+    runs = {}
+    for how in ("loss / 4", "none", "p.grad /= 4", "p.grad.div_(tensor)", "torch._foreach_div_"):
+        model = make_model(0)
+        opt = ShardedSGD(param_groups(model), lr=LR)
+        divisor = torch.tensor(4.0)
+        for step in range(3):
+            for micro in range(2):
+                loss = loss_fn(model, batch(rank, step, micro))
+                (loss / 4 if how == "loss / 4" else loss).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if how == "p.grad /= 4":
+                for g in grads:
+                    g /= 4
+            elif how == "p.grad.div_(tensor)":
+                for g in grads:
+                    g.div_(divisor)
+            elif how == "torch._foreach_div_":
+                torch._foreach_div_(grads, 4.0)
+            opt.step()
+            opt.zero_grad()
+        runs[how] = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    assert not torch.equal(runs["none"], runs["loss / 4"]), "the division must change the weights"
+    for how in ("p.grad /= 4", "p.grad.div_(tensor)", "torch._foreach_div_"):
+        assert_bitwise_equal(runs[how], runs["loss / 4"], f"{how} against the loss / 4, rank {rank} of {world_size}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dividing_the_gradients_by_a_number_trains_as_dividing_the_loss(world_size):
+    """``p.grad /= n`` after the backwards (a loop normalizing by its accumulation steps or token count): folded
+    into the update as the clip's multiply is. Until session 21 it was an error ("div_() on the gradient of ...")."""
+    run_on_ranks(_divided, world_size)
 
 
 def test_clipping_only_some_parameters_is_an_error():

@@ -533,6 +533,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._spent: dict = {}
         self._stale: dict = {}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
+        self._reciprocals: dict = {}  # id(divisor) -> (divisor, 1 / divisor) of this step's p.grad.div_(divisor)
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
         self._clamped = False  # clip_grad_value_ clamped this step's reduced gradients (the reduction's sum_sq is stale)
         self._state_exposed = False
@@ -1638,6 +1639,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._clamped = False
         self._step_cache.clear()
         self._grad_multipliers.clear()
+        self._reciprocals.clear()
         self._norm_cache.clear()
 
     # ------------------------------------------------------------------ parameter all-gathers

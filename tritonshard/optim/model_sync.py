@@ -239,6 +239,17 @@ class ShardedGrad(torch.Tensor):
             for i, t in enumerate(args[0]):
                 _mul(t, scalars[i] if isinstance(scalars, (list, tuple)) else scalars)
             return None
+        # p.grad /= n (a loop normalizing by its accumulation steps or token count): the multiply by 1 / n, folded
+        # into the update like the clip's (exact where n is a power of two; else within one bf16 rounding of
+        # torch's division of bf16 gradients, as for the clip coefficient)
+        if func is torch.Tensor.div_ and kwargs.get("rounding_mode") is None:
+            _div(args[0], args[1] if len(args) > 1 else kwargs["other"])
+            return args[0]
+        if func is torch._foreach_div_:
+            divisors = args[1]
+            for i, t in enumerate(args[0]):
+                _div(t, divisors[i] if isinstance(divisors, (list, tuple)) else divisors)
+            return None
         if func in _CLAMPS:  # torch.nn.utils.clip_grad_value_ (one tensor at a time where foreach is not used)
             low, high = _clamp_bounds(func, args, kwargs)
             opt, param = args[0]._owner()
@@ -389,6 +400,14 @@ def _mul(t, coef) -> None:
     opt._fold_grad_multiplier(param, coef)
 
 
+def _div(t, divisor) -> None:
+    if not isinstance(t, ShardedGrad):
+        t.div_(divisor)
+        return
+    opt, param = t._owner()
+    opt._fold_grad_multiplier(param, opt._reciprocal(divisor))
+
+
 _CLAMPS = {torch.Tensor.clamp_, torch.Tensor.clip_, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_}
 _FOREACH_CLAMPS = {torch._foreach_clamp_min_, torch._foreach_clamp_max_}
 
@@ -449,9 +468,9 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
             "second time. Call opt.attach(model) before wrapping (it switches the wrapper's gradient reduction "
             "off), or don't wrap the model: tritonshard is the data parallelism.")
     return RuntimeError(
-        where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, the clamps of "
-        "clip_grad_value_, and zero_(); for anything else read opt.grad_norm(), or clip with "
-        "opt.clip_grad_norm_(max_norm).")
+        where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, a division by a "
+        "number (p.grad /= n, the same n for every parameter), the clamps of clip_grad_value_, and zero_(); for "
+        "anything else read opt.grad_norm(), or clip with opt.clip_grad_norm_(max_norm).")
 
 
 # ---------------------------------------------------------------------------------------------- the model

@@ -358,6 +358,16 @@ class ModelViewMixin:
             total = c if total is None else total * c
         return total
 
+    def _reciprocal(self, divisor):
+        """``1 / divisor`` for ``p.grad.div_(divisor)``: for a tensor, one reciprocal per divisor and step, since
+        the multipliers of the parameters are compared by identity (:meth:`_common_multiplier`)."""
+        if not torch.is_tensor(divisor):
+            return 1.0 / divisor
+        kept = self._reciprocals.get(id(divisor))
+        if kept is None or kept[0] is not divisor:
+            kept = self._reciprocals[id(divisor)] = (divisor, 1.0 / divisor)
+        return kept[1]
+
     def _fold_grad_multiplier(self, p: torch.Tensor, coef) -> None:
         """``p.grad.mul_(coef)`` on a ShardedGrad: applied in the update (``grad_scale``), not as a pass."""
         self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
