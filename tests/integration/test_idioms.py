@@ -402,8 +402,9 @@ def test_the_hf_trainer_with_overlap_leaves_every_gather_to_the_next_forward(tmp
     run_on_ranks(_trainer_overlaps, 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("clip", ["opt.clip_grad_norm_", "torch's clip_grad_norm_"])
-@pytest.mark.parametrize("how", ["load_state_dict", "in place under no_grad", "p.data"])
+@pytest.mark.parametrize("clip, how", [("opt.clip_grad_norm_", "load_state_dict"),
+                                       ("torch's clip_grad_norm_", "in place under no_grad"),
+                                       ("opt.clip_grad_norm_", "p.data")])  # (each write path, each clip)
 def test_weights_written_between_the_clip_and_step_are_trained_from(clip, how):
     """The clip reduces the gradients, and with them looked at the weights for writes; until session 21 step()
     did not look again, so weights written between the clip and step() (a load, a parameter clamped in a
