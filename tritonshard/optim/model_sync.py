@@ -231,24 +231,18 @@ class ShardedGrad(torch.Tensor):
         if func is torch._foreach_norm:
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
             return [_norm(t, ord_) for t in args[0]]
-        if func is torch.Tensor.mul_:
-            _mul(args[0], args[1] if len(args) > 1 else kwargs["other"])
+        # the multiply of torch's clip, and p.grad /= n (a loop normalizing by its accumulation steps or token
+        # count): folded into the update (a division as the multiply by 1 / n: exact where n is a power of two,
+        # else within one bf16 rounding of torch's division of bf16 gradients, as for the clip coefficient)
+        scale = _SCALE.get(func)
+        if scale is not None and kwargs.get("rounding_mode") is None:
+            scale(args[0], args[1] if len(args) > 1 else kwargs["other"])
             return args[0]
-        if func is torch._foreach_mul_:
-            scalars = args[1]
+        scale = _FOREACH_SCALE.get(func)
+        if scale is not None:
+            factors = args[1]
             for i, t in enumerate(args[0]):
-                _mul(t, scalars[i] if isinstance(scalars, (list, tuple)) else scalars)
-            return None
-        # p.grad /= n (a loop normalizing by its accumulation steps or token count): the multiply by 1 / n, folded
-        # into the update like the clip's (exact where n is a power of two; else within one bf16 rounding of
-        # torch's division of bf16 gradients, as for the clip coefficient)
-        if func is torch.Tensor.div_ and kwargs.get("rounding_mode") is None:
-            _div(args[0], args[1] if len(args) > 1 else kwargs["other"])
-            return args[0]
-        if func is torch._foreach_div_:
-            divisors = args[1]
-            for i, t in enumerate(args[0]):
-                _div(t, divisors[i] if isinstance(divisors, (list, tuple)) else divisors)
+                scale(t, factors[i] if isinstance(factors, (list, tuple)) else factors)
             return None
         if func in _CLAMPS:  # torch.nn.utils.clip_grad_value_ (one tensor at a time where foreach is not used)
             low, high = _clamp_bounds(func, args, kwargs)
@@ -407,6 +401,10 @@ def _div(t, divisor) -> None:
     opt, param = t._owner()
     opt._fold_grad_multiplier(param, opt._reciprocal(divisor))
 
+
+#: in-place multiplies and divisions of a gradient by a number, and their foreach forms: how each is folded
+_SCALE = {torch.Tensor.mul_: _mul, torch.Tensor.div_: _div}
+_FOREACH_SCALE = {torch._foreach_mul_: _mul, torch._foreach_div_: _div}
 
 _CLAMPS = {torch.Tensor.clamp_, torch.Tensor.clip_, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_}
 _FOREACH_CLAMPS = {torch._foreach_clamp_min_, torch._foreach_clamp_max_}
