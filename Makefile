@@ -8,11 +8,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 NPROC ?= 2
+# pytest-xdist workers for `make test` (2: the CI machine's cores; each worker also starts its own gloo rank processes)
+TEST_JOBS ?= 2
 
 .PHONY: test train train-hf figures install clean
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --durations=10 $(PYTEST_ARGS)
 
 # The main job: a small GPT trained with ShardedAdamW on 2 processes (gloo on CPU, NCCL on GPUs).
 # `make train TRAIN_ARGS="--optimizer torch"` runs the fp32 torch.optim.AdamW baseline on the same data and seed.
