@@ -89,3 +89,46 @@ def test_fp16_weights_with_loss_scale_false_train_under_grad_scaler():
     # fp16's range is narrow: 2^12 times the gradients stays exact unless one underflows unscaled (then the scaled
     # run is the more accurate one); the weights of this model agree to the last fp16 bit
     assert_bitwise_equal(_weights(model), _weights(ref_model), "fp16 weights, GradScaler vs no scaling")
+
+
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale_, then step", "step only"])
+def test_a_gradient_set_by_hand_beside_the_backwards_is_unscaled_with_them(unscale):
+    """A parameter the backward did not reach, given a gradient by hand (in the loss's scaled units, as the loop's
+    own code would compute it), beside the backward's placeholders. Before: step() raised "param.grad was
+    multiplied (...) for N of the M parameters" (torch's op had unscaled the plain tensor and the update was to
+    unscale the others; GradScaler.step's inf check without unscale_ multiplies by 1.0, the same error)."""
+    scale = 2.0 ** 8
+    hand = torch.randn(3, generator=torch.Generator().manual_seed(5))
+    runs = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=scale), None):
+        model = make_model(0)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(2):
+            loss = loss_fn(model, batch(0, step, 0))
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            model.unused.grad = (hand * (scale if scaler is not None else 1.0)).to(torch.bfloat16)
+            if scaler is None:
+                opt.step()
+            else:
+                if unscale:
+                    scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        runs.append(_weights(model))
+    assert_bitwise_equal(runs[0], runs[1], "weights, a hand-set gradient under GradScaler vs no scaling")
+
+
+def test_grad_scaler_step_without_any_gradient_changes_nothing():
+    """GradScaler.step(opt) where no parameter has a gradient hands the optimizer found_inf as the number 0 (its
+    sum over no devices): the step takes it as torch's fused optimizers do, and changes nothing. (Before: an
+    AttributeError, 'bool' object has no attribute 'to'. torch's own scaler.update() then raises, "No inf checks
+    were recorded prior to update", as for every optimizer.)"""
+    model = make_model(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    before = _weights(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)
+    assert_bitwise_equal(_weights(model), before, "a step without gradients")
+    assert int(opt.skipped_steps) == 0

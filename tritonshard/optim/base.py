@@ -93,7 +93,9 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
+import operator
 import sys
 import weakref
 from typing import Optional
@@ -235,6 +237,7 @@ def kernels():
     return _op_kernels if torch.compiler.is_compiling() else _eager_kernels
 
 
+_GRAD = operator.attrgetter("grad")
 _FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
@@ -453,6 +456,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self.last_step_skipped = torch.zeros((), dtype=torch.bool, device=self.device)
         self._reduced: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (global sum_sq, found_inf) this step
+        # a reduction before step() (a clip, a norm, GradScaler.unscale_): step() looks at param.grad again
+        # (_check_grads_since_reduction)
+        self._reduced_early = False
         self._prepared_state = None  # (param versions, state dict) from prepare_state_dict(), until step()/loads
         self._look_for_trainer = self.world_size * self.replica_size > 1
         self._clip_coef: Optional[torch.Tensor] = None
@@ -524,6 +530,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._buffer_slots: tuple = (None, [])  # (the attached model, its (module, buffer name) pairs)
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
         self._placeholders: dict = {}
+        self._placeholder_list: list = []  # (in _param_list's order)
         # param.grad after step() until cleared (model_sync.SpentGrad): each parameter's marker; whether step() left
         # markers that are not listed yet (the listing, _list_spent, is needed only where the loop did not call
         # opt.zero_grad()); the parameters listed holding theirs; those whose marker a backward replaced (torch.optim
@@ -601,6 +608,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         reductions of gradients the loop cleared since are forgotten first, see _forget_discarded_launches.)"""
         if self._launched_by_backward:  # (reductions of gradients the loop cleared since are not in the way)
             self._forget_discarded_launches(at_flush=False)
+        if self._reduced_early:  # (a reduction whose gradients the loop all cleared since: gone)
+            self._check_grads_since_reduction("forget")
         if self._reduced is not None or any(b.rs_launched for b in self.buckets):
             return True
         return self._holds_placed_gradients()
@@ -805,6 +814,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._param_ptrs += [self._param_views[p].data_ptr() for p in added]
         self._param_versions += [p._version for p in added]
         self._placeholders.update({p: ShardedGrad(p, self) for p in added})
+        self._placeholder_list += [self._placeholders[p] for p in added]
         self._spent_grads.update({p: SpentGrad(p, self) for p in added})
         self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
         for p in added:
@@ -1158,6 +1168,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (None when there are none), checked, with the buffer made ready for them (zeros for parameters without a
         gradient on the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the
         second half, after the flatten."""
+        if self._reduced_early:  # (a reduction whose gradients the loop all cleared since: gone)
+            self._check_grads_since_reduction("forget")
         placed = b.placed
         if self._spent_unlisted:  # (a reduction lists them again first: _check_no_spent_grads)
             self._list_spent()
@@ -1441,19 +1453,94 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._no_sync_depth -= 1
 
     # ------------------------------------------------------------------ reduction, norm, clipping
-    def _reduce_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reduce_grads(self, for_step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce-scatter + 1/d scale + global sum of squares and non-finite flag; once per step. An error before
         its collectives (a check of the gradients) is told to the other ranks (:meth:`_tell_peers`)."""
+        if self._reduced_early:
+            self._recheck_reduction("step" if for_step else "norm")
         if self._reduced is not None:
             if self._frozen_at_build and not torch.compiler.is_compiling():
                 self._adopt_unfrozen()  # (unfrozen since the reduction: an error if it would miss a gradient)
             return self._reduced
         shaken = self._entry.position()
         try:
-            return self._reduce_now()
+            reduced = self._reduce_now()
         except Exception as exc:
             self._tell_peers(exc, shaken)
             raise
+        if not for_step and not torch.compiler.is_compiling():
+            self._reduced_early = True
+        return reduced
+
+    def _recheck_reduction(self, mode: str) -> None:
+        """:meth:`_check_grads_since_reduction`, its error told to the other ranks (:meth:`_tell_peers`)."""
+        shaken = self._entry.position()
+        try:
+            self._check_grads_since_reduction(mode)
+        except Exception as exc:
+            self._tell_peers(exc, shaken)
+            raise
+
+    def _check_grads_since_reduction(self, mode: str) -> bool:
+        """Whether ``param.grad`` is still what a reduction made before ``step()`` (by a clip, a norm,
+        ``GradScaler.unscale_``) took. torch.optim steps with whatever ``param.grad`` holds at its step, and a
+        reduction cannot take a gradient back. ``mode`` says who asks: ``"step"``, ``"norm"`` (a clip or a norm
+        after the reduction), ``"forget"`` (a backward's flush, or another optimizer or ``add_param_group`` asking
+        whether this one is mid-step). True where the reduction stands (or was forgotten):
+
+        * nothing changed: it stands (``"forget"``: unless it holds no gradient, below);
+        * none of its gradients is held any more (the loop cleared them all, ``model.zero_grad()``, or replaced
+          each by hand): at ``"forget"``, or where gradients were set by hand since, it is forgotten, as
+          ``opt.zero_grad()`` forgets it, and what ``param.grad`` holds now (the next backward's, the hand-set
+          ones) is reduced afresh, as torch.optim would step with it; a clip or a norm reduces afresh too (torch's
+          finds no gradient). Where they were only cleared, ``"step"`` keeps the reduction and skips its
+          parameters, which have no gradient now (on every rank: the step's handshake agrees, as for any parameter
+          without one; a rank that had no gradient to clear could not tell a reduction afresh from none, and its
+          collectives would not pair: for a clip after such a clear, a CollectiveMismatchError there);
+        * some are held and some changed (replaced, cleared or set by hand: torch.optim would step with a mix the
+          reduction cannot give): a RuntimeError naming the first such parameter (``"forget"``: False).
+
+        One look at each ``param.grad``, only in steps reduced before ``step()`` (gradients zeroed since the
+        reduction are an error of their own, at the zeroing)."""
+        # After the reduction each parameter's param.grad was its placeholder (it had a gradient: placed) or None
+        # (gradients set by hand were flushed; a spent marker is an error before any reduction): read with map(),
+        # compared with the placeholders in _param_list's order (~0.1 us per parameter, once per step)
+        params = self._param_list
+        with torch._C.DisableTorchFunctionSubclass():
+            now = list(map(_GRAD, params))
+        own = list(map(operator.is_, now, self._placeholder_list))
+        held = own.count(True)  # (not now.count(None): list.count compares with ==, which a placeholder refuses)
+        empty = list(map(operator.is_, now, itertools.repeat(None))).count(True)
+        placed = sum(len(b.placed) for b in self.buckets)
+        set_since = len(now) - empty - held  # (gradients that are neither None nor the parameter's placeholder)
+        unchanged = held == placed and set_since == 0
+        if unchanged and mode != "forget":
+            return True
+        # (a backward adding onto a reduced gradient took its placeholder out of param.grad: still held, an error)
+        if not held and not self._taken_after_launch:
+            if mode != "step" or set_since:
+                self._reset_step_state()  # none of the reduction's gradients is left: as after opt.zero_grad()
+                self._stale = {}
+                return True
+            for b in self.buckets:  # ("step": no gradient left to step with, as for torch.optim)
+                for p in b.placed:
+                    b.no_grad[p] = True
+            return True
+        if unchanged:
+            return True
+        if mode == "forget":
+            return False
+        placed_set = {id(p) for b in self.buckets for p in b.placed}
+        changed = [(p, placeholder if id(p) in placed_set else None, new)
+                   for p, placeholder, new, mine in zip(params, self._placeholder_list, now, own)
+                   if not mine and (id(p) in placed_set or new is not None)]
+        p, old, new = next((c for c in changed if c[2] is not None), changed[0])
+        how = "cleared (param.grad = None; others were not)" if new is None else "replaced" if old is not None else "set"
+        raise RuntimeError(
+            f"the gradient of {self._param_names[p]} was {how} after the gradients were reduced (by a clip, a norm "
+            f"or GradScaler.unscale_(opt)) and before step(): torch.optim would step with param.grad as it is now "
+            f"({len(changed)} parameters changed), and the reduction cannot take it back. Set, replace or clear "
+            "gradients before clipping or unscaling, or clear them all (opt.zero_grad()) and run the backward again")
 
     def _reduce_now(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._no_sync_depth:
@@ -1635,7 +1722,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
-        self._reduced, self._clip_coef = None, None
+        self._reduced, self._clip_coef, self._reduced_early = None, None, False
         self._clamped = False
         self._step_cache.clear()
         self._grad_multipliers.clear()
@@ -1902,9 +1989,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         _, ours = self._reduce_grads()
         found_inf.copy_(torch.maximum(found_inf, ours.to(found_inf.dtype)))
         # _fold_grad_multiplier's work, once for the list (it was ~1 us per parameter per step, each call
-        # re-entering the cached reduction and clearing the norm cache)
+        # re-entering the cached reduction and clearing the norm cache). Gradients set by hand (plain tensors in
+        # GradScaler's list) were flushed by the reduction: they are unscaled with the others here, by the update
+        # (model_sync._amp_unscale calls this before torch's op unscales the plain tensors, no longer in param.grad)
         multipliers = self._grad_multipliers
-        for p in params:
+        for p in dict.fromkeys([*params, *(p for b in self.buckets for p in b.placed)]):
             multipliers.setdefault(p, []).append(inv_scale)
         self._norm_cache.clear()
 
@@ -1973,7 +2062,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         for gi, group in self._trained_groups:
             self._check_group(group, f" (param_groups[{gi}], at step())")
         reduced_before = self._reduced is not None  # (by a clip, a norm: sync_from_model ran then)
-        _, found_inf = self._reduce_grads()
+        _, found_inf = self._reduce_grads(for_step=True)
         if reduced_before:
             # the model as it is now: weights written since the clip (until session 21 the update overwrote them
             # from the masters, silently), parameters replaced or appended, opt.state edited
@@ -1983,6 +2072,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # torch.amp.GradScaler.step(opt) sets these two around this call (see _step_supports_amp_scaling): the scale
         # the loss was multiplied by, unless unscale_() folded its inverse in already, and its inf flag
         amp_scale, amp_found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
+        if amp_found_inf is not None and not isinstance(amp_found_inf, torch.Tensor):
+            # GradScaler's sum over the devices it found gradients on: the number 0 where it found none
+            amp_found_inf = torch.tensor(float(amp_found_inf), device=self.device)
         if amp_scale is not None or amp_found_inf is not None:
             self._check_no_own_loss_scale("torch.amp.GradScaler.step(opt)")
         self.wait_for_params()  # the update rewrites the param shards the last all-gather reads

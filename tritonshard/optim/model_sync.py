@@ -441,11 +441,10 @@ def _foreach_clamp(func, tensors, value) -> None:
 
 
 def _amp_unscale(grads, found_inf, inv_scale) -> None:
-    """GradScaler's check-and-unscale over a mix of placeholders (each optimizer handles its own) and tensors."""
-    plain = [g for g in grads if not isinstance(g, ShardedGrad)]
-    if plain:
-        with torch._C.DisableTorchFunctionSubclass():
-            torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
+    """GradScaler's check-and-unscale over a mix of placeholders (each optimizer handles its own) and tensors.
+    The optimizers first: their reduction takes the gradients set by hand on their parameters (plain tensors here)
+    into the buffers, where the update unscales them with the rest; torch's op then unscales the plain tensors
+    (those, now out of param.grad, and any other optimizer's)."""
     by_opt: dict = {}
     for g in grads:
         if isinstance(g, ShardedGrad):
@@ -453,6 +452,10 @@ def _amp_unscale(grads, found_inf, inv_scale) -> None:
             by_opt.setdefault(id(opt), (opt, []))[1].append(param)
     for opt, params in by_opt.values():
         opt._amp_unscale(params, found_inf, inv_scale)
+    plain = [g for g in grads if not isinstance(g, ShardedGrad)]
+    if plain:
+        with torch._C.DisableTorchFunctionSubclass():
+            torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
 
 
 def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bool = False) -> RuntimeError:
