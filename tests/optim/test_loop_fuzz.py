@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tritonshard import ShardedAdamW, ShardedSGD
-from tritonshard.optim.model_sync import ShardedGrad
 from tritonshard.checkpoint import load_sharded, save_sharded
+from tritonshard.optim.model_sync import ShardedGrad
 
 HEADS = ("a", "b", "c")
 EXTRA = "x"  # the head of _Net.extra, trained once TrainingLoop.add_group added it with add_param_group
@@ -233,6 +233,10 @@ class TrainingLoop(RuleBasedStateMachine):
         self.opt.step()
         grads = self._master_grads()
         reference_step(self.ropt, self.masters, grads, [self.refs])
+        self._stepped(grads)
+
+    def _stepped(self, grads):
+        """After a step with ``grads`` (the reference's, by name): they are spent, and the weights compared."""
         self.spent = {n for n in self.names if grads[n] is not None}
         self.spent_values = {n: self.refs[n].grad.clone() for n in self.spent}  # (what a backward may add to)
         self.clipped, self.launched, self.by_hand, self.held = None, False, False, set()
@@ -601,10 +605,7 @@ class ScaledTrainingLoop(TrainingLoop):
         grads = self._master_grads()
         if not skipped:
             reference_step(self.ropt, self.masters, grads, [self.refs])
-        self.spent = {n for n in self.names if grads[n] is not None}
-        self.spent_values = {n: self.refs[n].grad.clone() for n in self.spent}
-        self.clipped, self.launched, self.by_hand, self.held = None, False, False, set()
-        self._compare()
+        self._stepped(grads)
         assert bool(self.opt.last_step_skipped) == skipped, "the step the scaler skipped (or not)"
 
 
