@@ -236,6 +236,16 @@ def start_profile(device):
     return profiler
 
 
+def _ranges_table(averages, prefixes: tuple) -> str:
+    """Every profiler range whose name starts with one of ``prefixes``, by inclusive host time: the tables above
+    keep the top rows only, where the optimizer's short ranges can rank below the model's ops."""
+    rows = sorted((e for e in averages if e.key.startswith(prefixes)), key=lambda e: -e.cpu_time_total)
+    lines = [f"{'name':<60} {'calls':>6} {'host total us':>14} {'host self us':>13} {'device total us':>16}"]
+    lines += [f"{e.key[:60]:<60} {e.count:>6} {e.cpu_time_total:>14.1f} {e.self_cpu_time_total:>13.1f} "
+              f"{getattr(e, 'device_time_total', 0.0):>16.1f}" for e in rows]
+    return "\n".join(lines)
+
+
 def end_profile(profiler, device, out_dir, step: int) -> None:
     """Close the trace once the device has finished the step; ``out_dir`` (rank 0): write the chrome trace and the
     top ops by host time and by device time."""
@@ -253,6 +263,8 @@ def end_profile(profiler, device, out_dir, step: int) -> None:
     if device.type == "cuda":
         tables.append(f"step {step}, top ops by device time\n"
                       + averages.table(sort_by="self_device_time_total", row_limit=25))
+    tables.append(f"step {step}, the optimizer's ranges (Optimizer.*, tritonshard.*), all of them\n"
+                  + _ranges_table(averages, ("Optimizer.", "tritonshard.")))
     with open(os.path.join(out_dir, f"profile_step{step}.txt"), "w") as f:
         f.write("\n\n".join(tables))
 

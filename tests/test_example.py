@@ -110,7 +110,10 @@ def test_profile_step_traces_the_optimizers_ranges_and_stop_after_stops(tmp_path
     names = {event.get("name") for event in trace["traceEvents"]}
     # the optimizer's own ranges, recorded while a profiler runs: what the GPU check's trace is for
     assert {"tritonshard.update[bucket 0]", "tritonshard.all_gather[bucket 0]"} <= names, sorted(names)[:50]
-    assert "Optimizer.step#ShardedAdamW.step" in table and "tritonshard.update[bucket 0]" in table, table[:3000]
+    # (in the table of the optimizer's ranges: the top-N tables can rank them below the model's ops, as they did
+    # once in CI with the suite on 2 workers)
+    ours = table[table.index("the optimizer's ranges"):]
+    assert "Optimizer.step#ShardedAdamW.step" in ours and "tritonshard.update[bucket 0]" in ours, ours[:3000]
 
 
 def test_muon_loss_falls(tmp_path):
