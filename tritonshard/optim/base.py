@@ -1453,10 +1453,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._no_sync_depth -= 1
 
     # ------------------------------------------------------------------ reduction, norm, clipping
-    def _reduce_grads(self, for_step: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reduce_grads(self, for_step: bool = False, recheck: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce-scatter + 1/d scale + global sum of squares and non-finite flag; once per step. An error before
-        its collectives (a check of the gradients) is told to the other ranks (:meth:`_tell_peers`)."""
-        if self._reduced_early:
+        its collectives (a check of the gradients) is told to the other ranks (:meth:`_tell_peers`).
+
+        ``for_step`` (step()) and ``recheck`` (the loop's own entry points: opt.clip_grad_norm_, grad_norm,
+        GradScaler.unscale_) look again at the gradients of a reduction made earlier in the step
+        (:meth:`_check_grads_since_reduction`); the placeholders' ops (torch's clip: a norm, then a multiply per
+        parameter) do not: that look reads every param.grad, and per parameter it would cost the square of their
+        number, while step() looks in any case."""
+        if self._reduced_early and (for_step or recheck):
             self._recheck_reduction("step" if for_step else "norm")
         if self._reduced is not None:
             if self._frozen_at_build and not torch.compiler.is_compiling():
@@ -1937,7 +1943,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         norm_type = float(norm_type)
-        sum_sq, _ = self._reduce_grads()
+        sum_sq, _ = self._reduce_grads(recheck=True)
         if norm_type == 2.0 and not self._clamped:
             total = sum_sq.sqrt()
             if self._scale is not None:
@@ -1961,7 +1967,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged) gradients, without clipping; reduces the gradients if not yet done."""
-        norm = self._reduce_grads()[0].sqrt()
+        norm = self._reduce_grads(recheck=True)[0].sqrt()
         if self._clamped:  # (clip_grad_value_ changed them since the reduction's sums of squares)
             return self._param_grad_norms(2.0).square().sum().sqrt()
         return norm / self._scale if self._scale is not None else norm
@@ -1986,7 +1992,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         scaler's ``found_inf``, and fold ``inv_scale`` into the update like any multiplier of ``param.grad`` (so
         torch's ``clip_grad_norm_`` after ``unscale_`` sees unscaled norms). All on the device."""
         self._check_no_own_loss_scale("torch.amp.GradScaler")
-        _, ours = self._reduce_grads()
+        _, ours = self._reduce_grads(recheck=True)
         found_inf.copy_(torch.maximum(found_inf, ours.to(found_inf.dtype)))
         # _fold_grad_multiplier's work, once for the list (it was ~1 us per parameter per step, each call
         # re-entering the cached reduction and clearing the norm cache). Gradients set by hand (plain tensors in
