@@ -90,3 +90,56 @@ def test_a_compiled_step_keeps_the_counts_a_parameter_has_of_its_own(name):
     for a, b in zip(*results):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "compiled step != eager step"
     assert graphs, "nothing was compiled"
+
+
+def _skipping_run(name, compiled: bool, fullgraph: bool = False):
+    """(model, optimizer, the parameters' values after step 1, the graphs dynamo traced) of five steps, of which four skip parameters as
+    torch.optim does: model.unused gets no gradient (steps 0, 2, 4), fc2.bias is frozen for step 2, step 3 has no
+    backward (every parameter skipped); step 1 gives every parameter a gradient (the compiled, traced step)."""
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES[name](model)
+    graphs, capture = _recording_backend()
+    step = torch.compile(opt.step, fullgraph=fullgraph, backend=capture) if compiled else opt.step
+    after_traced = None
+    for k in range(5):
+        if k == 2:
+            model.fc2.bias.requires_grad_(False)
+        if k != 3:
+            loss = loss_fn(model, batch(0, k, 0))
+            (loss + 0 * model.unused.sum() if k == 1 else loss).backward()
+        step()
+        opt.zero_grad()
+        model.fc2.bias.requires_grad_(True)
+        if k == 1:
+            after_traced = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return model, opt, after_traced, graphs
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_a_compiled_step_skips_what_torch_optim_skips(name):
+    # torch.compile(opt.step) (torch's recipe for compiled optimizers; fullgraph=False, its default) over a model
+    # with a parameter that gets no gradient: torch.optim leaves it unchanged, and so must the compiled step. Until
+    # session 23 it updated it with zeros (AdamW's weight decay shrank model.unused; its step counted), silently
+    model, opt, after_traced, _ = _skipping_run(name, compiled=False)
+    compiled_model, compiled_opt, compiled_traced, graphs = _skipping_run(name, compiled=True)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert all(any(f"tritonshard.{op}" in t for t in targets) for op in OPS[name]), "step 1 was not compiled"
+    assert torch.equal(after_traced["unused"], model.unused.detach())  # (eager steps 2-4 skip it, as torch.optim)
+    for n, p in compiled_model.named_parameters():
+        assert torch.equal(compiled_traced[n].view(torch.int16), after_traced[n].view(torch.int16)), n
+        assert torch.equal(p.detach().view(torch.int16), dict(model.named_parameters())[n].detach().view(
+            torch.int16)), f"{n}: compiled step != eager step"
+    for a, b in zip(opt.buckets, compiled_opt.buckets):
+        assert torch.equal(a.master, b.master)
+        for key in a.state:
+            assert torch.equal(a.state[key], b.state[key]), key
+    counts = [{i: float(e["step"]) for i, e in o.state_dict()["state"].items() if "step" in e}
+              for o in (opt, compiled_opt)]
+    assert counts[0] == counts[1]
+
+
+def test_under_fullgraph_a_step_that_skips_names_why_it_cannot_compile():
+    # (with fullgraph=True dynamo refuses the eager step: its error carries the reason and the ways out)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="skips parameters without a gradient.*0 \\* p.sum"):
+        _skipping_run("adamw", compiled=True, fullgraph=True)

@@ -273,9 +273,10 @@ class ModelViewMixin:
         frozen ones. A parameter without a gradient on some ranks only contributes zeros there (DDP's average).
 
         Shakes hands for "step": the handshake carries a flag, raised by a rank that has such parameters; only then
-        does every rank send one byte per parameter to find those without a gradient anywhere. Under torch.compile,
-        and with ``check_collectives=False`` on more than one rank (no handshake to carry the flag), none are
-        found: they are updated with zero gradients."""
+        does every rank send one byte per parameter to find those without a gradient anywhere. Under torch.compile
+        (reached only on more than one rank: in one process such a step runs eagerly, see step()), and with
+        ``check_collectives=False`` on more than one rank (no handshake to carry the flag), none are found: they are
+        updated with zero gradients."""
         if torch.compiler.is_compiling():  # (dynamo would wrap the parameters; the handshake is skipped)
             return []
         # (frozen ones are the caller's, known to every rank alike: no handshake flag for them)

@@ -17,8 +17,9 @@ used, a branch not taken, a parameter frozen and unfrozen after the optimizer's 
 parameter that trains, an increment, a copy of its pieces and one more update launch over them; a step with one
 runs eagerly under ``cuda_graph=True``. A step that skips every parameter of a counter (``step()`` without a
 backward, every parameter unfrozen together frozen again) leaves the counter as it is, launches no update for its
-buckets and costs nothing after it. A step compiled by torch.compile finds no skipped parameters (README), but
-keeps and advances the counts of their own that earlier eager steps or a load gave.
+buckets and costs nothing after it. A step compiled by torch.compile finds no skipped parameters (in one process
+a step that would skip some runs eagerly; on more ranks it updates them: README), but keeps and advances the counts
+of their own that earlier eager steps or a load gave.
 """
 
 from __future__ import annotations
