@@ -12,6 +12,11 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+# (lr and the checked minimums: finiteness as comparisons with inf, not math.isfinite, and the message formatted only
+# on failure: a value that changes between compiled steps, a scheduler's lr, reaches dynamo as a symbolic float, on
+# which math.isfinite and f-strings break the graph, and comparisons become guards. NaN fails every comparison.)
+
+
 def require(ok: bool, msg: str, where: str) -> None:
     if not ok:
         raise ValueError(msg + where)
@@ -23,7 +28,8 @@ def check_lr(lr, where: str) -> None:
         return
     if not _is_number(lr):
         raise TypeError(f"lr must be a number or a 0-d tensor, got {type(lr).__name__}{where}")
-    require(lr >= 0 and math.isfinite(lr), f"lr must be >= 0 and finite, got {lr}", where)
+    if not 0 <= lr < math.inf:
+        raise ValueError(f"lr must be >= 0 and finite, got {lr}{where}")
 
 
 def check_betas(betas, where: str) -> None:
@@ -34,8 +40,8 @@ def check_betas(betas, where: str) -> None:
 
 
 def check_min(name: str, value, where: str, lo: float = 0.0, strict: bool = False) -> None:
-    ok = _is_number(value) and (value > lo if strict else value >= lo) and math.isfinite(value)
-    require(ok, f"{name} must be {'>' if strict else '>='} {lo:g} and finite, got {value!r}", where)
+    if not (_is_number(value) and (value > lo if strict else value >= lo) and value < math.inf):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {lo:g} and finite, got {value!r}{where}")
 
 
 def check_number(name: str, value, where: str) -> None:

@@ -247,7 +247,7 @@ def _nothing() -> None:
 
 
 def _step_eagerly(opt, closure):
-    """A step that torch.compile reached, run eagerly (see ShardedOptimizer._note_skips); called as the
+    """A step that torch.compile reached, run eagerly (see ShardedOptimizer._note_eager_step); called as the
     ``torch.compiler.disable`` of it in :data:`_EAGER_STEP`."""
     with torch.no_grad():
         return opt._run_step(closure)
@@ -258,9 +258,10 @@ def _step_eagerly(opt, closure):
 #: the loop's init_process_group (tests/test_teardown.py)
 _EAGER_STEP: list = []
 _EAGER_STEP_REASON = (
-    "tritonshard: this optimizer step skips parameters without a gradient (or frozen since construction), as "
-    "torch.optim does, and runs eagerly; under fullgraph=True give every parameter a gradient (loss + 0 * p.sum()) "
-    "or call step() outside the compiled function")
+    "tritonshard: this optimizer step looks at the parameters on the host and runs eagerly: some have no gradient "
+    "(torch.optim skips them; so does this step), or the gradients were reduced before step() (torch's or the "
+    "optimizer's clip, GradScaler.unscale_). Under fullgraph=True give every parameter a gradient "
+    "(loss + 0 * p.sum()), clip inside the compiled function (opt.clip_grad_norm_), or call step() outside it")
 
 
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
@@ -528,9 +529,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
         self._list_dependent = False
         self._missing_here: list = []
-        # torch.compile: whether a step now could skip a parameter (one without a gradient since zero_grad()), as
-        # of the last look (_note_skips); a compiled step then runs eagerly (step())
-        self._skips_possible = True
+        # torch.compile: whether a step now needs the host's look at the parameters (one could be skipped, or the
+        # gradients were reduced before step()), as of the last look (_note_eager_step); a compiled step then runs
+        # eagerly (step())
+        self._eager_step_needed = True
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -694,7 +696,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._prepared_state = None
         self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
         self._restore_grads(held)
-        self._skips_possible = True  # (new buckets, without gradients yet)
+        self._eager_step_needed = True  # (new buckets, without gradients yet)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and are
@@ -1110,7 +1112,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._launch_all()
         if self._reduce_entered and self._reduced is None:
             self._launched_by_backward = True
-        self._note_skips()
+        self._note_eager_step()
 
     def _flush_bucket(self, b: _Bucket) -> None:
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
@@ -1229,7 +1231,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 if p.grad is None or (markers is not None and p.grad is markers[p]):  # the gradient its step used)
                     view.zero_()  # no gradient this time: contributes zeros
                     b.no_grad[p] = True
-                    self._skips_possible = True
+                    self._eager_step_needed = True
         elif b.no_grad:  # a later micro-batch's gradients, for some that had none
             for p, _, _ in pending:
                 b.no_grad.pop(p, None)
@@ -1324,7 +1326,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 self._zeroed[param] = True
             if not keep_placeholder and param.grad is None:  # cleared (not zeroed, not replaced): no gradient,
                 b.no_grad[param] = True                       # as for torch.optim
-                self._skips_possible = True
+                self._eager_step_needed = True
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
 
@@ -1392,7 +1394,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.grad_buffer.get_data().zero_()
             b.no_grad = {p: True for p in b.params if p not in b.placed}
             b.has_grads = True
-            self._skips_possible = True
+            self._eager_step_needed = True
         views, placeholders, zeroed = b.grad_buffer.get_views(), self._placeholders, self._zeroed
         for p in params:
             if not filled:
@@ -1433,7 +1435,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.grad_buffer.zero_()
             b.has_grads = True
             b.no_grad = dict.fromkeys(b.params, True)
-            self._skips_possible = True
+            self._eager_step_needed = True
 
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
@@ -1503,7 +1505,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._tell_peers(exc, shaken)
             raise
         if not for_step and not torch.compiler.is_compiling():
-            self._reduced_early = True
+            self._reduced_early = self._eager_step_needed = True
         return reduced
 
     def _recheck_reduction(self, mode: str) -> None:
@@ -1559,7 +1561,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             for b in self.buckets:  # ("step": no gradient left to step with, as for torch.optim)
                 for p in b.placed:
                     b.no_grad[p] = True
-            self._skips_possible = True
+            self._eager_step_needed = True
             return True
         if unchanged:
             return True
@@ -1754,7 +1756,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if b.no_grad:
                 b.no_grad = {}
         self._next_launch = 0
-        self._skips_possible = True  # (nothing has a gradient now)
+        self._eager_step_needed = True  # (nothing has a gradient now)
         self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
@@ -2044,20 +2046,23 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
         Never waits on the device: the non-finite flag gates the update inside the kernel.
 
-        Under ``torch.compile``, in one process, a step that skips parameters (see :meth:`_note_skips`) runs eagerly:
-        a graph break, or dynamo's error under ``fullgraph=True``.
+        Under ``torch.compile``, in one process, a step that skips parameters or follows a reduction made before it
+        (see :meth:`_note_eager_step`) runs eagerly: a graph break, or dynamo's error under ``fullgraph=True``.
         """
-        if (torch.compiler.is_compiling() and self._skips_possible
+        if (torch.compiler.is_compiling() and self._eager_step_needed
                 and not (comm.is_initialized() and self.world_size * self.replica_size > 1)):
             return _EAGER_STEP[0](self, closure)
         return self._run_step(closure)
 
-    def _note_skips(self) -> None:
-        """:attr:`_skips_possible`, at the end of a backward: whether a step now could skip a parameter, as
+    def _note_eager_step(self) -> None:
+        """:attr:`_eager_step_needed`, at the end of a backward: whether a step now could skip a parameter, as
         torch.optim skips one whose grad is None: one without a gradient since zero_grad() (a bucket without any, or
         parameters in a bucket's ``no_grad``; a parameter frozen since construction is one of them unless it got a
         gradient, which step() applies). Every other change that gives a parameter no gradient sets the flag (a
-        reset, a clear, a new bucket), so False means: every parameter holds a gradient.
+        reset, a clear, a new bucket), and so does an eager reduction before step() (torch's clip_grad_norm_ over
+        the placeholders, opt.clip_grad_norm_, GradScaler.unscale_: step() then looks at every param.grad again, and
+        folds in what torch code multiplied them by), so False means: every parameter holds a gradient of the last
+        backward, not reduced yet.
 
         Why: a step compiled by torch.compile cannot look at the parameters (dynamo would wrap them, and their
         placeholder gradients), so it cannot leave out the pieces of those it must skip. Until session 23 it updated
@@ -2066,7 +2071,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         eagerly (:func:`_step_eagerly`); with more ranks no rank can know alone whether another has a gradient (the
         step's handshake cannot run under torch.compile), so there a compiled step still updates them (README).
         One look per bucket per backward."""
-        self._skips_possible = any(b.no_grad or not b.has_grads for b in self.buckets)
+        self._eager_step_needed = any(b.no_grad or not b.has_grads for b in self.buckets)
 
     def _run_step(self, closure=None):
         """:meth:`step`'s work (eager, or traced by torch.compile)."""
