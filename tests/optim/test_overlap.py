@@ -310,3 +310,31 @@ def test_a_new_optimizer_after_launched_gradients_were_cleared_takes_the_paramet
         old.step()
     loss_fn(model, x).backward()
     new.step()
+
+
+def test_a_backward_after_launched_gradients_were_cleared_still_launches_its_buckets_during_it():
+    # model.zero_grad() between a backward (overlap_comm: its end launched every reduce-scatter) and the next one (the
+    # GAN loop's netD.zero_grad()): that backward's first full bucket forgets the launched reduction. Until session 23
+    # that reset also emptied the other buckets' record of which of their gradients this backward had given, so a
+    # bucket half-ready then was launched only at the end of the backward: no overlap for it (results unchanged)
+    torch.manual_seed(0)
+    c, a, b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    model = nn.Sequential(c, a, b).to(torch.bfloat16)
+    c.requires_grad_(False)
+    opt = ShardedAdamW([a.bias, b.bias, a.weight, b.weight], lr=LR, bucket_cap_mb=32 * 2 / 2 ** 20,
+                       overlap_comm=True)  # (32 bf16 elements: the two weights, then the two biases)
+    # the backward reaches b's parameters first, one in each bucket, then a's, which complete both buckets
+    layout = [[id(p) for p in bk.params] for bk in opt.buckets]
+    assert layout == [[id(a.weight), id(b.weight)], [id(a.bias), id(b.bias)]], "not the layout this test needs"
+    x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+    model(x).float().square().sum().backward()  # its end launches both reduce-scatters
+    model.zero_grad()
+    seen = []
+    h = c(x)
+    # (c's backward runs after a's gradients are accumulated: autograd runs AccumulateGrad nodes first)
+    h.register_hook(lambda g: seen.append([bk.rs_launched for bk in opt.buckets]))
+    b(a(h)).float().square().sum().backward()
+    assert seen == [[True, True]], f"launched when the backward had given every gradient: {seen}"
+    before = [p.detach().clone() for p in (a.weight, b.weight)]
+    opt.step()
+    assert not any(torch.equal(p0, p.detach()) for p0, p in zip(before, (a.weight, b.weight)))

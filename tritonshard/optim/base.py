@@ -1744,8 +1744,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                         self._spent_unlisted = True
             self._missing_here = []
         self._list_dependent = False
+        # (inside a backward, the gradients it has given so far are still this backward's: a reset from its flush,
+        # which forgets a reduction the loop cleared since, keeps them, or a bucket half-ready then would wait for
+        # the end of the backward to launch)
+        in_backward = not compiling and torch._C._current_graph_task_id() != -1
         for b in self.buckets:
-            b.ready.clear()
+            if not in_backward:
+                b.ready.clear()
             if not compiling:  # step() and zero_grad() consume the gradients (see SpentGrad for step()'s markers)
                 if spent and b.placed:
                     self._spent_unlisted = True
