@@ -23,7 +23,8 @@ from tests import interpreter_speed  # noqa: E402
 from tests.optim import test_loop_fuzz  # noqa: E402
 
 MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.OverlappedTrainingLoop,
-                                    test_loop_fuzz.SGDTrainingLoop, test_loop_fuzz.ScaledTrainingLoop)}
+                                    test_loop_fuzz.SGDTrainingLoop, test_loop_fuzz.ScaledTrainingLoop,
+                                    test_loop_fuzz.CompiledTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:

@@ -121,6 +121,9 @@ class TrainingLoop(RuleBasedStateMachine):
     def _backward(self, loss):
         loss.backward()
 
+    def _opt_step(self):
+        self.opt.step()
+
     def _reuses_spent(self) -> bool:
         return any(self.refs[n].grad is not None for n in self.spent)
 
@@ -228,9 +231,9 @@ class TrainingLoop(RuleBasedStateMachine):
     @rule()
     def step(self):
         if self._reuses_spent():
-            raises_spent(self.opt.step, "a step that torch.optim would take with spent gradients")
+            raises_spent(self._opt_step, "a step that torch.optim would take with spent gradients")
             return self._recover()
-        self.opt.step()
+        self._opt_step()
         grads = self._master_grads()
         reference_step(self.ropt, self.masters, grads, [self.refs])
         self._stepped(grads)
@@ -609,10 +612,51 @@ class ScaledTrainingLoop(TrainingLoop):
         assert bool(self.opt.last_step_skipped) == skipped, "the step the scaler skipped (or not)"
 
 
-for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop):
+class CompiledTrainingLoop(TrainingLoop):
+    """The same loops with ``torch.compile(opt.step)`` (torch's recipe for compiled optimizers: fullgraph=False; the
+    graphs run as dynamo traced them, backend="eager"), within what the README asks of a compiled step: gradients
+    set only through backward (by hand only where no backward gave any since the last clear), and weights written
+    and ``opt.state`` edited only in eager code followed by ``opt.sync_from_model()`` (not done here: those rules
+    are left out). The compiled step runs traced where every parameter has a backward's gradient, eagerly where it
+    must skip some or follows a clip (README), so loops of both kinds are compared with torch.optim."""
+
+    def __init__(self):
+        torch._dynamo.reset()  # (each loop's optimizer is new: without a reset dynamo's cache limit would soon
+        super().__init__()      # run every step eagerly)
+        self._compiled = None
+
+    def _opt_step(self):
+        if self._compiled is None or self._compiled[0] is not self.opt:  # (a rebuild or a resume: a new optimizer)
+            self._compiled = (self.opt, torch.compile(self.opt.step, backend="eager"))
+        self._compiled[1]()
+
+    # (every head half the time: a step is traced only where every parameter has a gradient)
+    @rule(heads=st.one_of(st.just(set(HEADS + (EXTRA,))), st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1)),
+          sync=st.booleans())
+    def backward(self, heads, sync):
+        TrainingLoop.backward(self, heads, sync)
+
+    @precondition(lambda self: not self._has_grads())
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), seed=st.integers(0, 2 ** 16))
+    def set_grads(self, names, seed):
+        TrainingLoop.set_grads(self, names, seed)
+
+    @rule(via=st.sampled_from(["opt", "model"]), set_to_none=st.booleans())
+    def zero_grad(self, via, set_to_none):
+        # (through the model only where every gradient is spent: after a step, as the HF Trainer does; between a
+        # backward and a compiled step the step would not see it: README)
+        live = {n for n, p in self.refs.items() if p.grad is not None
+                and not (n in self.spent and torch.equal(p.grad, self.spent_values[n]))}
+        TrainingLoop.zero_grad(self, "opt" if live else via, set_to_none)
+
+    clear_some = write = edit = None  # (not through a compiled step: README)
+
+
+for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):
     machine.TestCase.settings = settings(max_examples=40, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_training_loops_match_torch_optim = TrainingLoop.TestCase
 test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCase
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
+test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase

@@ -246,6 +246,21 @@ def _nothing() -> None:
     inside it)."""
 
 
+class _StepFlags:
+    """What a step traced by torch.compile reads and sets of the optimizer's Python state, held outside it: dynamo
+    replays a traced step's attribute writes on plain objects after the graph, but drops those on the optimizer
+    itself (torch 2.13, a torch.optim.Optimizer subclass; measured: each write was lost). The optimizer's other
+    attributes a traced step resets are reset again by the next eager call (zero_grad(); see _finish_compiled_step)."""
+
+    def __init__(self):
+        # whether a step now needs the host's look at the parameters (one could be skipped, or the gradients were
+        # reduced before step()), as of the last look (ShardedOptimizer._note_eager_step): a compiled step then runs
+        # eagerly (step())
+        self.eager_step_needed = True
+        # a step traced by torch.compile left its gradients' markers to place (_finish_compiled_step)
+        self.compiled_unfinished = False
+
+
 def _step_eagerly(opt, closure):
     """A step that torch.compile reached, run eagerly (see ShardedOptimizer._note_eager_step); called as the
     ``torch.compiler.disable`` of it in :data:`_EAGER_STEP`."""
@@ -529,10 +544,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
         self._list_dependent = False
         self._missing_here: list = []
-        # torch.compile: whether a step now needs the host's look at the parameters (one could be skipped, or the
-        # gradients were reduced before step()), as of the last look (_note_eager_step); a compiled step then runs
-        # eagerly (step())
-        self._eager_step_needed = True
+        self._flags = _StepFlags()
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -630,6 +642,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         placed, a reduce-scatter launched) or reduced already. (Gradients zeroed since, by either
         zero_grad(set_to_none=False), leave placeholders standing for zeros, which are not in the way; launched
         reductions of gradients the loop cleared since are forgotten first, see _forget_discarded_launches.)"""
+        if self._flags.compiled_unfinished:
+            self._finish_compiled_step()
         if self._launched_by_backward:  # (reductions of gradients the loop cleared since are not in the way)
             self._forget_discarded_launches(at_flush=False)
         if self._reduced_early:  # (a reduction whose gradients the loop all cleared since: gone)
@@ -696,7 +710,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._prepared_state = None
         self._state_exposed = False  # the next step() shows the new parameters' state too (none before, as torch)
         self._restore_grads(held)
-        self._eager_step_needed = True  # (new buckets, without gradients yet)
+        self._flags.eager_step_needed = True  # (new buckets, without gradients yet)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters that were frozen when the optimizer was built (in its groups, with requires_grad=False) and are
@@ -1194,6 +1208,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (None when there are none), checked, with the buffer made ready for them (zeros for parameters without a
         gradient on the first flush since zero_grad(), the streams ordered). :meth:`_place_placeholders` is the
         second half, after the flatten."""
+        if self._flags.compiled_unfinished:
+            self._finish_compiled_step()
         if self._reduced_early:  # (a reduction whose gradients the loop all cleared since: gone)
             self._check_grads_since_reduction("forget")
         placed = b.placed
@@ -1231,7 +1247,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 if p.grad is None or (markers is not None and p.grad is markers[p]):  # the gradient its step used)
                     view.zero_()  # no gradient this time: contributes zeros
                     b.no_grad[p] = True
-                    self._eager_step_needed = True
+                    self._flags.eager_step_needed = True
         elif b.no_grad:  # a later micro-batch's gradients, for some that had none
             for p, _, _ in pending:
                 b.no_grad.pop(p, None)
@@ -1290,6 +1306,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _take_placeholder(self, param: torch.Tensor) -> None:
         """A new gradient for ``param`` is about to be accumulated: remove the placeholder, so autograd stores it
         (the earlier gradients are in the grad buffer, which the next flush accumulates onto)."""
+        if self._flags.compiled_unfinished:
+            self._finish_compiled_step()
         grad = param.grad
         if grad is self._placeholders.get(param):
             param.grad = None
@@ -1326,7 +1344,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 self._zeroed[param] = True
             if not keep_placeholder and param.grad is None:  # cleared (not zeroed, not replaced): no gradient,
                 b.no_grad[param] = True                       # as for torch.optim
-                self._eager_step_needed = True
+                self._flags.eager_step_needed = True
         if not keep_placeholder and param.grad is self._placeholders[param]:
             param.grad = None
 
@@ -1394,7 +1412,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.grad_buffer.get_data().zero_()
             b.no_grad = {p: True for p in b.params if p not in b.placed}
             b.has_grads = True
-            self._eager_step_needed = True
+            self._flags.eager_step_needed = True
         views, placeholders, zeroed = b.grad_buffer.get_views(), self._placeholders, self._zeroed
         for p in params:
             if not filled:
@@ -1435,7 +1453,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.grad_buffer.zero_()
             b.has_grads = True
             b.no_grad = dict.fromkeys(b.params, True)
-            self._eager_step_needed = True
+            self._flags.eager_step_needed = True
 
     def _launch_in_order(self) -> None:
         """Launch the wanted reduce-scatters, strictly in bucket order (the same order on every rank)."""
@@ -1492,6 +1510,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (:meth:`_check_grads_since_reduction`); the placeholders' ops (torch's clip: a norm, then a multiply per
         parameter) do not: that look reads every param.grad, and per parameter it would cost the square of their
         number, while step() looks in any case."""
+        if self._flags.compiled_unfinished and not torch.compiler.is_compiling():
+            self._finish_compiled_step()
         if self._reduced_early and (for_step or recheck):
             self._recheck_reduction("step" if for_step else "norm")
         if self._reduced is not None:
@@ -1505,7 +1525,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._tell_peers(exc, shaken)
             raise
         if not for_step and not torch.compiler.is_compiling():
-            self._reduced_early = self._eager_step_needed = True
+            self._reduced_early = self._flags.eager_step_needed = True
         return reduced
 
     def _recheck_reduction(self, mode: str) -> None:
@@ -1561,7 +1581,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             for b in self.buckets:  # ("step": no gradient left to step with, as for torch.optim)
                 for p in b.placed:
                     b.no_grad[p] = True
-            self._eager_step_needed = True
+            self._flags.eager_step_needed = True
             return True
         if unchanged:
             return True
@@ -1748,6 +1768,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # which forgets a reduction the loop cleared since, keeps them, or a bucket half-ready then would wait for
         # the end of the backward to launch)
         in_backward = not compiling and torch._C._current_graph_task_id() != -1
+        if compiling:  # (the markers need the parameters: the next eager call places them)
+            self._flags.compiled_unfinished = self._flags.compiled_unfinished or spent
+        else:
+            self._flags.compiled_unfinished = False  # (placed below)
         for b in self.buckets:
             if not in_backward:
                 b.ready.clear()
@@ -1761,7 +1785,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if b.no_grad:
                 b.no_grad = {}
         self._next_launch = 0
-        self._eager_step_needed = True  # (nothing has a gradient now)
+        self._flags.eager_step_needed = True  # (nothing has a gradient now)
         self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
@@ -2054,17 +2078,34 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         Under ``torch.compile``, in one process, a step that skips parameters or follows a reduction made before it
         (see :meth:`_note_eager_step`) runs eagerly: a graph break, or dynamo's error under ``fullgraph=True``.
         """
-        if (torch.compiler.is_compiling() and self._eager_step_needed
+        if (torch.compiler.is_compiling() and self._flags.eager_step_needed
                 and not (comm.is_initialized() and self.world_size * self.replica_size > 1)):
             return _EAGER_STEP[0](self, closure)
         return self._run_step(closure)
 
+    def _finish_compiled_step(self) -> None:
+        """What a step traced by torch.compile left undone, since it needs the parameters (dynamo would wrap them),
+        and what dynamo dropped of it (its writes to the optimizer's attributes, see :class:`_StepFlags`): the
+        step's reset, run again eagerly, so that each gradient it consumed gets its :class:`~.model_sync.SpentGrad`
+        marker in ``param.grad``, as after an eager step (unless the loop cleared or replaced it since), and the
+        optimizer's state is that of after a step; and opt.state shows the state. Called by the
+        first eager look at the gradients after it: a backward's hooks and flush, a reduction (a clip, the next
+        step), a new optimizer or group asking whether this one is mid-step; ``zero_grad()`` clears them instead.
+        Until session 23 nothing did: the placeholders stayed, so a second step without zero_grad() skipped every
+        parameter where torch.optim applies the gradients again (eager steps raise the spent-gradient error), a
+        clip did not raise it, and a new optimizer refused to be built (found by the loop fuzzer's compiled
+        machine)."""
+        self._reset_step_state(spent=True)  # (again, eagerly: it clears the flag)
+        if not self._state_exposed:
+            self._expose_state()
+
     def _note_eager_step(self) -> None:
-        """:attr:`_eager_step_needed`, at the end of a backward: whether a step now could skip a parameter, as
+        """:attr:`_flags`.eager_step_needed, at the end of a backward: whether a step now could skip a parameter, as
         torch.optim skips one whose grad is None: one without a gradient since zero_grad() (a bucket without any, or
         parameters in a bucket's ``no_grad``; a parameter frozen since construction is one of them unless it got a
         gradient, which step() applies). Every other change that gives a parameter no gradient sets the flag (a
-        reset, a clear, a new bucket), and so does an eager reduction before step() (torch's clip_grad_norm_ over
+        reset, a clear, a new bucket), and so do the last step's gradients where nothing cleared them (the step must
+        raise the spent-gradient error), and an eager reduction before step() (torch's clip_grad_norm_ over
         the placeholders, opt.clip_grad_norm_, GradScaler.unscale_: step() then looks at every param.grad again, and
         folds in what torch code multiplied them by), so False means: every parameter holds a gradient of the last
         backward, not reduced yet.
@@ -2076,11 +2117,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         eagerly (:func:`_step_eagerly`); with more ranks no rank can know alone whether another has a gradient (the
         step's handshake cannot run under torch.compile), so there a compiled step still updates them (README).
         One look per bucket per backward."""
-        self._eager_step_needed = any(b.no_grad or not b.has_grads for b in self.buckets)
+        self._flags.eager_step_needed = bool(self._spent_unlisted or self._spent or self._stale) or any(
+            b.no_grad or not b.has_grads for b in self.buckets)
 
     def _run_step(self, closure=None):
         """:meth:`step`'s work (eager, or traced by torch.compile)."""
         self._check_not_retired()
+        if self._flags.compiled_unfinished and not torch.compiler.is_compiling():
+            self._finish_compiled_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2519,7 +2563,11 @@ def _held_grads(params: list) -> list:
     marker: a :class:`~.model_sync.SpentGrad`, or a placeholder, which between steps stands for zeros
     (``zero_grad(set_to_none=False)``). A placeholder standing for a backward's gradients is a RuntimeError:
     here for an optimizer that is gone or retired (its buffers cannot be trusted to hold them), in ``_holders``
-    for a live one."""
+    for a live one. Steps traced by torch.compile are finished first (their gradients' markers placed:
+    :meth:`ShardedOptimizer._finish_compiled_step`), or their placeholders would be taken for zeros."""
+    for other in list(_LIVE):
+        if other._flags.compiled_unfinished:
+            other._finish_compiled_step()
     held = []
     for p in params:
         g = p.grad
