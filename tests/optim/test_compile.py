@@ -215,3 +215,74 @@ def test_what_a_compiled_step_consumed_is_spent_as_after_an_eager_step():
                 opt = FACTORIES["adamw"](model)  # (it takes over the spent gradients, as from an eager step)
                 opt.step()
         opt.zero_grad()
+
+
+def _clip_then_step(compiled: bool, unused: bool):
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+
+    def clip_and_step():
+        norm = opt.clip_grad_norm_(0.05)
+        opt.step()
+        return norm
+
+    call = torch.compile(clip_and_step, backend="eager") if compiled else clip_and_step
+    norms = []
+    for k in range(3):
+        loss = loss_fn(model, batch(0, k, 0))
+        (loss if unused else loss + 0 * model.unused.sum()).backward()
+        norms.append(call())
+        opt.zero_grad()
+    return torch.stack(norms), [b.param_buffer.get_data() for b in opt.buckets]
+
+
+def test_a_clip_compiled_with_a_step_that_runs_eagerly_runs_eagerly_too():
+    # the clip and the step in one compiled function, with a parameter without a gradient (so the step runs
+    # eagerly): dynamo drops what the traced clip set on the optimizer, so the eager step reduced again and did not
+    # clip (session 23, between two commits); the clip now runs eagerly with it
+    for unused in (False, True):
+        (norms, bufs), (cnorms, cbufs) = _clip_then_step(False, unused), _clip_then_step(True, unused)
+        assert torch.equal(norms, cnorms), unused
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(bufs, cbufs)), unused
+
+
+def test_a_clip_compiled_without_its_step_is_an_error_at_the_step():
+    # torch.compile(opt.clip_grad_norm_) on its own: its reduction and coefficient do not outlive the compiled call
+    # (dynamo drops the optimizer's attribute writes), and until session 23 the step then reduced again and did not
+    # clip, silently. Now the step raises, and zero_grad() recovers
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    clip = torch.compile(opt.clip_grad_norm_, backend="eager")
+    (loss_fn(model, batch(0, 0, 0)) + 0 * model.unused.sum()).backward()
+    clip(0.05)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="reduced .a clip or a norm. by a function compiled with torch.compile"):
+        opt.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())), "the failed step changed weights"
+    opt.zero_grad()
+    (loss_fn(model, batch(0, 1, 0)) + 0 * model.unused.sum()).backward()
+    opt.clip_grad_norm_(0.05)
+    opt.step()
+    assert not torch.equal(before[0], model.fc1.weight.detach())
+
+
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_gradients_zeroed_through_the_model_after_a_compiled_step_are_zeros(compiled_step):
+    # model.zero_grad(set_to_none=False) right after a traced step zeroes its placeholders: they are that step's
+    # spent gradients, which zeroing turns into zeros the next backward adds to (as torch.optim's, and as after an
+    # eager step); before, the next backward found them spent ("a backward that added to the last step()'s
+    # gradients", found by CompiledTrainingLoop)
+    results = []
+    for compiled in (False, compiled_step):
+        torch._dynamo.reset()
+        model = make_model(0)
+        opt = FACTORIES["adamw"](model)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for k in range(3):
+            (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
+            step()
+            model.zero_grad(set_to_none=False)
+        results.append([b.param_buffer.get_data() for b in opt.buckets])
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*results))

@@ -259,6 +259,9 @@ class _StepFlags:
         self.eager_step_needed = True
         # a step traced by torch.compile left its gradients' markers to place (_finish_compiled_step)
         self.compiled_unfinished = False
+        # a reduction (a clip, a norm) traced by torch.compile whose step was not in the same graph: its results
+        # (the optimizer's attributes) are lost, so the next eager call raises (_check_traced_reduction)
+        self.traced_reduction = False
 
 
 def _step_eagerly(opt, closure):
@@ -268,9 +271,15 @@ def _step_eagerly(opt, closure):
         return opt._run_step(closure)
 
 
-#: [:func:`_step_eagerly` under torch.compiler.disable], made by the first optimizer's construction (which imports
-#: torch._dynamo anyway, through torch.optim's add_param_group); made at import it would import torch._dynamo before
-#: the loop's init_process_group (tests/test_teardown.py)
+def _clip_eagerly(opt, max_norm, norm_type):
+    """opt.clip_grad_norm_ reached by torch.compile where the step will run eagerly: eagerly too, or its results
+    (the optimizer's attributes, which dynamo drops) would not reach that step."""
+    return opt._clip_grad_norm(max_norm, norm_type)
+
+
+#: [_step_eagerly, _clip_eagerly under torch.compiler.disable], made by the first optimizer's construction (which
+#: imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would import
+#: torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
 _EAGER_STEP: list = []
 _EAGER_STEP_REASON = (
     "tritonshard: this optimizer step looks at the parameters on the host and runs eagerly: some have no gradient "
@@ -391,6 +400,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         super().__init__(params, defaults)
         if not _EAGER_STEP:
             _EAGER_STEP.append(torch.compiler.disable(_step_eagerly, reason=_EAGER_STEP_REASON))
+            _EAGER_STEP.append(torch.compiler.disable(_clip_eagerly, reason=_EAGER_STEP_REASON))
         self._init_state_view()
         self._check_params()
 
@@ -1329,6 +1339,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _discard_grad(self, param: torch.Tensor, keep_placeholder: bool = True) -> None:
         """Zero ``param``'s gradient in the grad buffer (``param.grad.zero_()``, or a cleared ``param.grad``)."""
+        if self._flags.compiled_unfinished:  # (a compiled step's gradient: spent, see SpentGrad.zero_())
+            self._finish_compiled_step()
+            if param.grad is self._spent_grads[param]:
+                self._zero_spent(param)
+                return
         b, i = self._bucket_of[param]
         if b.rs_launched or self._reduced is not None:
             raise RuntimeError(
@@ -1512,6 +1527,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         number, while step() looks in any case."""
         if self._flags.compiled_unfinished and not torch.compiler.is_compiling():
             self._finish_compiled_step()
+        self._check_traced_reduction()
         if self._reduced_early and (for_step or recheck):
             self._recheck_reduction("step" if for_step else "norm")
         if self._reduced is not None:
@@ -1526,6 +1542,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise
         if not for_step and not torch.compiler.is_compiling():
             self._reduced_early = self._flags.eager_step_needed = True
+        elif not for_step:
+            self._flags.traced_reduction = True  # (step() in the same graph clears it: _reset_step_state)
         return reduced
 
     def _recheck_reduction(self, mode: str) -> None:
@@ -1786,6 +1804,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad = {}
         self._next_launch = 0
         self._flags.eager_step_needed = True  # (nothing has a gradient now)
+        self._flags.traced_reduction = False
         self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
@@ -2001,6 +2020,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         ``norm_type=2`` the norm comes from the sums of squares the scale kernel produced; other norms take one
         extra read of the gradient shards. A non-finite norm means the step will be skipped.
         """
+        if torch.compiler.is_compiling() and self._steps_eagerly_when_compiled():
+            return _EAGER_STEP[1](self, max_norm, norm_type)
+        return self._clip_grad_norm(max_norm, norm_type)
+
+    def _clip_grad_norm(self, max_norm, norm_type):
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         norm_type = float(norm_type)
@@ -2078,10 +2102,27 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         Under ``torch.compile``, in one process, a step that skips parameters or follows a reduction made before it
         (see :meth:`_note_eager_step`) runs eagerly: a graph break, or dynamo's error under ``fullgraph=True``.
         """
-        if (torch.compiler.is_compiling() and self._flags.eager_step_needed
-                and not (comm.is_initialized() and self.world_size * self.replica_size > 1)):
+        if torch.compiler.is_compiling() and (self._steps_eagerly_when_compiled() or (
+                self._flags.traced_reduction and self._reduced is None)):  # (a clip traced in another graph: raises)
             return _EAGER_STEP[0](self, closure)
         return self._run_step(closure)
+
+    def _steps_eagerly_when_compiled(self) -> bool:
+        """Under torch.compile: whether step() (and a clip before it) runs eagerly (see :meth:`_note_eager_step`)."""
+        return self._flags.eager_step_needed and not (
+            comm.is_initialized() and self.world_size * self.replica_size > 1)
+
+    def _check_traced_reduction(self) -> None:
+        """Eagerly, after a reduction traced by torch.compile without its step in the same graph (a compiled
+        ``opt.clip_grad_norm_`` or ``grad_norm`` on its own): dynamo dropped what it set on the optimizer (whether it
+        reduced, the clip coefficient), so the step would reduce again and not clip. Until session 23 it did,
+        silently. A RuntimeError; ``zero_grad()`` clears it."""
+        if self._flags.traced_reduction and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "the gradients were reduced (a clip or a norm) by a function compiled with torch.compile that did not "
+                "also call step(): what the reduction set on the optimizer does not outlive the compiled function, "
+                "so a step now would not see the clip. Compile the clip and step() in one function, or call "
+                "clip_grad_norm_ eagerly; opt.zero_grad() drops these gradients")
 
     def _finish_compiled_step(self) -> None:
         """What a step traced by torch.compile left undone, since it needs the parameters (dynamo would wrap them),
