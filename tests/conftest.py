@@ -14,4 +14,3 @@ if not torch.cuda.is_available():
 from tests import interpreter_speed  # noqa: E402  (after the switch: it imports triton)
 
 interpreter_speed.install()  # the interpreter without its repeated patching (see there); the same results
-

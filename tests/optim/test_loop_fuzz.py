@@ -1,7 +1,8 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
 (the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
 parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
-default options, and with overlap_comm and a bucket per parameter.
+default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, and with the step
+compiled by torch.compile.
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
