@@ -266,7 +266,7 @@ class _StepFlags:
 
 def _step_eagerly(opt, closure):
     """A step that torch.compile reached, run eagerly (see ShardedOptimizer._note_eager_step); called as the
-    ``torch.compiler.disable`` of it in :data:`_EAGER_STEP`."""
+    ``torch.compiler.disable`` of it in :data:`_EAGERLY`."""
     with torch.no_grad():
         return opt._run_step(closure)
 
@@ -277,10 +277,10 @@ def _clip_eagerly(opt, max_norm, norm_type):
     return opt._clip_grad_norm(max_norm, norm_type)
 
 
-#: [_step_eagerly, _clip_eagerly under torch.compiler.disable], made by the first optimizer's construction (which
-#: imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would import
-#: torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
-_EAGER_STEP: list = []
+#: {"step": _step_eagerly, "clip": _clip_eagerly}, each under torch.compiler.disable, made by the first optimizer's
+#: construction (which imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would
+#: import torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
+_EAGERLY: dict = {}
 _EAGER_STEP_REASON = (
     "tritonshard: this optimizer step looks at the parameters on the host and runs eagerly: some have no gradient "
     "(torch.optim skips them; so does this step), or the gradients were reduced before step() (torch's or the "
@@ -398,9 +398,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         params = list(params)
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
-        if not _EAGER_STEP:
-            _EAGER_STEP.append(torch.compiler.disable(_step_eagerly, reason=_EAGER_STEP_REASON))
-            _EAGER_STEP.append(torch.compiler.disable(_clip_eagerly, reason=_EAGER_STEP_REASON))
+        if not _EAGERLY:
+            _EAGERLY.update((name, torch.compiler.disable(fn, reason=_EAGER_STEP_REASON))
+                            for name, fn in (("step", _step_eagerly), ("clip", _clip_eagerly)))
         self._init_state_view()
         self._check_params()
 
@@ -2021,7 +2021,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         extra read of the gradient shards. A non-finite norm means the step will be skipped.
         """
         if torch.compiler.is_compiling() and self._steps_eagerly_when_compiled():
-            return _EAGER_STEP[1](self, max_norm, norm_type)
+            return _EAGERLY["clip"](self, max_norm, norm_type)
         return self._clip_grad_norm(max_norm, norm_type)
 
     def _clip_grad_norm(self, max_norm, norm_type):
@@ -2104,7 +2104,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """
         if torch.compiler.is_compiling() and (self._steps_eagerly_when_compiled() or (
                 self._flags.traced_reduction and self._reduced is None)):  # (a clip traced in another graph: raises)
-            return _EAGER_STEP[0](self, closure)
+            return _EAGERLY["step"](self, closure)
         return self._run_step(closure)
 
     def _steps_eagerly_when_compiled(self) -> bool:
@@ -2130,8 +2130,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         step's reset, run again eagerly, so that each gradient it consumed gets its :class:`~.model_sync.SpentGrad`
         marker in ``param.grad``, as after an eager step (unless the loop cleared or replaced it since), and the
         optimizer's state is that of after a step; and opt.state shows the state. Called by the
-        first eager look at the gradients after it: a backward's hooks and flush, a reduction (a clip, the next
-        step), a new optimizer or group asking whether this one is mid-step; ``zero_grad()`` clears them instead.
+        first eager look at the gradients after it: a backward's hooks and flush, a reduction (a clip; the next
+        step's, before anything reads a gradient), a new optimizer or group asking whether this one is mid-step, a
+        zero_() on a placeholder; ``zero_grad()`` clears them instead.
         Until session 23 nothing did: the placeholders stayed, so a second step without zero_grad() skipped every
         parameter where torch.optim applies the gradients again (eager steps raise the spent-gradient error), a
         clip did not raise it, and a new optimizer refused to be built (found by the loop fuzzer's compiled
@@ -2164,8 +2165,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _run_step(self, closure=None):
         """:meth:`step`'s work (eager, or traced by torch.compile)."""
         self._check_not_retired()
-        if self._flags.compiled_unfinished and not torch.compiler.is_compiling():
-            self._finish_compiled_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
