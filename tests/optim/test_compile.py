@@ -1,7 +1,6 @@
 """An optimizer step under torch.compile: the kernels run as tritonshard custom ops, with no graph break.
 
-One process (world size 1): with more ranks the asynchronous collectives' work handles break the graph between
-the communication and the kernels, which is where a compiled step would split anyway.
+One process (world size 1), but for the last test: on more ranks a compiled step runs eagerly (its handshakes).
 """
 
 import pytest
@@ -217,13 +216,13 @@ def test_what_a_compiled_step_consumed_is_spent_as_after_an_eager_step():
         opt.zero_grad()
 
 
-def _clip_then_step(compiled: bool, unused: bool):
+def _clip_then_step(compiled: bool, unused: bool, norm_only: bool = False):
     torch._dynamo.reset()
     model = make_model(0)
     opt = FACTORIES["adamw"](model)
 
     def clip_and_step():
-        norm = opt.clip_grad_norm_(0.05)
+        norm = opt.grad_norm() if norm_only else opt.clip_grad_norm_(0.05)
         opt.step()
         return norm
 
@@ -241,8 +240,10 @@ def test_a_clip_compiled_with_a_step_that_runs_eagerly_runs_eagerly_too():
     # the clip and the step in one compiled function, with a parameter without a gradient (so the step runs
     # eagerly): dynamo drops what the traced clip set on the optimizer, so the eager step reduced again and did not
     # clip (session 23, between two commits); the clip now runs eagerly with it
-    for unused in (False, True):
-        (norms, bufs), (cnorms, cbufs) = _clip_then_step(False, unused), _clip_then_step(True, unused)
+    # (opt.grad_norm() the same way: until session 24 its traced reduction made that eager step raise the error of
+    # test_a_clip_compiled_without_its_step_is_an_error_at_the_step)
+    for unused, norm_only in ((False, False), (True, False), (True, True)):
+        (norms, bufs), (cnorms, cbufs) = (_clip_then_step(c, unused, norm_only) for c in (False, True))
         assert torch.equal(norms, cnorms), unused
         assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(bufs, cbufs)), unused
 
@@ -286,3 +287,58 @@ def test_gradients_zeroed_through_the_model_after_a_compiled_step_are_zeros(comp
             model.zero_grad(set_to_none=False)
         results.append([b.param_buffer.get_data() for b in opt.buckets])
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*results))
+
+
+def _compiled_on_ranks(rank, world_size, overlap_comm):
+    """The same two-rank loop eagerly, then with its clip + step compiled (torch's recipe, fullgraph=False): the
+    same bits and norms; the head that gets a gradient on no rank is left unchanged, as torch.optim leaves it, and
+    the one with a gradient on the last rank only trains (DDP's average). Then fullgraph=True: dynamo's error, on
+    every rank, naming why; and a rank stepping with another lr: the step's handshake still runs (its
+    SettingsMismatchError on every rank)."""
+    from tests.optim.test_unused_params import HEADS, _assert_changed_only, _Heads, _state
+    from tritonshard.comm import SettingsMismatchError
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _Heads()
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9, overlap_comm=overlap_comm)
+
+        def clip_and_step(opt=opt):
+            norm = opt.clip_grad_norm_(0.5)
+            opt.step()
+            return norm
+
+        step = torch.compile(clip_and_step, backend="eager") if compiled else clip_and_step
+        norms = []
+        for k, used in enumerate([HEADS, ("a", "b") if rank == world_size - 1 else ("a",), HEADS]):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * k + rank))
+            model.loss(x, used).backward()
+            before = _state(opt, model)
+            norms.append(step())
+            opt.zero_grad()
+            if k == 1:  # (head "c": no gradient anywhere; "b": on the last rank only)
+                _assert_changed_only(before, _state(opt, model), {"a", "b"}, f"compiled={compiled}, rank {rank}")
+        runs.append((torch.stack(norms), _state(opt, model)))
+    (norms, state), (compiled_norms, compiled_state) = runs
+    assert torch.equal(norms, compiled_norms)
+    for key, value in state.items():
+        assert torch.equal(value.view(torch.int32 if value.dtype == torch.float32 else torch.int16),
+                           compiled_state[key].view(torch.int32 if value.dtype == torch.float32 else torch.int16)), key
+
+    model.loss(torch.randn(4, 8), HEADS).backward()
+    torch._dynamo.reset()  # (dynamo caches per code object: step()'s frame, compiled above with fullgraph=False)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="on more than one rank an optimizer step"):
+        torch.compile(opt.step, fullgraph=True, backend="eager")()
+    opt.param_groups[0]["lr"] = 1e-2 * (1 + rank)  # (a scheduler stepped on one rank only)
+    with pytest.raises(SettingsMismatchError, match="rank 0: param_groups.0.: lr=0.01.*rank 1: param_groups.0.: lr=0.02"):
+        torch.compile(opt.step, backend="eager")()
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True], ids=["no overlap", "overlap_comm"])
+def test_a_compiled_step_on_two_ranks_is_the_eager_step(overlap_comm):
+    # torch.compile(opt.step) on more than one rank: until session 24 it raised dynamo's InternalTorchDynamoError
+    # (UnsafeScriptObjectError on the ProcessGroup's collectives, torch 2.13) even with fullgraph=False, and the
+    # README said its handshakes were skipped there (a parameter without a gradient anywhere updated with zeros,
+    # the ranks' hyper-parameters not compared); it had no test. Now it runs eagerly, with every handshake
+    from tests.distributed import run_on_ranks
+    run_on_ranks(_compiled_on_ranks, 2, overlap_comm)

@@ -277,15 +277,27 @@ def _clip_eagerly(opt, max_norm, norm_type):
     return opt._clip_grad_norm(max_norm, norm_type)
 
 
-#: {"step": _step_eagerly, "clip": _clip_eagerly}, each under torch.compiler.disable, made by the first optimizer's
-#: construction (which imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would
-#: import torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
+def _norm_eagerly(opt):
+    """opt.grad_norm() reached by torch.compile where the step will run eagerly: eagerly too (see _clip_eagerly)."""
+    return opt._grad_norm()
+
+
+#: {(name, why): fn under torch.compiler.disable} for name "step" (_step_eagerly) and "clip" (_clip_eagerly), why a
+#: key of _EAGER_REASONS (dynamo's error under fullgraph=True says it), made by the first optimizer's construction
+#: (which imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would import
+#: torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
 _EAGERLY: dict = {}
-_EAGER_STEP_REASON = (
-    "tritonshard: this optimizer step looks at the parameters on the host and runs eagerly: some have no gradient "
-    "(torch.optim skips them; so does this step), or the gradients were reduced before step() (torch's or the "
-    "optimizer's clip, GradScaler.unscale_). Under fullgraph=True give every parameter a gradient "
-    "(loss + 0 * p.sum()), clip inside the compiled function (opt.clip_grad_norm_), or call step() outside it")
+_EAGER_REASONS = {
+    "here": "tritonshard: this optimizer step looks at the parameters on the host and runs eagerly: some have no "
+            "gradient (torch.optim skips them; so does this step), gradients were set or cleared by hand since the "
+            "backward, or the gradients were reduced before step() (torch's or the optimizer's clip, "
+            "GradScaler.unscale_). Under fullgraph=True give every parameter a gradient (loss + 0 * p.sum()), clip "
+            "inside the compiled function (opt.clip_grad_norm_), or call step() outside it",
+    "ranks": "tritonshard: on more than one rank an optimizer step (and opt.clip_grad_norm_, opt.grad_norm()) runs "
+             "eagerly under torch.compile: its handshakes (which parameters have a gradient on some rank, the ranks' "
+             "hyper-parameters, the collectives' order) and its collectives are host code. Under fullgraph=True "
+             "call step() outside the compiled function",
+}
 
 
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
@@ -399,8 +411,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
         if not _EAGERLY:
-            _EAGERLY.update((name, torch.compiler.disable(fn, reason=_EAGER_STEP_REASON))
-                            for name, fn in (("step", _step_eagerly), ("clip", _clip_eagerly)))
+            _EAGERLY.update(((name, why), torch.compiler.disable(fn, reason=reason))
+                            for name, fn in (("step", _step_eagerly), ("clip", _clip_eagerly), ("norm", _norm_eagerly))
+                            for why, reason in _EAGER_REASONS.items())
         self._init_state_view()
         self._check_params()
 
@@ -416,6 +429,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self.replica_group = replica_group
         self.replica_size = comm.group_size(replica_group) if replica_group is not None else 1
         self.replica_rank = comm.group_rank(replica_group) if replica_group is not None else 0
+        # (a step compiled by torch.compile runs eagerly then: see _eager_when_compiled)
+        self._many_ranks = comm.is_initialized() and self.world_size * self.replica_size > 1
         # every option that changes the collectives (their dtypes, kinds, order or count) must agree across ranks,
         # checked before any collective depends on it: a different overlap_comm hung, a different grad_dtype
         # aborted gloo (issue 23)
@@ -2020,8 +2035,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         ``norm_type=2`` the norm comes from the sums of squares the scale kernel produced; other norms take one
         extra read of the gradient shards. A non-finite norm means the step will be skipped.
         """
-        if torch.compiler.is_compiling() and self._steps_eagerly_when_compiled():
-            return _EAGERLY["clip"](self, max_norm, norm_type)
+        if torch.compiler.is_compiling() and (why := self._eager_when_compiled()) is not None:
+            return _EAGERLY["clip", why](self, max_norm, norm_type)
         return self._clip_grad_norm(max_norm, norm_type)
 
     def _clip_grad_norm(self, max_norm, norm_type):
@@ -2052,6 +2067,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def grad_norm(self) -> torch.Tensor:
         """Global 2-norm of the (averaged) gradients, without clipping; reduces the gradients if not yet done."""
+        if torch.compiler.is_compiling() and (why := self._eager_when_compiled()) is not None:
+            return _EAGERLY["norm", why](self)
+        return self._grad_norm()
+
+    def _grad_norm(self) -> torch.Tensor:
         norm = self._reduce_grads(recheck=True)[0].sqrt()
         if self._clamped:  # (clip_grad_value_ changed them since the reduction's sums of squares)
             return self._param_grad_norms(2.0).square().sum().sqrt()
@@ -2099,18 +2119,29 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
         Never waits on the device: the non-finite flag gates the update inside the kernel.
 
-        Under ``torch.compile``, in one process, a step that skips parameters or follows a reduction made before it
-        (see :meth:`_note_eager_step`) runs eagerly: a graph break, or dynamo's error under ``fullgraph=True``.
+        Under ``torch.compile`` a step runs eagerly where it must look at the parameters or shake hands with the
+        other ranks (:meth:`_eager_when_compiled`): a graph break, or dynamo's error under ``fullgraph=True``.
         """
-        if torch.compiler.is_compiling() and (self._steps_eagerly_when_compiled() or (
-                self._flags.traced_reduction and self._reduced is None)):  # (a clip traced in another graph: raises)
-            return _EAGERLY["step"](self, closure)
+        if torch.compiler.is_compiling():
+            why = self._eager_when_compiled()
+            if why is None and self._flags.traced_reduction and self._reduced is None:
+                why = "here"  # (a clip traced in another graph: the eager step raises, _check_traced_reduction)
+            if why is not None:
+                return _EAGERLY["step", why](self, closure)
         return self._run_step(closure)
 
-    def _steps_eagerly_when_compiled(self) -> bool:
-        """Under torch.compile: whether step() (and a clip before it) runs eagerly (see :meth:`_note_eager_step`)."""
-        return self._flags.eager_step_needed and not (
-            comm.is_initialized() and self.world_size * self.replica_size > 1)
+    def _eager_when_compiled(self) -> Optional[str]:
+        """Under torch.compile: why step() (and a clip or a norm before it, which must reach that step) runs eagerly,
+        a key of :data:`_EAGER_REASONS`, or None (a traced step; dynamo guards on what this reads).
+
+        "ranks": on more than one rank, always. The step's handshakes (the parameters without a gradient on every
+        rank, the ranks' hyper-parameters, the order of the collectives) are host code, and dynamo cannot trace
+        the ProcessGroup's collectives (torch 2.13: an InternalTorchDynamoError, UnsafeScriptObjectError; until
+        session 24 a compiled step on two ranks raised it, even with fullgraph=False: untested till then).
+        "here": in one process, where the step must look at the parameters (:meth:`_note_eager_step`)."""
+        if self._many_ranks:
+            return "ranks"
+        return "here" if self._flags.eager_step_needed else None
 
     def _check_traced_reduction(self) -> None:
         """Eagerly, after a reduction traced by torch.compile without its step in the same graph (a compiled
@@ -2155,9 +2186,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         Why: a step compiled by torch.compile cannot look at the parameters (dynamo would wrap them, and their
         placeholder gradients), so it cannot leave out the pieces of those it must skip. Until session 23 it updated
         them with zero gradients (their weight decay and momentum applied, their step counted), silently. Now a
-        compiled step reads this flag (dynamo guards on it) and, where it is set, in one process, runs the step
-        eagerly (:func:`_step_eagerly`); with more ranks no rank can know alone whether another has a gradient (the
-        step's handshake cannot run under torch.compile), so there a compiled step still updates them (README).
+        compiled step reads this flag (dynamo guards on it) and, where it is set, runs the step eagerly
+        (:func:`_step_eagerly`); with more ranks every compiled step does (:meth:`_eager_when_compiled`).
         One look per bucket per backward."""
         self._flags.eager_step_needed = bool(self._spent_unlisted or self._spent or self._stale) or any(
             b.no_grad or not b.has_grads for b in self.buckets)

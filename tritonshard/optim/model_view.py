@@ -274,9 +274,9 @@ class ModelViewMixin:
 
         Shakes hands for "step": the handshake carries a flag, raised by a rank that has such parameters; only then
         does every rank send one byte per parameter to find those without a gradient anywhere. Under torch.compile
-        none are found (in one process a step that has some runs eagerly, see step(); on more ranks they are updated
-        with zero gradients), nor with ``check_collectives=False`` on more than one rank (no handshake to carry the
-        flag: they are updated with zero gradients)."""
+        none are found (a step that has some runs eagerly, and on more ranks every step does: see step()), nor with
+        ``check_collectives=False`` on more than one rank (no handshake to carry the flag: they are updated with zero
+        gradients)."""
         if torch.compiler.is_compiling():  # (dynamo would wrap the parameters; the handshake is skipped)
             return []
         # (frozen ones are the caller's, known to every rank alike: no handshake flag for them)
