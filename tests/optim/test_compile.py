@@ -289,6 +289,54 @@ def test_gradients_zeroed_through_the_model_after_a_compiled_step_are_zeros(comp
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*results))
 
 
+HAND_SETS = {
+    "model.zero_grad()": lambda model: model.zero_grad(),  # (torch.optim then skips every parameter)
+    "p.grad = None": lambda model: setattr(model.fc1.weight, "grad", None),
+    "p.grad = t": lambda model: setattr(model.fc1.weight, "grad", torch.full_like(model.fc1.weight, 0.25)),
+}
+
+
+def _hand_set_run(how, compiled: bool):
+    """(the parameters after three steps, the graphs traced): every parameter gets a gradient from each backward;
+    before the last step the loop assigns param.grad (HAND_SETS[how])."""
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    graphs, capture = _recording_backend()
+    step = torch.compile(opt.step, backend=capture) if compiled else opt.step
+    for k in range(3):
+        (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
+        if k == 2:
+            HAND_SETS[how](model)
+        step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], graphs
+
+
+@pytest.mark.parametrize("how", list(HAND_SETS))
+def test_a_compiled_step_sees_gradients_set_or_cleared_by_hand_after_the_backward(how):
+    # the loop assigns param.grad between a backward and a compiled step: torch.optim uses what it finds there
+    # (skips a parameter set to None, applies a gradient set by hand). Until session 24 the compiled step used the
+    # backward's gradients, silently: it cannot look at the parameters. Now an assignment to a parameter's .grad
+    # sets the flag a compiled step reads, so that step runs eagerly; the steps before it stay traced
+    params, _ = _hand_set_run(how, compiled=False)
+    compiled_params, graphs = _hand_set_run(how, compiled=True)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("tritonshard.adamw_step_" in t for t in targets), "the steps without hand-set gradients were not traced"
+    for a, b in zip(params, compiled_params):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: compiled step != eager step"
+
+
+def test_under_fullgraph_a_step_after_gradients_set_by_hand_names_why():
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    (loss_fn(model, batch(0, 0, 0)) + 0 * model.unused.sum()).backward()
+    model.fc1.weight.grad = None
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="gradients were set or cleared by hand"):
+        torch.compile(opt.step, fullgraph=True, backend="eager")()
+
+
 def _compiled_on_ranks(rank, world_size, overlap_comm):
     """The same two-rank loop eagerly, then with its clip + step compiled (torch's recipe, fullgraph=False): the
     same bits and norms; the head that gets a gradient on no rank is left unchanged, as torch.optim leaves it, and

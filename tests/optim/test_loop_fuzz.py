@@ -615,11 +615,12 @@ class ScaledTrainingLoop(TrainingLoop):
 
 class CompiledTrainingLoop(TrainingLoop):
     """The same loops with ``torch.compile(opt.step)`` (torch's recipe for compiled optimizers: fullgraph=False; the
-    graphs run as dynamo traced them, backend="eager"), within what the README asks of a compiled step: gradients
-    set only through backward (by hand only where no backward gave any since the last clear), and weights written
-    and ``opt.state`` edited only in eager code followed by ``opt.sync_from_model()`` (not done here: those rules
-    are left out). The compiled step runs traced where every parameter has a backward's gradient, eagerly where it
-    must skip some or follows a clip (README), so loops of both kinds are compared with torch.optim."""
+    graphs run as dynamo traced them, backend="eager"), within what the README asks of a compiled step: weights
+    written and ``opt.state`` edited only in eager code followed by ``opt.sync_from_model()`` (not done here: those
+    rules are left out). The compiled step runs traced where every parameter has a backward's gradient, eagerly
+    where it must skip some, follows a clip, or the loop assigned a param.grad since the backward (README), so
+    loops of both kinds are compared with torch.optim. (Until session 24 gradients set or cleared by hand after a
+    backward were left out too: the compiled step used the backward's.)"""
 
     def __init__(self):
         torch._dynamo.reset()  # (each loop's optimizer is new: without a reset dynamo's cache limit would soon
@@ -637,20 +638,7 @@ class CompiledTrainingLoop(TrainingLoop):
     def backward(self, heads, sync):
         TrainingLoop.backward(self, heads, sync)
 
-    @precondition(lambda self: not self._has_grads())
-    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), seed=st.integers(0, 2 ** 16))
-    def set_grads(self, names, seed):
-        TrainingLoop.set_grads(self, names, seed)
-
-    @rule(via=st.sampled_from(["opt", "model"]), set_to_none=st.booleans())
-    def zero_grad(self, via, set_to_none):
-        # (through the model only where every gradient is spent: after a step, as the HF Trainer does; between a
-        # backward and a compiled step the step would not see it: README)
-        live = {n for n, p in self.refs.items() if p.grad is not None
-                and not (n in self.spent and torch.equal(p.grad, self.spent_values[n]))}
-        TrainingLoop.zero_grad(self, "opt" if live else via, set_to_none)
-
-    clear_some = write = edit = None  # (not through a compiled step: README)
+    write = edit = None  # (not through a compiled step: README)
 
 
 for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):

@@ -114,7 +114,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
                              partials_multi_launch_spec, shared_sum_sq_workspace)
 from . import graphs as _graphs
 from . import model_sync
-from .bucket import _Bucket, split_into_buckets, trace as _trace
+from .bucket import _Bucket, set_grad, split_into_buckets, trace as _trace
 from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin, _names
 from .param_steps import ParamStepsMixin
@@ -476,6 +476,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._take_over(self._holders([p for g in self.param_groups for p in g["params"]]))
         self._init_sync = init_sync
         self._sync_initial_weights([p for g in self.param_groups for p in g["params"]])
+        self._flags = _StepFlags()  # (before the buckets, which refer to it)
         self.buckets: list[_Bucket] = []
         for gi in range(len(self.param_groups)):
             self.buckets += self._lay_out_group(gi)
@@ -569,7 +570,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
         self._list_dependent = False
         self._missing_here: list = []
-        self._flags = _StepFlags()
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -713,12 +713,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         a step or a clip that would apply it again is the same error (torch.optim would apply it again)."""
         for p, g in held:
             if type(g) is SpentGrad:
-                p.grad = self._spent_grads[p]
+                set_grad(p, self._spent_grads[p])
                 self._spent_unlisted = True
             elif isinstance(g, ShardedGrad):
                 self._hold_zeros(self._bucket_of[p][0], [p])
             else:
-                p.grad = g.detach().to(dtype=p.dtype)
+                set_grad(p, g.detach().to(dtype=p.dtype))
 
     def _add_buckets(self, gi: int, params: list, groups) -> None:
         """New buckets of ``params`` (of param group ``gi``) join the optimizer after construction (``groups``: see
@@ -899,9 +899,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         rank_id = self.rank + self.world_size * self.replica_rank
         seed = ((rank_id + 1) << 48) + (index << 32) + 0x5EED
         group = self.param_groups[gi]
-        return _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
-                       align, self.process_group, self._group_state_names(group), self.store_param_remainders,
-                       self.state_dtype, self.state_rounding, seed, owners=self._group_owners(group, params))
+        b = _Bucket(gi, params, self.rank, self.world_size, self.param_dtype, self.grad_dtype, self.device,
+                    align, self.process_group, self._group_state_names(group), self.store_param_remainders,
+                    self.state_dtype, self.state_rounding, seed, owners=self._group_owners(group, params))
+        b.step_flags = self._flags  # (a gradient the loop assigns: WatchedParameter.__setattr__)
+        return b
 
     def _make_graphs(self, cuda_graph) -> Optional[_graphs.StepGraphs]:
         """The StepGraphs of ``cuda_graph=True`` (None when off), once every option it needs is checked."""
@@ -1313,10 +1315,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             param_dtype, device = self.param_dtype, self.device
             for p, _, _ in pending:
                 if p.dtype == param_dtype and p.device == device:
-                    p.grad = placeholders[p]
+                    set_grad(p, placeholders[p])
                     placed[p] = True
                 else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
-                    p.grad = None
+                    set_grad(p, None)
         b.has_grads = True
         if self._zeroed:  # (a backward's gradient is placed now: the middle of a step, whatever was zeroed)
             self._zeroed.clear()
@@ -1335,13 +1337,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._finish_compiled_step()
         grad = param.grad
         if grad is self._placeholders.get(param):
-            param.grad = None
+            set_grad(param, None)
             b = self._bucket_of[param][0]
             b.placed.pop(param, None)
             if b.rs_launched:  # accumulating onto a launched reduction: an error at the flush (_take_pending)
                 self._taken_after_launch = True
         elif (self._spent_unlisted or self._spent) and grad is self._spent_grads.get(param):
-            param.grad = None  # torch.optim would add this gradient to the spent one: an error if the sum is used
+            set_grad(param, None)  # torch.optim would add this gradient to the spent one: an error if the sum is used
             self._spent.pop(param, None)
             self._stale[param] = True
 
@@ -1376,7 +1378,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.no_grad[param] = True                       # as for torch.optim
                 self._flags.eager_step_needed = True
         if not keep_placeholder and param.grad is self._placeholders[param]:
-            param.grad = None
+            set_grad(param, None)
 
     def _forget_discarded_launches(self, at_flush: bool = True) -> None:
         """The first flush after a backward whose end launched reduce-scatters (``overlap_comm``), before anything
@@ -1448,7 +1450,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if not filled:
                 views[self._bucket_of[p][1]].zero_()
             b.no_grad.pop(p, None)
-            p.grad = placeholders[p]
+            set_grad(p, placeholders[p])
             b.placed[p] = zeroed[p] = True
 
     def _launch_all(self) -> None:
@@ -1793,7 +1795,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if spent and not compiling:  # (DDP would have put the average in their param.grad: used, so spent)
                 for p in self._missing_here:
                     if p.grad is None:
-                        p.grad = markers[p]
+                        set_grad(p, markers[p])
                         self._spent_unlisted = True
             self._missing_here = []
         self._list_dependent = False
@@ -1813,7 +1815,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     self._spent_unlisted = True
                 for p in b.placed:
                     if p.grad is placeholders[p]:
-                        p.grad = markers[p] if markers is not None else None
+                        set_grad(p, markers[p] if markers is not None else None)
                 b.placed.clear()
             if b.no_grad:
                 b.no_grad = {}
@@ -2177,7 +2179,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         torch.optim skips one whose grad is None: one without a gradient since zero_grad() (a bucket without any, or
         parameters in a bucket's ``no_grad``; a parameter frozen since construction is one of them unless it got a
         gradient, which step() applies). Every other change that gives a parameter no gradient sets the flag (a
-        reset, a clear, a new bucket), and so do the last step's gradients where nothing cleared them (the step must
+        reset, a clear, a new bucket, the loop's ``param.grad = ...``: WatchedParameter.__setattr__), and so do the last step's gradients where nothing cleared them (the step must
         raise the spent-gradient error), and an eager reduction before step() (torch's clip_grad_norm_ over
         the placeholders, opt.clip_grad_norm_, GradScaler.unscale_: step() then looks at every param.grad again, and
         folds in what torch code multiplied them by), so False means: every parameter holds a gradient of the last
@@ -2599,7 +2601,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 grad = p.grad
                 if grad is not None:
                     if set_to_none or type(grad) is SpentGrad:  # (the buffers are zero-filled below)
-                        p.grad = None
+                        set_grad(p, None)
                     else:
                         grad.zero_()
         self._spent_unlisted, self._spent, self._stale = False, {}, {}

@@ -46,6 +46,10 @@ def trace(label: str, *args):
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # (the getter and setter of Tensor.data)
+_OBJECT_SETATTR = object.__setattr__
+#: ``set_grad(param, g)``: tritonshard's own ``param.grad = g``, past :meth:`WatchedParameter.__setattr__` (which
+#: notes the loop's): its placeholders and spent markers, placed per parameter per step
+set_grad = torch._C.TensorBase.grad.__set__
 
 #: id of every laid-out parameter -> a weak reference to the bucket holding it (set by the bucket, so a parameter
 #: taken over by another optimizer points to its new bucket): how :func:`landed` finds a parameter's in-flight
@@ -94,6 +98,20 @@ class WatchedParameter(torch.nn.Parameter):
     def data(self, value):
         _TENSOR_DATA.__set__(self, value)
 
+    def __setattr__(self, name, value):
+        """``param.grad = g`` (``model.zero_grad()``, a gradient set or cleared by hand) tells the owning optimizer
+        that its next step must look at the gradients: a step compiled by torch.compile cannot look at the
+        parameters, so it took the last backward's gradients (until session 24: a model.zero_grad() between the
+        backward and a compiled step, which torch.optim then skips entirely, or a gradient set by hand, silently
+        ignored). tritonshard's own assignments go through :data:`set_grad`, not here. Cost: ~0.17 us per
+        assignment (a Python frame), nothing per read."""
+        _OBJECT_SETATTR(self, name, value)
+        if name == "grad" and not torch.compiler.is_compiling():
+            ref = OWNER.get(id(self))
+            b = ref() if ref is not None else None
+            if b is not None and b.step_flags is not None:
+                b.step_flags.eager_step_needed = True
+
     def __repr__(self, *, tensor_contents=None):
         return torch.nn.Parameter.__repr__(torch.nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
 
@@ -141,6 +159,9 @@ class _Bucket:
                  owners: Optional[list[int]] = None):
         self.group_index = group_index
         self.params = params
+        #: the owning optimizer's _StepFlags (set by it): a parameter's .grad assigned by the loop sets
+        #: ``eager_step_needed`` (WatchedParameter.__setattr__)
+        self.step_flags = None
         self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
                                    group=group, check_layout=comm.is_initialized(), owners=owners)
         self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
@@ -166,7 +187,7 @@ class _Bucket:
             p.data = alone(view)  # the Parameter object stays (module and optimizer references keep working)
             watch(p)
             OWNER[id(p)] = weakref.ref(self)
-            p.grad = None
+            set_grad(p, None)
         #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
         self.master_remainder = None
         if remainders:
