@@ -616,11 +616,12 @@ class ScaledTrainingLoop(TrainingLoop):
 class CompiledTrainingLoop(TrainingLoop):
     """The same loops with ``torch.compile(opt.step)`` (torch's recipe for compiled optimizers: fullgraph=False; the
     graphs run as dynamo traced them, backend="eager"), within what the README asks of a compiled step: weights
-    written and ``opt.state`` edited only in eager code followed by ``opt.sync_from_model()`` (not done here: those
-    rules are left out). The compiled step runs traced where every parameter has a backward's gradient, eagerly
-    where it must skip some, follows a clip, or the loop assigned a param.grad since the backward (README), so
-    loops of both kinds are compared with torch.optim. (Until session 24 gradients set or cleared by hand after a
-    backward were left out too: the compiled step used the backward's.)"""
+    written in place (not through ``.data``) between a backward and the step only with an ``opt.sync_from_model()``
+    after (here written through ``.data`` there instead). The compiled step runs traced where every parameter has a
+    backward's gradient, eagerly where it must skip some, follows a clip, or the loop assigned a param.grad, wrote
+    the weights or edited opt.state (README), so loops of both kinds are compared with torch.optim. (Until session
+    24 gradients set or cleared by hand after a backward, writes and state edits were left out: the compiled step
+    used the backward's gradients, and overwrote the written weights.)"""
 
     def __init__(self):
         torch._dynamo.reset()  # (each loop's optimizer is new: without a reset dynamo's cache limit would soon
@@ -638,7 +639,10 @@ class CompiledTrainingLoop(TrainingLoop):
     def backward(self, heads, sync):
         TrainingLoop.backward(self, heads, sync)
 
-    write = edit = None  # (not through a compiled step: README)
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
+    def write(self, names, how, seed):
+        # (in place between a backward and a compiled step the step would not see it: README)
+        TrainingLoop.write(self, names, "data" if self._has_grads() else how, seed)
 
 
 for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):

@@ -58,7 +58,16 @@ set_grad = torch._C.TensorBase.grad.__set__
 OWNER: dict = {}
 
 
-def landed(p: torch.Tensor) -> None:
+def _must_look(p: torch.Tensor) -> None:
+    """The next step of ``p``'s optimizer must look at the parameters: run eagerly if compiled (see
+    WatchedParameter)."""
+    ref = OWNER.get(id(p))
+    b = ref() if ref is not None else None
+    if b is not None and b.step_flags is not None:
+        b.step_flags.eager_step_needed = True
+
+
+def landed(p: torch.Tensor, written: bool = False) -> None:
     """Wait for the all-gather of ``p``'s bucket if it is in flight. With ``overlap_comm`` and ``attach``, step()
     leaves the gathers running into the next forward, whose pre-hooks wait for them module by module; the other
     paths to a parameter wait here: the model's attributes (``model.lm_head.weight``, a guarded module's
@@ -68,8 +77,11 @@ def landed(p: torch.Tensor) -> None:
     it, silently."""
     ref = OWNER.get(id(p))
     b = ref() if ref is not None else None
-    if b is not None and b.ag_work is not None:
-        b.wait_gather()
+    if b is not None:
+        if b.ag_work is not None:
+            b.wait_gather()
+        if written and b.step_flags is not None:  # (``written``: may be written; see _must_look)
+            b.step_flags.eager_step_needed = True
 
 #: ids of the parameters whose ``.data`` was handed out since their optimizer last looked (sync_from_model): a
 #: write through it (``p.data.copy_(x)``, ``m.weight.data.normal_()``) does not move the parameter's version
@@ -91,7 +103,7 @@ class WatchedParameter(torch.nn.Parameter):
     @property
     def data(self):
         DATA_READS.add(id(self))
-        landed(self)  # (what it hands out may be read or written at once)
+        landed(self, written=True)  # (what it hands out may be read or written at once)
         return _TENSOR_DATA.__get__(self)
 
     @data.setter
@@ -99,18 +111,15 @@ class WatchedParameter(torch.nn.Parameter):
         _TENSOR_DATA.__set__(self, value)
 
     def __setattr__(self, name, value):
-        """``param.grad = g`` (``model.zero_grad()``, a gradient set or cleared by hand) tells the owning optimizer
-        that its next step must look at the gradients: a step compiled by torch.compile cannot look at the
-        parameters, so it took the last backward's gradients (until session 24: a model.zero_grad() between the
-        backward and a compiled step, which torch.optim then skips entirely, or a gradient set by hand, silently
-        ignored). tritonshard's own assignments go through :data:`set_grad`, not here. Cost: ~0.17 us per
-        assignment (a Python frame), nothing per read."""
+        """``param.grad = g`` (``model.zero_grad()``, a gradient set or cleared by hand) and ``param.data = t``
+        tell the owning optimizer that its next step must look at the parameters (as a ``.data`` read does): a
+        step compiled by torch.compile cannot, so it took the last backward's gradients (until session 24: a
+        model.zero_grad() between the backward and a compiled step, which torch.optim then skips entirely, or a
+        gradient set by hand, silently ignored). tritonshard's own assignments go through :data:`set_grad`, not
+        here. Cost: ~0.2 us per assignment (a Python frame), nothing per read."""
         _OBJECT_SETATTR(self, name, value)
-        if name == "grad" and not torch.compiler.is_compiling():
-            ref = OWNER.get(id(self))
-            b = ref() if ref is not None else None
-            if b is not None and b.step_flags is not None:
-                b.step_flags.eager_step_needed = True
+        if (name == "grad" or name == "data") and not torch.compiler.is_compiling():
+            _must_look(self)
 
     def __repr__(self, *, tensor_contents=None):
         return torch.nn.Parameter.__repr__(torch.nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))

@@ -83,6 +83,22 @@ _GONE = object()
 class StateViewMixin:
     """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` about ``opt.state``."""
 
+    @property
+    def state(self):
+        """``opt.state`` (torch.optim's attribute; kept in the instance's ``__dict__`` under the same name). A step
+        traced by torch.compile cannot show it (dynamo would wrap the parameters): reading the attribute first
+        finishes such a step (``_finish_compiled_step``), so that code reading or editing ``opt.state`` right after
+        it finds the state an eager step shows. Until session 24 it found an empty dict after a first compiled step,
+        and an edit of it then (``opt.state.clear()``, an LR finder's reset) was lost when the state was shown."""
+        flags = self.__dict__.get("_flags")
+        if flags is not None and flags.compiled_unfinished and not torch.compiler.is_compiling():
+            self._finish_compiled_step()
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["state"] = value
+
     def _init_state_view(self) -> None:
         self._state_edits = _Edits()
         self.state = _StateDict(dict, self.state, edits=self._state_edits)
