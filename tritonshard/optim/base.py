@@ -277,15 +277,21 @@ def _clip_eagerly(opt, max_norm, norm_type):
     return opt._clip_grad_norm(max_norm, norm_type)
 
 
+def _zero_grad_eagerly(opt, set_to_none):
+    """opt.zero_grad() reached by torch.compile (torch.compile of a function that steps and zeroes): eagerly. Until
+    session 24 dynamo failed on it (InternalTorchDynamoError: it wrapped the placeholder gradients)."""
+    return opt._zero_grad(set_to_none)
+
+
 def _norm_eagerly(opt):
     """opt.grad_norm() reached by torch.compile where the step will run eagerly: eagerly too (see _clip_eagerly)."""
     return opt._grad_norm()
 
 
-#: {(name, why): fn under torch.compiler.disable} for name "step", "clip", "norm" (_step_eagerly, ...), why a
-#: key of _EAGER_REASONS (dynamo's error under fullgraph=True says it), made by the first optimizer's construction
-#: (which imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would import
-#: torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
+#: {(name, why): fn under torch.compiler.disable} for name "step", "clip", "norm", "zero_grad" (_step_eagerly, ...),
+#: why a key of _EAGER_REASONS (dynamo's error under fullgraph=True says it), made by the first optimizer's
+#: construction (which imports torch._dynamo anyway, through torch.optim's add_param_group); made at import it would
+#: import torch._dynamo before the loop's init_process_group (tests/test_teardown.py)
 _EAGERLY: dict = {}
 _EAGER_REASONS = {
     "here": "tritonshard: this optimizer step looks at the parameters on the host and runs eagerly: some have no "
@@ -297,6 +303,9 @@ _EAGER_REASONS = {
              "eagerly under torch.compile: its handshakes (which parameters have a gradient on some rank, the ranks' "
              "hyper-parameters, the collectives' order) and its collectives are host code. Under fullgraph=True "
              "call step() outside the compiled function",
+    "grads": "tritonshard: opt.zero_grad() runs eagerly under torch.compile: it looks at each param.grad, which "
+             "holds tritonshard's placeholder (dynamo cannot wrap it). Under fullgraph=True call it outside the "
+             "compiled function",
 }
 
 
@@ -411,9 +420,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
         if not _EAGERLY:
-            _EAGERLY.update(((name, why), torch.compiler.disable(fn, reason=reason))
-                            for name, fn in (("step", _step_eagerly), ("clip", _clip_eagerly), ("norm", _norm_eagerly))
-                            for why, reason in _EAGER_REASONS.items())
+            _EAGERLY.update(((name, why), torch.compiler.disable(fn, reason=_EAGER_REASONS[why]))
+                            for name, fn, whys in (("step", _step_eagerly, ("here", "ranks")),
+                                                   ("clip", _clip_eagerly, ("here", "ranks")),
+                                                   ("norm", _norm_eagerly, ("here", "ranks")),
+                                                   ("zero_grad", _zero_grad_eagerly, ("grads",)))
+                            for why in whys)
         self._init_state_view()
         self._check_params()
 
@@ -2596,7 +2608,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         ``False`` zeroes the gradients that exist, as torch.optim does: the grad buffers are zero-filled, the
         parameters that had one (in the buffers, or spent by the last step, see SpentGrad) get their placeholder
         back, standing for zeros that the next backward adds to and step() applies, and any other ``param.grad`` is
-        zeroed; a parameter whose ``param.grad`` was None keeps None (step() skips it)."""
+        zeroed; a parameter whose ``param.grad`` was None keeps None (step() skips it). Under torch.compile it runs
+        eagerly (a graph break)."""
+        if torch.compiler.is_compiling():
+            return _EAGERLY["zero_grad", "grads"](self, set_to_none)
+        return self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         self._check_not_retired()
         if self._flags.compiled_unfinished:  # (its markers, cleared below; and opt.state shown, as after a step)
             self._finish_compiled_step()
