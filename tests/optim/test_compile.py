@@ -240,33 +240,59 @@ def test_a_clip_compiled_with_a_step_that_runs_eagerly_runs_eagerly_too():
     # the clip and the step in one compiled function, with a parameter without a gradient (so the step runs
     # eagerly): dynamo drops what the traced clip set on the optimizer, so the eager step reduced again and did not
     # clip (session 23, between two commits); the clip now runs eagerly with it
-    # (opt.grad_norm() the same way: until session 24 its traced reduction made that eager step raise the error of
-    # test_a_clip_compiled_without_its_step_is_an_error_at_the_step)
+    # (opt.grad_norm() the same way: until session 24 its traced reduction made that eager step raise, as a clip
+    # compiled without its step did then)
     for unused, norm_only in ((False, False), (True, False), (True, True)):
         (norms, bufs), (cnorms, cbufs) = (_clip_then_step(c, unused, norm_only) for c in (False, True))
         assert torch.equal(norms, cnorms), unused
         assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(bufs, cbufs)), unused
 
 
-def test_a_clip_compiled_without_its_step_is_an_error_at_the_step():
-    # torch.compile(opt.clip_grad_norm_) on its own: its reduction and coefficient do not outlive the compiled call
-    # (dynamo drops the optimizer's attribute writes), and until session 23 the step then reduced again and did not
-    # clip, silently. Now the step raises, and zero_grad() recovers
+def _separate_graphs_run(how, compiled: bool):
+    """(norms, the parameters) after three steps with a clip (or a norm) and a step that torch.compile compiles as
+    graphs of their own: ``how`` "clip alone" (torch.compile(opt.clip_grad_norm_), an eager step), "norm alone"
+    (torch.compile(opt.grad_norm), an eager clip-free step), "clip + step, LR scheduler" (one compiled function;
+    the scheduler's wrapper of step() makes dynamo compile the step as a frame of its own)."""
     torch._dynamo.reset()
     model = make_model(0)
     opt = FACTORIES["adamw"](model)
-    clip = torch.compile(opt.clip_grad_norm_, backend="eager")
-    (loss_fn(model, batch(0, 0, 0)) + 0 * model.unused.sum()).backward()
-    clip(0.05)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="reduced .a clip or a norm. by a function compiled with torch.compile"):
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    maybe = (lambda f: torch.compile(f, backend="eager")) if compiled else (lambda f: f)
+    clip, norm = maybe(opt.clip_grad_norm_), maybe(opt.grad_norm)
+
+    def clip_and_step():
+        n = opt.clip_grad_norm_(0.05)
         opt.step()
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())), "the failed step changed weights"
-    opt.zero_grad()
-    (loss_fn(model, batch(0, 1, 0)) + 0 * model.unused.sum()).backward()
-    opt.clip_grad_norm_(0.05)
-    opt.step()
-    assert not torch.equal(before[0], model.fc1.weight.detach())
+        return n
+
+    both = maybe(clip_and_step)
+    norms = []
+    for k in range(3):
+        (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
+        if how == "clip alone":
+            norms.append(clip(0.05))
+            opt.step()
+        elif how == "norm alone":
+            norms.append(norm())
+            opt.step()
+        else:
+            norms.append(both())
+        sched.step()
+        opt.zero_grad()
+    return torch.stack(norms), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["clip alone", "norm alone", "clip + step, LR scheduler"])
+def test_a_clip_compiled_in_a_graph_without_its_step_reaches_the_step(how):
+    # dynamo drops a traced function's writes to the optimizer's attributes, so a clip compiled in a graph without
+    # its step lost its reduction and coefficient: until session 23 the step then reduced again and did not clip,
+    # silently; in session 23 it raised, also in the common loop of a compiled clip + step with an LR scheduler
+    # (the scheduler's wrapper of step() is a separate graph). Now the reduction keeps a copy in the flags object
+    # (whose writes dynamo replays) and the step takes it back: the eager run's norms and weights, bit for bit
+    (norms, params), (cnorms, cparams) = (_separate_graphs_run(how, c) for c in (False, True))
+    assert torch.equal(norms, cnorms), how
+    for a, b in zip(params, cparams):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: compiled != eager"
 
 
 @pytest.mark.parametrize("compiled_step", [False, True])
@@ -475,6 +501,55 @@ def test_zero_grad_compiled_with_the_step_runs_eagerly(how):
     opt = FACTORIES["adamw"](model)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="opt.zero_grad.. runs eagerly under torch.compile"):
         torch.compile(opt.zero_grad, fullgraph=True, backend="eager")()
+
+
+
+def _whole_iteration_run(how, compiled: bool, attach: bool, zero="model", scheduler=False):
+    """The parameters after three iterations (forward, backward, ``how``, step, ``zero``.zero_grad()), the whole
+    iteration compiled or not; ``scheduler``: an LR scheduler built on the optimizer (which wraps its step())."""
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    if scheduler:
+        torch.optim.lr_scheduler.StepLR(opt, 1, gamma=1.0)
+    if attach:
+        opt.attach(model)
+
+    def iteration(x):
+        (loss_fn(model, x) + 0 * model.unused.sum()).backward()
+        if how == "torch's clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if how == "opt.clip_grad_norm_":
+            opt.clip_grad_norm_(0.05)
+        opt.step()
+        (model if zero == "model" else opt).zero_grad()
+
+    call = torch.compile(iteration, backend="eager") if compiled else iteration
+    for k in range(3):
+        call(batch(0, k, 0))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_whole_iteration_compiled_gives_the_eager_weights_or_a_clear_error():
+    # a compiled function that runs the backward too: dynamo breaks its graph at backward() and compiles each call
+    # after it as a graph of its own, with its frame callback still on during the eager backward, so on the CPU it
+    # compiled tritonshard's gradient hooks too, which took the paths of a traced step: until session 24 the
+    # weights differed from eager, silently (with model.zero_grad() and with torch's clip). The hooks now run
+    # eagerly; what dynamo then cannot trace is a clear error
+    for how in ("no clip", "opt.clip_grad_norm_"):  # (an attached model's zero_grad() runs eagerly)
+        eager, compiled = (_whole_iteration_run(how, c, attach=True) for c in (False, True))
+        for a, b in zip(eager, compiled):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: whole iteration compiled != eager"
+    for how, attach in (("no clip", False), ("torch's clip", True)):
+        with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError, match="torch.compile is tracing code that "
+                                                                             "reads param.grad"):
+            _whole_iteration_run(how, True, attach)
+    # (an LR scheduler wraps step(): dynamo then compiles the clip and the step as graphs of their own; the
+    # clip's results reach the step all the same, see test_a_clip_compiled_in_a_graph_without_its_step_...)
+    eager, compiled = (_whole_iteration_run("opt.clip_grad_norm_", c, attach=True, scheduler=True)
+                       for c in (False, True))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "with a scheduler: compiled != eager"
 
 
 def _compiled_on_ranks(rank, world_size, overlap_comm):

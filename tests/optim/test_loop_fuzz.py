@@ -619,7 +619,8 @@ class CompiledTrainingLoop(TrainingLoop):
     written in place (not through ``.data``) between a backward and the step only with an ``opt.sync_from_model()``
     after (here written through ``.data`` there instead). The compiled step runs traced where every parameter has a
     backward's gradient, eagerly where it must skip some, follows a clip, or the loop assigned a param.grad, wrote
-    the weights or edited opt.state (README), so loops of both kinds are compared with torch.optim. (Until session
+    the weights or edited opt.state (README), so loops of both kinds are compared with torch.optim; the optimizer's
+    clip is compiled too, in a graph of its own. (Until session
     24 gradients set or cleared by hand after a backward, writes and state edits were left out: the compiled step
     used the backward's gradients, and overwrote the written weights.)"""
 
@@ -629,9 +630,18 @@ class CompiledTrainingLoop(TrainingLoop):
         self._compiled = None
 
     def _opt_step(self):
+        self._compiled_calls()[0]()
+
+    def _clip(self, max_norm, how):
+        # (the optimizer's clip compiled on its own: a graph without the step, whose reduction reaches it through
+        # the flags object; or eagerly, where the step will run eagerly)
+        return self._compiled_calls()[1](max_norm) if how == "opt" else TrainingLoop._clip(self, max_norm, how)
+
+    def _compiled_calls(self):
         if self._compiled is None or self._compiled[0] is not self.opt:  # (a rebuild or a resume: a new optimizer)
-            self._compiled = (self.opt, torch.compile(self.opt.step, backend="eager"))
-        self._compiled[1]()
+            self._compiled = (self.opt, torch.compile(self.opt.step, backend="eager"),
+                              torch.compile(self.opt.clip_grad_norm_, backend="eager"))
+        return self._compiled[1:]
 
     # (every head half the time: a step is traced only where every parameter has a gradient)
     @rule(heads=st.one_of(st.just(set(HEADS + (EXTRA,))), st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1)),

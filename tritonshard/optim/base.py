@@ -259,9 +259,12 @@ class _StepFlags:
         self.eager_step_needed = True
         # a step traced by torch.compile left its gradients' markers to place (_finish_compiled_step)
         self.compiled_unfinished = False
-        # a reduction (a clip, a norm) traced by torch.compile whose step was not in the same graph: its results
-        # (the optimizer's attributes) are lost, so the next eager call raises (_check_traced_reduction)
+        # a reduction (a clip, a norm) traced by torch.compile: what it set on the optimizer, which dynamo drops
+        # where the step is not in the same graph (ShardedOptimizer._adopt_traced_reduction): (reduced,
+        # _next_launch, _reduce_entered, _reduction_started), and the clip's coefficient (None without a clip)
         self.traced_reduction = False
+        self.traced_state: Optional[tuple] = None
+        self.traced_clip_coef: Optional[torch.Tensor] = None
 
 
 def _step_eagerly(opt, closure):
@@ -307,6 +310,26 @@ _EAGER_REASONS = {
              "holds tritonshard's placeholder (dynamo cannot wrap it). Under fullgraph=True call it outside the "
              "compiled function",
 }
+
+
+def _run_backward_hooks_eagerly() -> None:
+    """Never let dynamo compile the code autograd calls back into during a backward (the gradient hooks, the
+    end-of-backward flush), nor anything it calls: a function compiled with torch.compile that calls
+    ``loss.backward()`` (the whole iteration compiled) breaks its graph there and runs the backward eagerly, but
+    dynamo's frame callback stays on, so on the CPU (where autograd runs the hooks on the calling thread) it
+    compiled each hook as a frame of its own, which then took the paths meant for a traced step (the flush left
+    no placeholders): that iteration gave other weights than eager, silently, until session 24. The code objects
+    are marked to be skipped, recursively (dynamo's frame-execution strategy; no cost per call, where a
+    ``torch.compiler.disable`` wrapper costs ~0.3 us per hook). Under compiled autograd the hooks are traced by
+    other means, untouched by this. Without that API (an older torch) the hooks are compiled as before."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    for fn in (model_sync.GradReadyHook.__call__, model_sync.ClearPlaceholderHook.__call__,
+               model_sync.OutputGradHook.__call__, ShardedOptimizer._end_of_backward):
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
@@ -420,6 +443,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
         if not _EAGERLY:
+            _run_backward_hooks_eagerly()
             _EAGERLY.update(((name, why), torch.compiler.disable(fn, reason=_EAGER_REASONS[why]))
                             for name, fn, whys in (("step", _step_eagerly, ("here", "ranks")),
                                                    ("clip", _clip_eagerly, ("here", "ranks")),
@@ -1556,7 +1580,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         number, while step() looks in any case."""
         if self._flags.compiled_unfinished and not torch.compiler.is_compiling():
             self._finish_compiled_step()
-        self._check_traced_reduction()
+        if self._flags.traced_reduction and self._reduced is None:
+            self._adopt_traced_reduction()
         if self._reduced_early and (for_step or recheck):
             self._recheck_reduction("step" if for_step else "norm")
         if self._reduced is not None:
@@ -1571,8 +1596,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise
         if not for_step and not torch.compiler.is_compiling():
             self._reduced_early = self._flags.eager_step_needed = True
-        elif not for_step:
-            self._flags.traced_reduction = True  # (step() in the same graph clears it: _reset_step_state)
+        elif not for_step:  # (step() in the same graph clears these: _reset_step_state)
+            self._flags.traced_reduction = True
+            self._flags.traced_state = (reduced, self._next_launch, self._reduce_entered, self._reduction_started)
+            self._flags.traced_clip_coef = None
         return reduced
 
     def _recheck_reduction(self, mode: str) -> None:
@@ -1834,6 +1861,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._next_launch = 0
         self._flags.eager_step_needed = True  # (nothing has a gradient now)
         self._flags.traced_reduction = False
+        self._flags.traced_state = self._flags.traced_clip_coef = None
         self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
         self._zeroed.clear()
@@ -2077,6 +2105,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # with the same ops (Python's max_norm / t is t.reciprocal() * max_norm), in place
         coef = torch.add(total, 1e-6, out=self._clip_buf)
         self._clip_coef = coef.reciprocal_().mul_(max_norm).clamp_(max=1.0)
+        if self._flags.traced_reduction:  # (under torch.compile: see _adopt_traced_reduction)
+            self._flags.traced_clip_coef = self._clip_coef
         return total
 
     def grad_norm(self) -> torch.Tensor:
@@ -2138,8 +2168,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """
         if torch.compiler.is_compiling():
             why = self._eager_when_compiled()
-            if why is None and self._flags.traced_reduction and self._reduced is None:
-                why = "here"  # (a clip traced in another graph: the eager step raises, _check_traced_reduction)
             if why is not None:
                 return _EAGERLY["step", why](self, closure)
         return self._run_step(closure)
@@ -2158,17 +2186,21 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # (opt.state edited as a dict since the last look: sync_from_model follows it, state_view.py)
         return "here" if self._flags.eager_step_needed or self._state_edits.seen else None
 
-    def _check_traced_reduction(self) -> None:
-        """Eagerly, after a reduction traced by torch.compile without its step in the same graph (a compiled
-        ``opt.clip_grad_norm_`` or ``grad_norm`` on its own): dynamo dropped what it set on the optimizer (whether it
-        reduced, the clip coefficient), so the step would reduce again and not clip. Until session 23 it did,
-        silently. A RuntimeError; ``zero_grad()`` clears it."""
-        if self._flags.traced_reduction and not torch.compiler.is_compiling():
-            raise RuntimeError(
-                "the gradients were reduced (a clip or a norm) by a function compiled with torch.compile that did not "
-                "also call step(): what the reduction set on the optimizer does not outlive the compiled function, "
-                "so a step now would not see the clip. Compile the clip and step() in one function, or call "
-                "clip_grad_norm_ eagerly; opt.zero_grad() drops these gradients")
+    def _adopt_traced_reduction(self) -> None:
+        """After a reduction traced by torch.compile in a graph without the step (``torch.compile(opt
+        .clip_grad_norm_)`` or ``grad_norm`` on their own; a clip and a step that dynamo compiled as separate graphs,
+        which it does where an LR scheduler wraps step() or where the compiled function also ran the backward):
+        dynamo dropped what the reduction set on the optimizer, but replayed its copy in :class:`_StepFlags`, which
+        is taken back here, so the step (eager or traced) uses that reduction and the clip's coefficient, as in one
+        graph. Until session 23 such a step reduced again and did not clip, silently; in session 23 it raised, also
+        in the common loop of a compiled clip + step with an LR scheduler. Eagerly, the step then looks at the
+        gradients again as after an eager clip (``_reduced_early``)."""
+        flags = self._flags
+        self._reduced, self._next_launch, self._reduce_entered, self._reduction_started = flags.traced_state
+        if flags.traced_clip_coef is not None:
+            self._clip_coef = flags.traced_clip_coef
+        if not torch.compiler.is_compiling():
+            self._reduced_early = True
 
     def _finish_compiled_step(self) -> None:
         """What a step traced by torch.compile left undone, since it needs the parameters (dynamo would wrap them),

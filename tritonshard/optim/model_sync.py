@@ -138,14 +138,14 @@ class RootForwardHook(_OptimizerRef):
         opt = self.optimizer()
         if opt is None or not torch.is_grad_enabled():
             return None
-        hook = _OutputGradHook(opt)
+        hook = OutputGradHook(opt)
         for t in iter_tensors(output):
             if t.requires_grad:
                 t.register_hook(hook)
         return None
 
 
-class _OutputGradHook(_OptimizerRef):
+class OutputGradHook(_OptimizerRef):
     def __call__(self, grad):
         opt = self.optimizer()
         if opt is not None:
@@ -462,6 +462,13 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
     name = placeholder._name if placeholder is not None else "a parameter"
     where = (f"tritonshard: {what} on the gradient of {name}: after backward, tritonshard keeps gradients in its "
              "sharded buffers and param.grad is a placeholder without storage.")
+    if torch.compiler.is_compiling():
+        return RuntimeError(
+            where + " torch.compile is tracing code that reads param.grad, and dynamo cannot wrap the placeholder: "
+            "torch's clip_grad_norm_ or clip_grad_value_, a loop over p.grad, or model.zero_grad() of a model not "
+            "attached to the optimizer, in a compiled function (one that also runs the backward is compiled "
+            "piecewise after it). Call these outside the compiled function, clip with opt.clip_grad_norm_, zero with "
+            "opt.zero_grad(), or opt.attach(model) (an attached model's zero_grad() runs eagerly under compile).")
     if below_python:
         return RuntimeError(
             where + " A C++ access like this one means the model was wrapped in DistributedDataParallel (or FSDP) "
@@ -475,6 +482,10 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
 
 
 # ---------------------------------------------------------------------------------------------- the model
+#: [_GuardedModule._zero_grad under torch.compiler.disable], made at the first compiled call (see zero_grad)
+_EAGER_ZERO_GRAD: list = []
+
+
 class _GuardedModule:
     """Mixin put in front of the attached model's class (``guard_model``): the model's own read and write paths wait
     for in-flight parameter all-gathers first. ``no_sync()`` is the optimizer's, so accelerate's ``accumulate()``
@@ -502,7 +513,17 @@ class _GuardedModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, without waiting for the in-flight all-gathers: it touches ``param.grad`` only, and the Hugging
         Face Trainer calls ``model.zero_grad()`` right after ``step()``, where waiting for every gather (as
-        ``parameters()`` did until session 21) left nothing to overlap with the next forward."""
+        ``parameters()`` did until session 21) left nothing to overlap with the next forward. Under torch.compile
+        it runs eagerly (a graph break): dynamo cannot wrap tritonshard's placeholder gradients."""
+        if torch.compiler.is_compiling():
+            if not _EAGER_ZERO_GRAD:
+                _EAGER_ZERO_GRAD.append(torch.compiler.disable(_GuardedModule._zero_grad, reason=(
+                    "tritonshard: model.zero_grad() of a model attached to a tritonshard optimizer runs eagerly under "
+                    "torch.compile: each param.grad may hold tritonshard's placeholder, which dynamo cannot wrap")))
+            return _EAGER_ZERO_GRAD[0](self, set_to_none)
+        self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         object.__setattr__(self, "_tritonshard_grads_only", True)
         try:
             super().zero_grad(set_to_none)
