@@ -322,14 +322,14 @@ def _run_backward_hooks_eagerly() -> None:
     are marked to be skipped, recursively (dynamo's frame-execution strategy; no cost per call, where a
     ``torch.compiler.disable`` wrapper costs ~0.3 us per hook). Under compiled autograd the hooks are traced by
     other means, untouched by this. Without that API (an older torch) the hooks are compiled as before."""
-    try:
+    try:  # (a private API, as in torch 2.13; another torch without it: the hooks are compiled as before)
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
+        for fn in (model_sync.GradReadyHook.__call__, model_sync.ClearPlaceholderHook.__call__,
+                   model_sync.OutputGradHook.__call__, ShardedOptimizer._end_of_backward):
+            set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError, TypeError):
         return
-    for fn in (model_sync.GradReadyHook.__call__, model_sync.ClearPlaceholderHook.__call__,
-               model_sync.OutputGradHook.__call__, ShardedOptimizer._end_of_backward):
-        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
