@@ -67,7 +67,7 @@ def _must_look(p: torch.Tensor) -> None:
         b.step_flags.eager_step_needed = True
 
 
-def landed(p: torch.Tensor, written: bool = False) -> None:
+def landed(p: torch.Tensor) -> None:
     """Wait for the all-gather of ``p``'s bucket if it is in flight. With ``overlap_comm`` and ``attach``, step()
     leaves the gathers running into the next forward, whose pre-hooks wait for them module by module; the other
     paths to a parameter wait here: the model's attributes (``model.lm_head.weight``, a guarded module's
@@ -77,11 +77,8 @@ def landed(p: torch.Tensor, written: bool = False) -> None:
     it, silently."""
     ref = OWNER.get(id(p))
     b = ref() if ref is not None else None
-    if b is not None:
-        if b.ag_work is not None:
-            b.wait_gather()
-        if written and b.step_flags is not None:  # (``written``: may be written; see _must_look)
-            b.step_flags.eager_step_needed = True
+    if b is not None and b.ag_work is not None:
+        b.wait_gather()
 
 #: ids of the parameters whose ``.data`` was handed out since their optimizer last looked (sync_from_model): a
 #: write through it (``p.data.copy_(x)``, ``m.weight.data.normal_()``) does not move the parameter's version
@@ -103,7 +100,8 @@ class WatchedParameter(torch.nn.Parameter):
     @property
     def data(self):
         DATA_READS.add(id(self))
-        landed(self, written=True)  # (what it hands out may be read or written at once)
+        landed(self)  # (what it hands out may be read or written at once)
+        _must_look(self)
         return _TENSOR_DATA.__get__(self)
 
     @data.setter
