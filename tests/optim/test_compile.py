@@ -315,28 +315,21 @@ def test_gradients_zeroed_through_the_model_after_a_compiled_step_are_zeros(comp
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(*results))
 
 
+def _assert_the_same_with_steps_traced(eager: list, compiled: list, graphs: list, what: str) -> None:
+    """``compiled`` bit for bit ``eager`` (tensors), and an update among the graphs dynamo traced (the steps the
+    loop did not make eager stayed traced)."""
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("tritonshard.adamw_step_" in t for t in targets), f"{what}: no step was traced"
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        bits = torch.int16 if a.element_size() == 2 else torch.int32
+        assert torch.equal(a.view(bits), b.view(bits)), f"{what}: tensor {i}: compiled step != eager step"
+
+
 HAND_SETS = {
     "model.zero_grad()": lambda model: model.zero_grad(),  # (torch.optim then skips every parameter)
     "p.grad = None": lambda model: setattr(model.fc1.weight, "grad", None),
     "p.grad = t": lambda model: setattr(model.fc1.weight, "grad", torch.full_like(model.fc1.weight, 0.25)),
 }
-
-
-def _hand_set_run(how, compiled: bool):
-    """(the parameters after three steps, the graphs traced): every parameter gets a gradient from each backward;
-    before the last step the loop assigns param.grad (HAND_SETS[how])."""
-    torch._dynamo.reset()
-    model = make_model(0)
-    opt = FACTORIES["adamw"](model)
-    graphs, capture = _recording_backend()
-    step = torch.compile(opt.step, backend=capture) if compiled else opt.step
-    for k in range(3):
-        (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
-        if k == 2:
-            HAND_SETS[how](model)
-        step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], graphs
 
 
 @pytest.mark.parametrize("how", list(HAND_SETS))
@@ -345,12 +338,9 @@ def test_a_compiled_step_sees_gradients_set_or_cleared_by_hand_after_the_backwar
     # (skips a parameter set to None, applies a gradient set by hand). Until session 24 the compiled step used the
     # backward's gradients, silently: it cannot look at the parameters. Now an assignment to a parameter's .grad
     # sets the flag a compiled step reads, so that step runs eagerly; the steps before it stay traced
-    params, _ = _hand_set_run(how, compiled=False)
-    compiled_params, graphs = _hand_set_run(how, compiled=True)
-    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert any("tritonshard.adamw_step_" in t for t in targets), "the steps without hand-set gradients were not traced"
-    for a, b in zip(params, compiled_params):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: compiled step != eager step"
+    def run(compiled):  # (every parameter gets a gradient from each backward; the last step's set by hand)
+        return _run_with_write(lambda model, opt: HAND_SETS[how](model), 2, True, compiled)
+    _assert_the_same_with_steps_traced(run(False)[0], *run(True), how)
 
 
 def test_under_fullgraph_a_step_after_gradients_set_by_hand_names_why():
@@ -361,7 +351,6 @@ def test_under_fullgraph_a_step_after_gradients_set_by_hand_names_why():
     model.fc1.weight.grad = None
     with pytest.raises(torch._dynamo.exc.Unsupported, match="gradients were set or cleared by hand"):
         torch.compile(opt.step, fullgraph=True, backend="eager")()
-
 
 
 def _load(model, opt):  # (weights loaded after the optimizer was built: a checkpoint, pretrained weights)
@@ -396,9 +385,9 @@ WRITES = {
 }
 
 
-def _written_run(how, compiled: bool):
-    """(parameters, masters and moments after three steps, the graphs traced), WRITES[how] done once."""
-    write, at, after_backward = WRITES[how]
+def _run_with_write(write, at: int, after_backward: bool, compiled: bool):
+    """(parameters, masters and moments after three steps, the graphs traced), ``write(model, opt)`` done once,
+    before step ``at``, after its backward or before it."""
     torch._dynamo.reset()
     model = make_model(0)
     opt = FACTORIES["adamw"](model)
@@ -424,13 +413,8 @@ def test_a_compiled_step_keeps_what_the_loop_wrote_to_the_weights_and_state(how)
     # masters, silently: a checkpoint loaded after the optimizer was built never reached training. Now the end of
     # each backward looks (sync_from_model's cheap looks, acting on none), a .data read or assignment and an edit
     # of opt.state's entries say so at once, and such a step runs eagerly, following the writes
-    eager, _ = _written_run(how, compiled=False)
-    compiled, graphs = _written_run(how, compiled=True)
-    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert any("tritonshard.adamw_step_" in t for t in targets), "the steps after the write were not traced"
-    for i, (a, b) in enumerate(zip(eager, compiled)):
-        assert torch.equal(a, b), f"{how}: tensor {i}: compiled step != eager step"
-
+    _assert_the_same_with_steps_traced(_run_with_write(*WRITES[how], False)[0], *_run_with_write(*WRITES[how], True),
+                                       how)
 
 
 @pytest.mark.parametrize("then", ["read at once", "zero_grad() first", "opt.state.clear(), a step"])
@@ -441,10 +425,7 @@ def test_opt_state_after_a_first_compiled_step_is_shown_as_after_an_eager_one(th
     # opt.state.clear() there (an LR finder's reset) was lost when the state was shown (found by the compiled loop
     # fuzzer): the next step counted 2, where torch.optim starts afresh
     shown = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        model = make_model(0)
-        opt = FACTORIES["adamw"](model)
+    for compiled, model, opt in _eager_then_compiled("adamw"):
         step = torch.compile(opt.step, fullgraph=True, backend="eager") if compiled else opt.step
         (loss_fn(model, batch(0, 0, 0)) + 0 * model.unused.sum()).backward()
         step()
@@ -460,7 +441,6 @@ def test_opt_state_after_a_first_compiled_step_is_shown_as_after_an_eager_one(th
     (keys, exp_avg, count, n), (ckeys, cexp_avg, ccount, cn) = shown
     assert keys == ckeys and count == ccount == 1.0 and n == cn
     assert torch.equal(exp_avg, cexp_avg) and exp_avg.abs().sum() > 0
-
 
 
 def _compiled_loop_run(how, compiled: bool):
@@ -501,7 +481,6 @@ def test_zero_grad_compiled_with_the_step_runs_eagerly(how):
     opt = FACTORIES["adamw"](model)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="opt.zero_grad.. runs eagerly under torch.compile"):
         torch.compile(opt.zero_grad, fullgraph=True, backend="eager")()
-
 
 
 def _whole_iteration_run(how, compiled: bool, attach: bool, zero="model", scheduler=False):
