@@ -584,3 +584,40 @@ def test_a_compiled_step_on_two_ranks_is_the_eager_step(overlap_comm):
     # the ranks' hyper-parameters not compared); it had no test. Now it runs eagerly, with every handshake
     from tests.distributed import run_on_ranks
     run_on_ranks(_compiled_on_ranks, 2, overlap_comm)
+
+
+def _patched_step_run(how, compiled: bool):
+    """The parameters after four steps of a loop whose ``opt.step`` was replaced by its compiled self (so that
+    GradScaler.step(opt) calls it too), ``how``: under torch.amp.GradScaler (unscale_, the optimizer's clip),
+    with a per-group LambdaLR built before the replacement, or with two micro-batches a step."""
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if how == "GradScaler" else None
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0 / (1 + s), lambda s: 0.9 ** s])
+             if how == "LambdaLR" else None)
+    if compiled:
+        opt.step = torch.compile(opt.step, backend="eager")
+    for k in range(4):
+        for micro in range(2 if how == "accumulation" else 1):
+            loss = loss_fn(model, batch(0, k, micro)) + 0 * model.unused.sum()
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+            opt.clip_grad_norm_(0.5)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched:
+            sched.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["GradScaler", "LambdaLR", "accumulation"])
+def test_a_step_replaced_by_its_compiled_self_gives_the_eager_weights(how):
+    # opt.step = torch.compile(opt.step): code that calls opt.step() itself (GradScaler.step, a trainer) runs the
+    # compiled step; a scheduler built before wraps the original (dynamo compiles our step as a frame of its own)
+    for a, b in zip(_patched_step_run(how, False), _patched_step_run(how, True)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: compiled != eager"
