@@ -137,9 +137,10 @@ class StateViewMixin:
             shown[1]["step"] = step
 
     def _state_edited(self) -> bool:
-        """Whether code wrote to ``opt.state`` (or replaced it) since it was last shown."""
-        return self._state_edits.seen or type(self.state) is not _StateDict or self.state._edits is not \
-            self._state_edits
+        """Whether code wrote to ``opt.state`` (or replaced it) since it was last shown. (Reads the attribute as it
+        is: the end of a backward asks, where the ``state`` property must not finish a compiled step.)"""
+        state = self.__dict__["state"]
+        return self._state_edits.seen or type(state) is not _StateDict or state._edits is not self._state_edits
 
     @torch.no_grad()
     def _follow_state_edits(self) -> None:
