@@ -2210,7 +2210,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         optimizer's state is that of after a step; and opt.state shows the state. Called by the
         first eager look at the gradients after it: a backward's hooks and flush, a reduction (a clip; the next
         step's, before anything reads a gradient), a new optimizer or group asking whether this one is mid-step, a
-        zero_() on a placeholder; ``zero_grad()`` clears them instead.
+        zero_() on a placeholder, ``zero_grad()`` (which then clears the markers), an access of ``opt.state``.
         Until session 23 nothing did: the placeholders stayed, so a second step without zero_grad() skipped every
         parameter where torch.optim applies the gradients again (eager steps raise the spent-gradient error), a
         clip did not raise it, and a new optimizer refused to be built (found by the loop fuzzer's compiled

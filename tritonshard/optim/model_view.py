@@ -134,8 +134,7 @@ class ModelViewMixin:
         # every parameter at every step, ~0.15 us per parameter, where a loop reading data_ptr, dtype, device and
         # _version of each took ~0.75. A .data of another dtype or device has another address: _readopt says so)
         plist, ptrs, versions = self._param_list, self._param_ptrs, self._param_versions
-        with torch._C.DisableTorchFunctionSubclass():  # (WatchedParameter: ~90 ns less per attribute read)
-            now, now_versions = list(map(_DATA_PTR, plist)), list(map(_VERSION, plist))
+        now, now_versions = self._param_addresses_and_versions()
         if now != ptrs:
             for i, p in enumerate(plist):
                 if now[i] != ptrs[i]:
@@ -167,13 +166,24 @@ class ModelViewMixin:
         addresses; 40 us for 300 parameters on this repo's CPU machine)."""
         if self._state_edited() or (DATA_READS and not DATA_READS.isdisjoint(self._param_by_id)):
             return True
-        groups, known = self.param_groups, self._group_lists
-        if len(groups) != len(known) or not all(g["params"] is ps and type(ps) is _ParamList and not ps.changed
-                                                for g, (ps, _) in zip(groups, known)):
+        if not self._group_lists_as_laid_out():
             return True
+        now, now_versions = self._param_addresses_and_versions()
+        return now_versions != self._param_versions or now != self._param_ptrs
+
+    def _param_addresses_and_versions(self) -> tuple[list, list]:
+        """(data_ptr, _version) of every parameter, as lists in ``_param_list``'s order (what sync_from_model and
+        _model_changed compare with ``_param_ptrs`` and ``_param_versions``)."""
         plist = self._param_list
-        with torch._C.DisableTorchFunctionSubclass():
-            return list(map(_VERSION, plist)) != self._param_versions or list(map(_DATA_PTR, plist)) != self._param_ptrs
+        with torch._C.DisableTorchFunctionSubclass():  # (WatchedParameter: ~90 ns less per attribute read)
+            return list(map(_DATA_PTR, plist)), list(map(_VERSION, plist))
+
+    def _group_lists_as_laid_out(self) -> bool:
+        """Whether every group's ``params`` is still the list laid out, unchanged (a flag per group, no look at the
+        parameters themselves): :meth:`_check_group_lists`' fast path."""
+        groups, known = self.param_groups, self._group_lists
+        return len(groups) == len(known) and all(g["params"] is ps and type(ps) is _ParamList and not ps.changed
+                                                 for g, (ps, _) in zip(groups, known))
 
     def _note_group_lists(self, own: bool = False) -> None:
         """Remember each group's ``params`` list as laid out. ``own`` (construction, ``add_param_group``): the
@@ -194,10 +204,9 @@ class ModelViewMixin:
         buffers were laid out from them: such a parameter would silently never train, or one removed train on. A
         RuntimeError naming the change instead (a list replaced by one with the same parameters is taken as it
         is; such a list of the user's is compared element by element at every step from then on)."""
+        if self._group_lists_as_laid_out():
+            return  # (every step)
         groups, known = self.param_groups, self._group_lists
-        if len(groups) == len(known) and all(g["params"] is ps and type(ps) is _ParamList and not ps.changed
-                                             for g, (ps, _) in zip(groups, known)):
-            return  # (every step: a flag per group, no look at the parameters themselves)
         if len(groups) != len(known):
             raise RuntimeError(
                 f"optimizer.param_groups has {len(groups)} groups, but {len(known)} were added through the optimizer: "
