@@ -217,6 +217,54 @@ def test_a_clear_all_on_the_ranks_that_had_gradients(then):
     run_on_ranks(_cleared_where_a_rank_had_none, 2, then)
 
 
+def _cleared_on_some_ranks(rank, world_size, how, clearing):
+    """Every rank has gradients and reduces them (a clip, a norm, unscale_), then the ranks in ``clearing`` clear
+    them all (a loop that skips this step on some ranks only). Under DDP those would skip the step and the others
+    take it: the replicas drift apart, and the reduction, which holds every rank's gradients, cannot give the others
+    a step without the cleared ones. Until session 25 every rank stepped with the whole reduction, silently (the
+    clearing ranks' gradients in it); now step() raises on every rank, at once, before anything changes, and the
+    loop goes on after a zero_grad(). Where every rank cleared them, nothing is stepped, as under DDP."""
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.scale(loss_fn(model, batch(rank, 0, 0))).backward()
+    _reduce(how, opt, model, scaler)
+    if rank in clearing:
+        model.zero_grad()
+    before = _weights(model)
+    start = time.monotonic()
+    step = (lambda: scaler.step(opt)) if how == "GradScaler.unscale_" else opt.step
+    if len(clearing) == world_size:
+        step()
+        assert_bitwise_equal(_weights(model), before, "a step after every rank cleared its gradients")
+    else:
+        with pytest.raises(RuntimeError, match=r"all cleared \(param.grad = None\) on some ranks and kept on others"):
+            step()
+        assert time.monotonic() - start < 20, "the ranks waited for each other"
+        assert_bitwise_equal(_weights(model), before, "a refused step")
+    assert all(float(opt.state[p].get("step", 0)) == 0 for p in model.parameters() if p.requires_grad)
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)  # (a refused GradScaler.step leaves it mid-step)
+    for i in (1, 2):  # the loop goes on as if the step had not been tried: the same weights on every rank
+        loss_fn(model, batch(rank, i, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    weights = _weights(model)
+    gathered = [torch.empty_like(weights) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, weights)
+    for other in gathered:
+        assert_bitwise_equal(other, weights, "the ranks' weights after the refused step")
+
+
+@pytest.mark.parametrize("how", REDUCTIONS)
+def test_a_clear_all_after_the_reduction_on_some_ranks_only_is_an_error_on_every_rank(how):
+    run_on_ranks(_cleared_on_some_ranks, 2, how, (1,))
+
+
+@pytest.mark.parametrize("clearing", [(0,), (0, 2, 3), (0, 1, 2, 3)], ids=["one of four", "three of four", "all"])
+def test_a_clear_all_after_the_clip_on_four_ranks(clearing):
+    run_on_ranks(_cleared_on_some_ranks, 4, "opt.clip_grad_norm_", clearing)
+
+
 def test_torchs_clip_looks_at_the_gradients_once_per_step_not_once_per_parameter(monkeypatch):
     """The look at every param.grad runs in step() (and the loop's own clip, norm, unscale_ calls), not in each
     placeholder op: torch's clip_grad_norm_ multiplies every gradient, and a look per multiply cost the square of

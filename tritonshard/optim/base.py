@@ -606,6 +606,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
         self._list_dependent = False
         self._missing_here: list = []
+        # this step: the loop cleared every gradient a reduction before step() held (a clip, a norm, unscale_), so
+        # this rank steps none of them; another rank that kept its own would step with the reduction, which holds
+        # this rank's (an error at step() on every rank: _without_grad_everywhere)
+        self._cleared_after_reduction = False
         # cuda_graph=True: the step's two phases captured and replayed (graphs.py); _lr_filled: each trained
         # group's lr tensor was written for this step before the phase that reads it
         self._graphs = self._make_graphs(cuda_graph)
@@ -1625,8 +1629,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           ones) is reduced afresh, as torch.optim would step with it; a clip or a norm reduces afresh too (torch's
           finds no gradient). Where they were only cleared, ``"step"`` keeps the reduction and skips its
           parameters, which have no gradient now (on every rank: the step's handshake agrees, as for any parameter
-          without one; a rank that had no gradient to clear could not tell a reduction afresh from none, and its
-          collectives would not pair: for a clip after such a clear, a CollectiveMismatchError there);
+          without one; where another rank kept gradients, the step would apply the reduction, which holds this
+          rank's cleared ones: an error on every rank, see ``_without_grad_everywhere``; a rank that had no
+          gradient to clear could not tell a reduction afresh from none, and its collectives would not pair: for a
+          clip after such a clear, a CollectiveMismatchError there);
         * some are held and some changed (replaced, cleared or set by hand: torch.optim would step with a mix the
           reduction cannot give): a RuntimeError naming the first such parameter (``"forget"``: False).
 
@@ -1656,6 +1662,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 for p in b.placed:
                     b.no_grad[p] = True
             self._flags.eager_step_needed = True
+            self._cleared_after_reduction = placed > 0  # (for the step's handshake: another rank may have kept its)
             return True
         if unchanged:
             return True
@@ -1837,7 +1844,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                         set_grad(p, markers[p])
                         self._spent_unlisted = True
             self._missing_here = []
-        self._list_dependent = False
+        self._list_dependent = self._cleared_after_reduction = False
         # (inside a backward, the gradients it has given so far are still this backward's: a reset from its flush,
         # which forgets a reduction the loop cleared since, keeps them, or a bucket half-ready then would wait for
         # the end of the backward to launch)

@@ -318,12 +318,24 @@ class ModelViewMixin:
         if not self._entry("step", flag=bool(mine), settings=self._step_settings):
             return []
         n = len(self._param_list)
-        mask = torch.zeros(n + 1, dtype=torch.bool)
+        mask = torch.zeros(n + 2, dtype=torch.bool)
         for p in mine:
             mask[self._param_index[p]] = True
         mask[n] = self._list_dependent  # (OR-ed: whether torch code on some rank clipped over its own list)
+        mask[n + 1] = self._cleared_after_reduction  # (OR-ed: whether some rank cleared a reduction's gradients)
         everywhere, somewhere = self._entry.combine(mask)
         everywhere, somewhere = everywhere[:n].tolist(), somewhere.tolist()
+        if somewhere[n + 1]:
+            kept = [p for p, none in zip(self._param_list, everywhere) if not none and p.requires_grad]
+            if kept:
+                raise RuntimeError(
+                    "tritonshard: the gradients reduced before step() (by a clip, a norm or GradScaler.unscale_(opt))"
+                    " were all cleared (param.grad = None) on some ranks and kept on others: "
+                    f"{_names([self._param_names[p] for p in kept])} still hold a gradient on some rank. Under DDP "
+                    "the ranks that cleared them would skip this step and the others take it (the replicas would "
+                    "drift apart), and the reduction holds every rank's gradients: it cannot take the cleared ones "
+                    "back. Nothing was updated. Clear them on every rank (opt.zero_grad() everywhere, to skip a "
+                    "step) or on none")
         # with a gradient on some ranks only: under DDP every rank's param.grad would hold the average, so torch
         # code over param.grad would see it on every rank, and torch.optim keeps it after the step
         partial = [p for p, none, some in zip(self._param_list, everywhere, somewhere) if some and not none]
