@@ -3,6 +3,7 @@ tests/optim/test_loop_fuzz_ranks.py's two-rank programs (the suite runs 12 per m
 
     .venv/bin/python -m tests.optim.loop_fuzz_long --examples 1000 --steps 30
     .venv/bin/python -m tests.optim.loop_fuzz_long --examples 200 --machines ranks-adamw,ranks-adamw-overlap,ranks-sgd
+    .venv/bin/python -m tests.optim.loop_fuzz_long --examples 400 --machines ranks-after-clip
 
 Random (not derandomized) examples; a failure prints hypothesis's shrunk loop, a call per line. Session 18 ran
 1,000 loops of 30 calls per machine at f67b4d2 on the 2-core VM in about 10 minutes, without a failure. (The
@@ -28,16 +29,21 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
 
 
 def _ranks_machine(machine: str, examples: int) -> None:
+    """``machine``: one of test_loop_fuzz_ranks.MACHINES, or "after-clip" (its CHANGED_AFTER_CLIP programs, on each
+    machine in turn)."""
     from hypothesis import given
+    from hypothesis import strategies as st
 
     from tests.optim import test_loop_fuzz_ranks as ranks
     ranks.HANG_S = 15  # (shrinking a hang re-runs it many times)
+    after_clip = machine == "after-clip"
 
     @settings(max_examples=examples, deadline=None, derandomize=False, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(program=ranks.PROGRAMS)
-    def run(program):
-        ranks._check(machine, program)
+    @given(program=ranks.CHANGED_AFTER_CLIP if after_clip else ranks.PROGRAMS,
+           on=st.sampled_from(sorted(ranks.MACHINES)) if after_clip else st.just(machine))
+    def run(program, on):
+        ranks._check(on, program)
     run()
 
 
@@ -45,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
-    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd")]
+    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "after-clip")]
     parser.add_argument("--machines", default=",".join(MACHINES),
                         help="comma-separated: " + ", ".join([*MACHINES, *ranks]))
     args = parser.parse_args()

@@ -3,7 +3,9 @@ runs its own backward (its own data, and its own heads: a parameter gets a gradi
 clears its own gradients by hand, and the collective calls (step, clip, zero_grad, lr and other hyper-parameters,
 freezing, a resume, a new optimizer, a param group added, writing the weights, editing opt.state) are made by every
 rank, as in a data-parallel loop; with overlap_comm the model is attached, so step() leaves its all-gathers in
-flight into whatever call comes next.
+flight into whatever call comes next. Between a clip and its step, each rank may set, replace or clear its own
+gradients (and ``model.zero_grad()`` clear them all): CHANGED_AFTER_CLIP draws such programs (_step_after_clip
+says what each rank's step makes of them).
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -36,7 +38,7 @@ from hypothesis import strategies as st
 from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
-from tritonshard.comm import PeerFailedError
+from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _extra_group, _groups, \
     _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, \
@@ -73,6 +75,9 @@ class _RankLoop:
         self.spent = [set() for _ in range(WORLD)]   # per rank: names whose gradient the last step applied
         self.spent_values = [{} for _ in range(WORLD)]
         self.clipped = None     # the reference's clipped fp32 gradients of this step, once clipped
+        # after such a clip, per rank: the names whose gradients the reduction took (None: changes after this clip
+        # are not drawn), those still held as they were, and those set by hand since (see _after_clip)
+        self.held0, self.kept, self.set_after = None, None, None
         self.list_clip = False  # torch's clip ran over lists of gradients that differ between the ranks
         self.launched = False   # overlap_comm: a backward outside no_sync() launched the reduce-scatters
         self.by_hand = [False] * WORLD
@@ -111,6 +116,7 @@ class _RankLoop:
             m.zero_grad()
         self.spent = [set() for _ in range(WORLD)]
         self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
+        self.held0 = None
 
     def _partial(self) -> list:
         """Names with a gradient on some ranks only."""
@@ -165,6 +171,11 @@ class _RankLoop:
 
     # ------------------------------------------------------------------ calls
     def backward(self, heads, sync):
+        if self.clipped is not None and self.held0 is not None and not any(self.kept):
+            # every rank cleared what the clip reduced (some set gradients by hand since): each backward's end
+            # forgets the reduction, and the step reduces what param.grad holds then, unclipped
+            self.clipped = self.held0 = None
+            self.launched = False  # (the clip waited for the reduce-scatters launched before it)
         if self.clipped is not None:
             return self.skipped.append("backward after a clip")
         # (the extra head once added only)
@@ -211,6 +222,57 @@ class _RankLoop:
             return
         norm = self._clip(max_norm, how)
         self.clipped = reference_clip(norm, max_norm, self.masters, self._master_grads())
+        self.held0 = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
+        self.kept, self.set_after = [set(h) for h in self.held0], [set() for _ in range(WORLD)]
+
+    def _after_clip(self) -> list:
+        """What each rank's step() makes of its gradients changed since the clip (test_grads_after_reduction.py):
+        "held" (none changed: the reduction stands; also where the rank had none), "cleared" (every one it held
+        cleared, none set: it steps none of them), "afresh" (none held any more, some set by hand: reduced again,
+        unclipped), "error" (some changed while others are held: a RuntimeError there)."""
+        out = []
+        for w in range(WORLD):
+            if self.kept[w] == self.held0[w] and not self.set_after[w]:
+                out.append("held")
+            elif not self.kept[w]:
+                out.append("afresh" if self.set_after[w] else "cleared")
+            else:
+                out.append("error")
+        return out
+
+    def _step_after_clip(self) -> bool:
+        """step() after gradients changed since the clip on some ranks; True where it stepped as usual (the
+        caller's reference step follows)."""
+        kinds = self._after_clip()
+        mine = kinds[self.rank]
+        if "error" in kinds:  # (that rank tells the others at the step's handshake)
+            try:
+                self.opt.step()
+            except PeerFailedError as e:
+                assert mine != "error" and "after the gradients were reduced" in str(e), (kinds, e)
+                return self._recover()
+            except RuntimeError as e:
+                assert mine == "error" and "after the gradients were reduced" in str(e), (kinds, e)
+                return self._recover()
+            raise AssertionError(f"a step after gradients changed since the clip ({kinds}) did not raise")
+        if "afresh" in kinds and set(kinds) != {"afresh"}:
+            # the ranks that hold none of the reduction's gradients reduce again, the others keep it: their
+            # collectives cannot pair (a rank cannot tell a reduction afresh from none), an error on every rank
+            try:
+                self.opt.step()
+            except CollectiveMismatchError:
+                return self._recover()
+            raise AssertionError(f"a step after gradients changed since the clip ({kinds}) did not raise")
+        if "cleared" in kinds and any(self.kept[w] for w in range(WORLD)):
+            try:
+                self.opt.step()
+            except RuntimeError as e:
+                assert "on some ranks and kept on others" in str(e), (kinds, e)
+                return self._recover()
+            raise AssertionError(f"a step after a clear-all on some ranks ({kinds}) did not raise")
+        # every rank afresh: the gradients as they are now, unclipped; every one cleared: nothing stepped
+        self.clipped = None if "afresh" in kinds else {n: None for n in self.names}
+        return True
 
     def _clip(self, max_norm, how):
         return clip(self.opt, self.model, max_norm, how)
@@ -223,6 +285,9 @@ class _RankLoop:
                 assert "while the ranks hold gradients of different parameters" in str(e), e
                 return self._recover()
             raise AssertionError("a step after torch's clip over different lists on the ranks did not raise")
+        if self.held0 is not None and (self.kept != self.held0 or any(self.set_after)):
+            if not self._step_after_clip():
+                return
         expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
         if expect == "told":
             return self._expect_told(self.opt.step, "a step")
@@ -243,16 +308,23 @@ class _RankLoop:
         self.spent = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
         self.spent_values = [{n: self.refs[w][n].grad.clone() for n in self.spent[w]} for w in range(WORLD)]
         self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
+        self.held0 = None
         self._compare()
 
     def zero_grad(self, via, set_to_none):
+        if via == "model" and set_to_none and self.held0 is not None:  # (after a clip: every rank clears all)
+            self.model.zero_grad(set_to_none=True)
+            for m in self.refs_models:
+                m.zero_grad(set_to_none=True)
+            self.kept, self.set_after = [set() for _ in range(WORLD)], [set() for _ in range(WORLD)]
+            return
         if via == "model" and (self.clipped is not None or (self.launched and not set_to_none)):
             return self.skipped.append("model.zero_grad of reduced gradients")
         (self.opt if via == "opt" else self.model).zero_grad(set_to_none=set_to_none)
         for m in self.refs_models:
             m.zero_grad(set_to_none=set_to_none)
         self.spent, self.clipped, self.launched = [set() for _ in range(WORLD)], None, False
-        self.by_hand, self.list_clip = [b and not set_to_none for b in self.by_hand], False
+        self.by_hand, self.list_clip, self.held0 = [b and not set_to_none for b in self.by_hand], False, None
 
     def _symmetric_on_frozen(self, names):
         """A frozen parameter's gradient set or cleared on some ranks only is a case without torch semantics
@@ -261,8 +333,15 @@ class _RankLoop:
         frozen = self._frozen_names()
         return [(set(names[w]) - frozen) | (set(names[0]) & frozen) for w in range(WORLD)]
 
+    def _changes_after_clip(self) -> bool:
+        """Whether gradients may be set or cleared now: not while the reduce-scatters are in flight (an error:
+        README), nor after a clip whose changes are not drawn (torch's over different lists on the ranks)."""
+        if self.clipped is not None:
+            return self.held0 is not None
+        return not self.launched
+
     def set_grads(self, names, seed):
-        if self.clipped is not None or self.launched:
+        if not self._changes_after_clip():
             return self.skipped.append("set_grads after the reduction")
         for w, chosen in enumerate(self._symmetric_on_frozen(names)):
             gen = torch.Generator().manual_seed(seed * WORLD + w)
@@ -272,10 +351,13 @@ class _RankLoop:
                 if w == self.rank:
                     self.ours[n].grad = g.clone()
                 self.spent[w].discard(n)
+                if self.held0 is not None:
+                    self.kept[w].discard(n)
+                    self.set_after[w].add(n)
             self.by_hand[w] = self.by_hand[w] or bool(chosen)
 
     def clear_some(self, names):
-        if self.clipped is not None or self.launched:
+        if not self._changes_after_clip():
             return self.skipped.append("clear_some after the reduction")
         for w, chosen in enumerate(self._symmetric_on_frozen(names)):
             for n in sorted(chosen):
@@ -283,6 +365,9 @@ class _RankLoop:
                 if w == self.rank:
                     self.ours[n].grad = None
                 self.spent[w].discard(n)
+                if self.held0 is not None:
+                    self.kept[w].discard(n)
+                    self.set_after[w].discard(n)
 
     def set_lr(self, lr):
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
@@ -388,6 +473,22 @@ _CALLS = st.one_of(
     st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
+_BACKWARD = st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans())
+_AFTER_CLIP = st.one_of(
+    st.tuples(st.just("set_grads"), st.tuples(*[_names] * WORLD), st.integers(0, 2 ** 16)),
+    st.tuples(st.just("clear_some"), st.tuples(*[_names] * WORLD)),
+    st.tuples(st.just("clear_some"), st.tuples(*[st.sampled_from([frozenset(), frozenset(_NAMES)])] * WORLD)),
+    st.tuples(st.just("zero_grad"), st.just("model"), st.just(True)),
+    _BACKWARD,
+)
+#: programs around gradients set, cleared or replaced between a clip and the step, on some ranks or all (rare in
+#: PROGRAMS' draws): a backward, a clip, such changes, a step, and then any calls
+CHANGED_AFTER_CLIP = st.builds(
+    lambda before, clip_, changes, after: [*before, clip_, *changes, ("step",), *after],
+    st.lists(_BACKWARD, min_size=1, max_size=2),
+    st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]), st.sampled_from(["opt", "torch"])),
+    st.lists(_AFTER_CLIP, min_size=1, max_size=4),
+    st.lists(_CALLS, max_size=5))
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
@@ -413,3 +514,9 @@ def test_two_rank_overlapped_loops_match_torch_optim(program):
 @given(program=PROGRAMS)
 def test_two_rank_sgd_loops_match_torch_optim(program):
     _check("sgd", program)
+
+
+@SETTINGS
+@given(program=CHANGED_AFTER_CLIP, machine=st.sampled_from(sorted(MACHINES)))
+def test_two_rank_gradients_changed_after_a_clip(program, machine):
+    _check(machine, program)
