@@ -278,7 +278,10 @@ def digest(data: bytes) -> int:
 _DISAGREE = {
     "step": ("settings", "Every rank updates its own shard of the parameters with its own, so they must agree: an "
              "LR scheduler stepped on some ranks only, or fed a rank's own metric (ReduceLROnPlateau with each rank's "
-             "validation loss: all-reduce the metric first), or a group changed on one rank"),
+             "validation loss: all-reduce the metric first), or a group changed on one rank; or torch code that "
+             "multiplied param.grad (GradScaler.unscale_, torch's clip_grad_norm_, p.grad.mul_) reached tritonshard "
+             "on some ranks only: it runs over each rank's own param.grad, so a rank whose gradients are all None, "
+             "or all plain tensors set by hand, multiplied none (give every rank a backward)"),
     "load": ("checkpoints", "Every rank loads its own shard of the state, so the model would be stitched together "
              "from several checkpoints: give every rank the same one (resolve latest_checkpoint() on one rank and "
              "broadcast the path, or wait until every rank sees the last save)"),

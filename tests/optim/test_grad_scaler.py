@@ -72,6 +72,50 @@ def test_an_inf_on_one_rank_skips_the_step_everywhere_and_the_scaler_backs_off()
     run_on_ranks(_inf_on_one_rank, 2)
 
 
+def _no_placeholder_on_one_rank(rank, world_size, case, how):
+    """Rank 0's gradients never reach tritonshard's buffers before the step (no backward: all None; or all set by
+    hand: plain tensors), rank 1 has a backward's. Torch code that multiplies param.grad runs over each rank's own
+    gradients, so it folds a coefficient into rank 1's update only; the update applies it to that rank's shard of
+    the sum over both ranks, and rank 0 would update its shard without it (GradScaler: rank 0's shard stepped with
+    the scaled gradients; torch's clip after unscale_: without the clip). Until session 25 nothing said so (with
+    ShardedSGD, 64x the trunk's step where the scale was 2**8; rank 0 got torch's "No inf checks were recorded" at
+    scaler.update(), after the step). The step's handshake compares the ranks' counts: SettingsMismatchError on
+    both, naming the cause, before anything changes. (torch's clip there: rank 1's per-parameter norms meet rank
+    0's step, a CollectiveMismatchError, as before.)"""
+    from tritonshard import ShardedSGD
+    from tritonshard.comm import CollectiveMismatchError, SettingsMismatchError
+    model = make_model(0)
+    opt = ShardedSGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.scale(torch.ones(()))  # (rank 0's scaler has a scale without a backward)
+    if rank == 1:
+        scaler.scale(loss_fn(model, batch(rank, 0, 0))).backward()
+    elif case == "set by hand":
+        for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
+            p.grad = (torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 256).to(p.dtype)
+    before = _weights(model)
+    expected = (pytest.raises(SettingsMismatchError, match=r"multiplied 1 time\(s\) by torch code.*reached "
+                              r"tritonshard on some ranks only") if how == "GradScaler" else
+                pytest.raises(CollectiveMismatchError, match="per-parameter gradient norms"))
+    with expected:
+        if how == "GradScaler":
+            scaler.unscale_(opt)
+            scaler.step(opt)
+        else:  # (a clip of torch's over rank 1's placeholders, rank 0's plain ones or none)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+    assert_bitwise_equal(_weights(model), before, "a refused step")
+
+
+@pytest.mark.parametrize("case", ["no gradient", "set by hand"])
+def test_a_rank_whose_gradients_never_reached_the_buffers_is_an_error_not_another_scale(case):
+    run_on_ranks(_no_placeholder_on_one_rank, 2, case, "GradScaler")
+
+
+def test_torchs_clip_where_one_rank_set_every_gradient_by_hand():
+    run_on_ranks(_no_placeholder_on_one_rank, 2, "set by hand", "torch's clip")
+
+
 def test_fp16_weights_with_the_built_in_scaler_and_grad_scaler_is_a_clear_error():
     """fp16 weights turn tritonshard's own loss scaling on; GradScaler would unscale a second time."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)

@@ -606,6 +606,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
         self._list_dependent = False
         self._missing_here: list = []
+        self._multipliers_folded = 0  # (this step's: how many coefficients torch code multiplied param.grad by)
         # this step: the loop cleared every gradient a reduction before step() held (a clip, a norm, unscale_), so
         # this rank steps none of them; another rank that kept its own would step with the reduction, which holds
         # this rank's (an error at step() on every rank: _without_grad_everywhere)

@@ -281,17 +281,28 @@ class ModelViewMixin:
         would drift apart, as silently). A hyper-parameter given as a CPU tensor (``lr=torch.tensor(0.01)``, as
         torch recommends for compiled optimizers) is compared by its value; one on a GPU is not (reading it would
         wait for the device). Floats are compared to 12 significant digits (:func:`_setting`). A few microseconds
-        of host time per step, with more than one rank and the handshake on."""
+        of host time per step, with more than one rank and the handshake on.
+
+        Also compared: how many coefficients torch code multiplied ``param.grad`` by (:meth:`_common_multiplier`,
+        which sets it before the handshake). The update applies them to this rank's shard of the sum over the
+        ranks, so every rank must have folded the same ones. Torch code runs over its own rank's ``param.grad``,
+        and on a rank where none is a placeholder (no gradient at all, or only plain tensors set by hand, which
+        ``GradScaler.unscale_`` divides in place) nothing reaches tritonshard: until session 25 that rank updated
+        its shard of the others' scaled gradients without the 1 / scale (64x the step, with SGD, in the probe)."""
         keys = tuple(self.defaults)
         values = tuple((gi, *map(g.get, keys)) for gi, g in self._trained_groups)
         if any(isinstance(v, torch.Tensor) for row in values for v in row):
             values = tuple(tuple(_tensor_setting(v) if isinstance(v, torch.Tensor) else v for v in row)
                            for row in values)
+        values += (self._multipliers_folded,)
         cached = self._settings_cache
         if cached is not None and cached[0] == values:  # (the usual step: a few us instead of ~20 for the text)
             return cached[1]
         text = "; ".join(f"param_groups[{row[0]}]: " + ", ".join(f"{k}={_setting(v)}" for k, v in zip(keys, row[1:]))
-                         for row in values)
+                         for row in values[:-1])
+        if values[-1]:
+            text += (f"; param.grad multiplied {values[-1]} time(s) by torch code (GradScaler.unscale_, "
+                     "torch's clip_grad_norm_, p.grad.mul_ or div_)")
         settings = comm.digest(text.encode()), text
         self._settings_cache = (values, settings)
         return settings
@@ -383,6 +394,7 @@ class ModelViewMixin:
         """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every
         parameter must have been scaled by the same ones: the update scales the whole gradient at once."""
         if not self._grad_multipliers:
+            self._multipliers_folded = 0
             return None
         # parameters without a gradient on this rank (param.grad None; zeros in the buffer) are skipped by torch's
         # clipping, and scaling their zeros changes nothing
@@ -397,8 +409,10 @@ class ModelViewMixin:
                 "coefficients: tritonshard folds one coefficient into the whole update. Clip all of the optimizer's "
                 "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm).")
         total = None
-        for c in self._grad_multipliers[with_grad[-1]]:
+        folded = self._grad_multipliers[with_grad[-1]]
+        for c in folded:
             total = c if total is None else total * c
+        self._multipliers_folded = len(folded)  # (compared across ranks by the step's handshake: _step_settings)
         return total
 
     def _reciprocal(self, divisor):
