@@ -116,6 +116,43 @@ def test_torchs_clip_where_one_rank_set_every_gradient_by_hand():
     run_on_ranks(_no_placeholder_on_one_rank, 2, "set by hand", "torch's clip")
 
 
+@pytest.mark.parametrize("unscale, retry", [(False, True), (True, False)],
+                         ids=["retried", "given up after unscale_"])
+def test_a_step_that_raised_under_grad_scaler_leaves_no_scale_behind(unscale, retry):
+    """GradScaler.step(opt) sets opt.grad_scale and opt.found_inf around opt.step() and deletes them only when it
+    returns. A step that raised (a bad lr a loop then fixes) left them on the optimizer: the next scaler.step(opt)
+    multiplied its scale by the stale one, and a step retried unscaled by the square of the scale (silently; AdamW
+    hides most of it, SGD shows it); after unscale_ and a step given up (zero_grad, update), the next iteration's
+    scaler.step without unscale_ raised torch's TypeError (None * a tensor). Until session 25 (found by the two-rank GradScaler fuzz
+    machine). The loop must train as one that never erred, bit for bit."""
+    from tritonshard import ShardedSGD
+
+    def run(fail: bool):
+        model = make_model(0)
+        opt = ShardedSGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+        for step in range(3):
+            scaler.scale(loss_fn(model, batch(0, step, 0))).backward()
+            if unscale and step == 1:
+                scaler.unscale_(opt)
+            if step == 1:
+                if fail:
+                    opt.param_groups[0]["lr"] = -1.0
+                    with pytest.raises(ValueError, match="lr"):
+                        scaler.step(opt)
+                    opt.param_groups[0]["lr"] = 1e-2
+                if not retry:  # (the loop gives this step up)
+                    opt.zero_grad()
+                    scaler.update()
+                    continue
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return _weights(model)
+
+    assert_bitwise_equal(run(True), run(False), "a loop that went on after a step that raised under GradScaler")
+
+
 def test_fp16_weights_with_the_built_in_scaler_and_grad_scaler_is_a_clear_error():
     """fp16 weights turn tritonshard's own loss scaling on; GradScaler would unscale a second time."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)

@@ -2252,7 +2252,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b.no_grad or not b.has_grads for b in self.buckets) or self._model_changed()
 
     def _run_step(self, closure=None):
-        """:meth:`step`'s work (eager, or traced by torch.compile)."""
+        """:meth:`step`'s work (eager, or traced by torch.compile). Where it raises, the arguments
+        ``torch.amp.GradScaler.step(opt)`` set on the optimizer for this call go with it: GradScaler deletes them
+        only when the step returns, and the next ``scaler.step(opt)`` multiplies its scale by what it finds (until
+        session 25 a step retried after an error unscaled by the square of the scale, silently)."""
+        try:
+            return self._step_work(closure)
+        except BaseException:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    def _step_work(self, closure=None):
         self._check_not_retired()
         loss = None
         if closure is not None:
