@@ -5,7 +5,9 @@ freezing, a resume, a new optimizer, a param group added, writing the weights, e
 rank, as in a data-parallel loop; with overlap_comm the model is attached, so step() leaves its all-gathers in
 flight into whatever call comes next. Between a clip and its step, each rank may set, replace or clear its own
 gradients (and ``model.zero_grad()`` clear them all): CHANGED_AFTER_CLIP draws such programs (_step_after_clip
-says what each rank's step makes of them).
+says what each rank's step makes of them). The "adamw-scaled" machine runs them under torch.amp.GradScaler
+(RECIPES: its recipe as loops write it, with infs set by hand on one rank): every rank skips the same steps and
+keeps the same scale.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -32,6 +34,7 @@ import os
 import tempfile
 
 import torch
+from torch.amp.grad_scaler import OptState
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +53,11 @@ MACHINES = {
     "adamw-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),  # (attached: the gathers run on
                       dict(overlap_comm=True, bucket_cap_mb=1e-9)),          #  into the next call)
     "sgd": (ShardedSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, foreach=False), {}),
+    # under torch.amp.GradScaler's recipe (test_loop_fuzz.py's ScaledTrainingLoop): scaler.scale(loss).backward(),
+    # scaler.unscale_(opt) (before or after a clip), scaler.step(opt); scaler.update(), infs set by hand on a rank
+    "adamw-scaled": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), {}),
 }
+SCALED = "adamw-scaled"
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
 
 
@@ -84,6 +91,17 @@ class _RankLoop:
         self.batch = 0
         self.skipped: list = []  # (calls skipped because they would fail on some ranks only)
         self.directory, self.saves = None, 0  # (resume through a checkpoint: set by _run_program)
+        # GradScaler (SCALED): one scaler per rank, the same scale on every rank (every rank skips the same steps);
+        # the reference's gradients are in the loop's units (scaled at each backward) and divided by the scale
+        # where torch would unscale them. growth_interval=2: the scale doubles every second step taken
+        self.scaler = None
+        if machine == SCALED:
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+            self.scaler.scale(torch.ones(()))  # (its scale exists from the start)
+        self.unscaled_only = False  # self.clipped is unscale_'s snapshot, not a clip's: a clip may follow
+        # per rank: names whose gradient a backward gave and nothing replaced or cleared since (a placeholder):
+        # GradScaler's unscale_ reaches tritonshard only through one (test_grad_scaler.py)
+        self.from_backward = [set() for _ in range(WORLD)]
 
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr):
@@ -116,7 +134,10 @@ class _RankLoop:
             m.zero_grad()
         self.spent = [set() for _ in range(WORLD)]
         self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
-        self.held0 = None
+        self.held0, self.unscaled_only = None, False
+        self.from_backward = [set() for _ in range(WORLD)]
+        if self.scaler is not None:  # (a refused step: the scaler forgets this step's unscale_, as update() does)
+            self.scaler._per_optimizer_states.clear()
 
     def _partial(self) -> list:
         """Names with a gradient on some ranks only."""
@@ -163,7 +184,7 @@ class _RankLoop:
             return self._recover()
         assert not self._reuses_spent(self.rank), f"{what} with a spent gradient here did not raise"
         try:
-            self.opt.step()
+            self._opt_step()
         except PeerFailedError as e:
             assert _SPENT in str(e), e
             return self._recover()
@@ -186,20 +207,26 @@ class _RankLoop:
                 if w == self.rank:
                     if self.launched:
                         try:
-                            self.model.loss(x, heads[w]).backward()
+                            self._scaled(self.model.loss(x, heads[w])).backward()
                         except RuntimeError as e:
                             assert "no_sync" in str(e), e
                             self.batch += 1
                             return self._recover()
                         raise AssertionError("a backward onto launched reduce-scatters did not raise")
-                    self.model.loss(x, heads[w]).backward()
-                self.refs_models[w].loss(x, heads[w]).backward()
+                    self._scaled(self.model.loss(x, heads[w])).backward()
+                self._scaled(self.refs_models[w].loss(x, heads[w])).backward()
+                reached = {n for n in self.names if n.startswith("trunk.")
+                           or any(n.startswith(f"heads.{h}.") for h in heads[w] if h != EXTRA)
+                           or (EXTRA in heads[w] and n.startswith("extra."))}
+                self.from_backward[w] |= {n for n in reached if self.refs[w][n].requires_grad}
         self.batch += 1
         self.launched, self.by_hand = self.overlap and sync, [False] * WORLD
 
     def clip(self, max_norm, how):
-        if self.clipped is not None:
+        if self.clipped is not None and not (self.unscaled_only and self.kept == self.held0
+                                             and not any(self.set_after)):
             return self.skipped.append("second clip")
+        self.unscaled_only = False
         if how == "torch" and any(self.by_hand):
             how = "opt"  # (torch's clip on a plain bf16 gradient: bf16 arithmetic; see test_loop_fuzz.py)
         holding = {any(p.grad is not None for p in self.refs[w].values()) for w in range(WORLD)}
@@ -219,9 +246,13 @@ class _RankLoop:
             # the step refuses to apply the ranks' different clippings (on every rank)
             self._clip(max_norm, how)
             self.clipped, self.list_clip = {}, True
+            self.held0 = None  # (gradients changed after it: not drawn, the step's refusal would name them first)
             return
         norm = self._clip(max_norm, how)
         self.clipped = reference_clip(norm, max_norm, self.masters, self._master_grads())
+        self.unscaled_only = False
+        if self.held0 is not None:  # (unscale_ reduced them: held since then)
+            return
         self.held0 = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
         self.kept, self.set_after = [set(h) for h in self.held0], [set() for _ in range(WORLD)]
 
@@ -247,7 +278,7 @@ class _RankLoop:
         mine = kinds[self.rank]
         if "error" in kinds:  # (that rank tells the others at the step's handshake)
             try:
-                self.opt.step()
+                self._opt_step()
             except PeerFailedError as e:
                 assert mine != "error" and "after the gradients were reduced" in str(e), (kinds, e)
                 return self._recover()
@@ -259,13 +290,13 @@ class _RankLoop:
             # the ranks that hold none of the reduction's gradients reduce again, the others keep it: their
             # collectives cannot pair (a rank cannot tell a reduction afresh from none), an error on every rank
             try:
-                self.opt.step()
+                self._opt_step()
             except CollectiveMismatchError:
                 return self._recover()
             raise AssertionError(f"a step after gradients changed since the clip ({kinds}) did not raise")
         if "cleared" in kinds and any(self.kept[w] for w in range(WORLD)):
             try:
-                self.opt.step()
+                self._opt_step()
             except RuntimeError as e:
                 assert "on some ranks and kept on others" in str(e), (kinds, e)
                 return self._recover()
@@ -277,10 +308,72 @@ class _RankLoop:
     def _clip(self, max_norm, how):
         return clip(self.opt, self.model, max_norm, how)
 
+    def _via_scaler(self) -> bool:
+        """Whether the loop steps through ``scaler.step(opt)`` now: after its unscale_, or where that unscale_
+        reaches tritonshard on every rank; else ``opt.step()`` with the gradients as they are (scaled: torch.optim
+        would step with them so)."""
+        return self.scaler is not None and (self._stage() is OptState.UNSCALED or self._reaches_us())
+
+    def _opt_step(self):
+        """The loop's step (scaler.update() follows a scaler's step that went through: see step())."""
+        if self._via_scaler():
+            self.scaler.step(self.opt)
+        else:
+            self.opt.step()
+
+    def _inf_recorded(self) -> bool:
+        """Whether this optimizer's unscale_ found an inf (GradScaler's flag, until update())."""
+        found = self.scaler._per_optimizer_states[id(self.opt)]["found_inf_per_device"]
+        return any(float(v) > 0 for v in found.values())
+
+    def _scaled(self, loss):
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def _stage(self):
+        return self.scaler._per_optimizer_states[id(self.opt)]["stage"]
+
+    def _unscale_reference(self):
+        """The reference's gradients (and its clipped ones, once clipped) divided by the scale, as torch's
+        unscale (a power of two: exact)."""
+        inv = 1.0 / self.scaler.get_scale()
+        with torch.no_grad():
+            for refs in self.refs:
+                for p in refs.values():
+                    if p.grad is not None:
+                        p.grad.mul_(inv)
+        if self.clipped is not None:
+            self.clipped = {n: (None if g is None else g * inv) for n, g in self.clipped.items()}
+
+    def _reaches_us(self) -> bool:
+        """Whether GradScaler's unscale_ reaches tritonshard on every rank (a placeholder on each: see
+        test_grad_scaler.py for a rank without one)."""
+        return all(self.from_backward)
+
+    def unscale(self):
+        """``scaler.unscale_(opt)`` on every rank, once per step at most (GradScaler raises on a second one), where
+        it reaches tritonshard on every rank and no gradient a step used is held (test_loop_fuzz.py checks that)."""
+        if self.scaler is None or self._stage() is not OptState.READY or not self._reaches_us() \
+                or self.list_clip or any(self._reuses_spent(w) for w in range(WORLD)) \
+                or (self.held0 is not None and (self.kept != self.held0 or any(self.set_after))):
+            return self.skipped.append("unscale_")
+        self.scaler.unscale_(self.opt)
+        self._unscale_reference()
+        if self.clipped is None:  # (a reduction as a clip's: what the step takes, until the loop changes it)
+            self.clipped, self.unscaled_only = self._master_grads(), True
+            self.held0 = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
+            self.kept, self.set_after = [set(h) for h in self.held0], [set() for _ in range(WORLD)]
+
+    def overflow(self, names):
+        """An inf in one element of the gradients of ``names[w]`` on rank w, set by hand (a gradient that
+        overflowed); SCALED only (torch.optim would write NaN where tritonshard skips: the README's difference)."""
+        if self.scaler is None:
+            return self.skipped.append("overflow without a scaler")
+        self.set_grads(names, self.batch, inf=True)
+
     def step(self):
         if self.list_clip:
             try:
-                self.opt.step()
+                self._opt_step()
             except RuntimeError as e:
                 assert "while the ranks hold gradients of different parameters" in str(e), e
                 return self._recover()
@@ -290,13 +383,26 @@ class _RankLoop:
                 return
         expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
         if expect == "told":
-            return self._expect_told(self.opt.step, "a step")
+            return self._expect_told(self._opt_step, "a step")
         if expect == "all":
-            raises_spent(self.opt.step, "a step that torch.optim would take with spent gradients")
+            raises_spent(self._opt_step, "a step that torch.optim would take with spent gradients")
             return self._recover()
-        self.opt.step()
+        via_scaler, unscales = self._via_scaler(), self.scaler is not None and self._stage() is OptState.READY
+        self._opt_step()
+        if via_scaler and unscales:  # (scaler.step told the optimizer the gradients are still scaled)
+            self._unscale_reference()
         grads = self._master_grads()
-        reference_step(self.ropt, self.masters, grads, self.refs)
+        # skipped where unscale_ found an inf (its flag stands for the step, whatever the loop did since), and
+        # where a gradient of a trained parameter is not finite on any rank (torch.optim would write NaN where
+        # tritonshard skips: the README's difference; only infs set by hand make one, SCALED only)
+        trained = {id(q) for g in self.opt.param_groups for q in g["params"]}
+        skipped = (via_scaler and self._inf_recorded()) or any(
+            g is not None and id(self.ours[n]) in trained and not torch.isfinite(g).all() for n, g in grads.items())
+        if via_scaler:
+            self.scaler.update()
+        assert bool(self.opt.last_step_skipped) == skipped, f"the step skipped (or not): expected {skipped}"
+        if not skipped:
+            reference_step(self.ropt, self.masters, grads, self.refs)
         # as under DDP, every rank's param.grad of a parameter with a gradient on any rank held the average: the
         # step used it on every rank (ours: a SpentGrad on every rank); zeros stand for it in the reference, whose
         # values after a step are only cleared, zeroed or an error to use
@@ -308,7 +414,7 @@ class _RankLoop:
         self.spent = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
         self.spent_values = [{n: self.refs[w][n].grad.clone() for n in self.spent[w]} for w in range(WORLD)]
         self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
-        self.held0 = None
+        self.held0, self.unscaled_only, self.from_backward = None, False, [set() for _ in range(WORLD)]
         self._compare()
 
     def zero_grad(self, via, set_to_none):
@@ -317,6 +423,7 @@ class _RankLoop:
             for m in self.refs_models:
                 m.zero_grad(set_to_none=True)
             self.kept, self.set_after = [set() for _ in range(WORLD)], [set() for _ in range(WORLD)]
+            self.from_backward = [set() for _ in range(WORLD)]
             return
         if via == "model" and (self.clipped is not None or (self.launched and not set_to_none)):
             return self.skipped.append("model.zero_grad of reduced gradients")
@@ -325,6 +432,11 @@ class _RankLoop:
             m.zero_grad(set_to_none=set_to_none)
         self.spent, self.clipped, self.launched = [set() for _ in range(WORLD)], None, False
         self.by_hand, self.list_clip, self.held0 = [b and not set_to_none for b in self.by_hand], False, None
+        self.unscaled_only = False
+        if set_to_none:
+            self.from_backward = [set() for _ in range(WORLD)]
+        if self.scaler is not None:  # (GradScaler's unscale_ of this step, if any, is gone with the gradients:
+            self.scaler._per_optimizer_states.clear()  # the loop calls update() or starts the step again)
 
     def _symmetric_on_frozen(self, names):
         """A frozen parameter's gradient set or cleared on some ranks only is a case without torch semantics
@@ -340,17 +452,20 @@ class _RankLoop:
             return self.held0 is not None
         return not self.launched
 
-    def set_grads(self, names, seed):
+    def set_grads(self, names, seed, inf=False):
         if not self._changes_after_clip():
             return self.skipped.append("set_grads after the reduction")
         for w, chosen in enumerate(self._symmetric_on_frozen(names)):
             gen = torch.Generator().manual_seed(seed * WORLD + w)
             for n in sorted(chosen):
                 g = torch.randn(self.refs[w][n].shape, generator=gen).to(torch.bfloat16)
+                if inf:
+                    g.view(-1)[0] = float("inf")
                 self.refs[w][n].grad = g.clone()
                 if w == self.rank:
                     self.ours[n].grad = g.clone()
                 self.spent[w].discard(n)
+                self.from_backward[w].discard(n)
                 if self.held0 is not None:
                     self.kept[w].discard(n)
                     self.set_after[w].add(n)
@@ -365,6 +480,7 @@ class _RankLoop:
                 if w == self.rank:
                     self.ours[n].grad = None
                 self.spent[w].discard(n)
+                self.from_backward[w].discard(n)
                 if self.held0 is not None:
                     self.kept[w].discard(n)
                     self.set_after[w].discard(n)
@@ -413,6 +529,7 @@ class _RankLoop:
             self.opt = self._ours(LRS[0])
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
+        self._new_optimizer()
 
     def rebuild(self):
         """A new optimizer without state; only where no rank holds a gradient torch.optim would still use (where
@@ -428,6 +545,14 @@ class _RankLoop:
                     self.masters[n].copy_(self.refs[0][n].float())
         self.ropt = self.THEIRS(_groups(self.fp32, self.added), lr=lr, **self.HPARAMS)
         self.launched = False
+        self._new_optimizer()
+
+    def _new_optimizer(self):
+        """After resume or rebuild: the gradients the loop holds (zeros, spent) are no backward's of the new
+        optimizer, and GradScaler's record of the old one goes (its id may be the new one's)."""
+        self.from_backward = [set() for _ in range(WORLD)]
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.clear()
 
     def add_group(self):
         """add_param_group of the extra head on every rank, between steps (test_loop_fuzz.py's add_group)."""
@@ -471,6 +596,8 @@ _CALLS = st.one_of(
     st.tuples(st.just("add_group")),
     st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
     st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
+    st.tuples(st.just("unscale")),  # (SCALED only; elsewhere nothing)
+    st.tuples(st.just("overflow"), st.tuples(*[st.frozensets(st.sampled_from(_NAMES), max_size=1)] * WORLD)),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
 _BACKWARD = st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans())
@@ -486,7 +613,8 @@ _AFTER_CLIP = st.one_of(
 CHANGED_AFTER_CLIP = st.builds(
     lambda before, clip_, changes, after: [*before, clip_, *changes, ("step",), *after],
     st.lists(_BACKWARD, min_size=1, max_size=2),
-    st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]), st.sampled_from(["opt", "torch"])),
+    st.one_of(st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]), st.sampled_from(["opt", "torch"])),
+              st.tuples(st.just("unscale"))),  # (GradScaler's unscale_ reduces as a clip does: SCALED only)
     st.lists(_AFTER_CLIP, min_size=1, max_size=4),
     st.lists(_CALLS, max_size=5))
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
@@ -514,6 +642,25 @@ def test_two_rank_overlapped_loops_match_torch_optim(program):
 @given(program=PROGRAMS)
 def test_two_rank_sgd_loops_match_torch_optim(program):
     _check("sgd", program)
+
+
+_ITERATION = st.builds(
+    lambda backwards, middle, end: [*backwards, *middle, ("step",), *end],
+    st.lists(_BACKWARD, min_size=1, max_size=2),
+    st.permutations([("unscale",), ("clip", 1.0, "torch"), ("overflow", (frozenset(), frozenset({"trunk.bias"})))])
+    .flatmap(lambda calls: st.lists(st.sampled_from(calls), max_size=3, unique=True)),
+    st.lists(st.sampled_from([("zero_grad", "opt", True), ("zero_grad", "model", True),
+                              ("zero_grad", "opt", False)]), max_size=1))
+#: GradScaler's recipe as loops write it (each iteration: backward, then unscale_, torch's clip and an overflow on
+#: one rank in any order or left out, step, zero_grad), with any other calls between the iterations
+RECIPES = st.lists(st.tuples(_ITERATION, st.lists(_CALLS, max_size=2)), min_size=1, max_size=4).map(
+    lambda its: [call for it, extra in its for call in (*it, *extra)])
+
+
+@SETTINGS
+@given(program=st.one_of(PROGRAMS, RECIPES))
+def test_two_rank_grad_scaler_loops_match_torch_optim(program):
+    _check(SCALED, program)
 
 
 @SETTINGS
