@@ -41,7 +41,7 @@ def _ranks_machine(machine: str, examples: int) -> None:
     @settings(max_examples=examples, deadline=None, derandomize=False, database=None,
               suppress_health_check=list(HealthCheck))
     @given(program=ranks.CHANGED_AFTER_CLIP if after_clip else st.one_of(ranks.PROGRAMS, ranks.RECIPES)
-           if machine == ranks.SCALED else ranks.PROGRAMS,
+           if machine.startswith(ranks.SCALED) else ranks.PROGRAMS,
            on=st.sampled_from(sorted(ranks.MACHINES)) if after_clip else st.just(machine))
     def run(program, on):
         ranks._check(on, program)
@@ -52,7 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
-    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "adamw-scaled", "after-clip")]
+    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "adamw-scaled", "adamw-scaled-overlap",
+                                    "after-clip")]
     parser.add_argument("--machines", default=",".join(MACHINES),
                         help="comma-separated: " + ", ".join([*MACHINES, *ranks]))
     args = parser.parse_args()

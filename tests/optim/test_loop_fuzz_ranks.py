@@ -56,6 +56,8 @@ MACHINES = {
     # under torch.amp.GradScaler's recipe (test_loop_fuzz.py's ScaledTrainingLoop): scaler.scale(loss).backward(),
     # scaler.unscale_(opt) (before or after a clip), scaler.step(opt); scaler.update(), infs set by hand on a rank
     "adamw-scaled": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), {}),
+    "adamw-scaled-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
+                             dict(overlap_comm=True, bucket_cap_mb=1e-9)),
 }
 SCALED = "adamw-scaled"
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
@@ -95,7 +97,7 @@ class _RankLoop:
         # the reference's gradients are in the loop's units (scaled at each backward) and divided by the scale
         # where torch would unscale them. growth_interval=2: the scale doubles every second step taken
         self.scaler = None
-        if machine == SCALED:
+        if machine.startswith(SCALED):
             self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
             self.scaler.scale(torch.ones(()))  # (its scale exists from the start)
         self.unscaled_only = False  # self.clipped is unscale_'s snapshot, not a clip's: a clip may follow
@@ -252,6 +254,8 @@ class _RankLoop:
         self.clipped = reference_clip(norm, max_norm, self.masters, self._master_grads())
         self.unscaled_only = False
         if self.held0 is not None:  # (unscale_ reduced them: held since then)
+            return
+        if how == "torch" and not self._any_grad():  # (torch's clip found no gradient: it called nothing of ours)
             return
         self.held0 = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
         self.kept, self.set_after = [set(h) for h in self.held0], [set() for _ in range(WORLD)]
@@ -658,9 +662,9 @@ RECIPES = st.lists(st.tuples(_ITERATION, st.lists(_CALLS, max_size=2)), min_size
 
 
 @SETTINGS
-@given(program=st.one_of(PROGRAMS, RECIPES))
-def test_two_rank_grad_scaler_loops_match_torch_optim(program):
-    _check(SCALED, program)
+@given(program=st.one_of(PROGRAMS, RECIPES), machine=st.sampled_from([SCALED, SCALED + "-overlap"]))
+def test_two_rank_grad_scaler_loops_match_torch_optim(program, machine):
+    _check(machine, program)
 
 
 @SETTINGS
