@@ -395,7 +395,9 @@ class EntryCheck:
                 "tritonshard calls in the same order: the gradient reduction (backward with overlap_comm, "
                 "clip_grad_norm_, grad_norm, torch's clip_grad_norm_ on param.grad, GradScaler.unscale_), step(), "
                 "state_dict(), load_state_dict(), checkpoint saves and loads, and a forward with grad enabled of an "
-                "attached model with buffers are collectives. A framework that "
+                "attached model with buffers are collectives; with overlap_comm a step's gradients dropped between "
+                "its backward and step() (zero_grad(), every param.grad cleared) must be dropped on every rank. A "
+                "framework that "
                 "saves the optimizer on one rank only (the Hugging Face Trainer) must have every rank call "
                 "opt.prepare_state_dict() first (tritonshard.integrations.hf.ShardedOptimizerCallback does it)")
         if failed is not None and failure is None:

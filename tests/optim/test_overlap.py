@@ -5,6 +5,7 @@ for bucket sizes from one parameter per bucket to one bucket for everything, at 
 """
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -222,6 +223,48 @@ def test_a_gan_loop_that_clears_the_discriminator_with_model_zero_grad_trains_as
     for a, b in zip(_gan_weights(True, "model"), _gan_weights(False, "opt")):
         assert torch.equal(a, b)
     run_on_ranks(_gan_on_ranks, 2)
+
+
+def _dropped_on_some_ranks(rank, world_size, how, dropping):
+    """The ranks in ``dropping`` drop the step's gradients after the backward launched their reduce-scatters
+    (``model.zero_grad()``, or ``opt.zero_grad()``: a loop skipping a batch whose loss it found bad on that rank
+    only), then every rank calls step(). Until session 25 the ranks waited for each other for good (a hang: the
+    dropping ranks' step reduced afresh, its handshake against the others' collectives of the launched reduction).
+    Now the dropping ranks take part in those collectives when they drop it, and the ranks meet at the next
+    handshake: a CollectiveMismatchError on every rank, at once; they train on together after a zero_grad() (the
+    same weights on every rank). Where every rank drops them, the step changes nothing, as before."""
+    from tritonshard.comm import CollectiveMismatchError
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    opt.attach(model)
+    gen = torch.Generator().manual_seed(rank)
+    loss_fn(model, torch.randn(6, 13, generator=gen).to(torch.bfloat16)).backward()
+    if rank in dropping:
+        model.zero_grad() if how == "model.zero_grad()" else opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    start = time.monotonic()
+    if len(dropping) == world_size:
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a step with nothing to apply"
+    else:
+        with pytest.raises(CollectiveMismatchError, match="must be dropped on every rank"):
+            opt.step()
+        assert time.monotonic() - start < 20, "the ranks waited for each other"
+    opt.zero_grad()
+    for _ in range(2):
+        loss_fn(model, torch.randn(6, 13, generator=gen).to(torch.bfloat16)).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered), "the ranks' weights after the refused step"
+
+
+@pytest.mark.parametrize("how", ["model.zero_grad()", "opt.zero_grad()"])
+@pytest.mark.parametrize("dropping", [(0,), (0, 1)], ids=["one rank", "every rank"])
+def test_a_step_dropped_after_the_launch_on_some_ranks_is_an_error_not_a_hang(how, dropping):
+    run_on_ranks(_dropped_on_some_ranks, 2, how, dropping, timeout_s=60)
 
 
 def test_gradients_cleared_after_their_reduce_scatters_launched_are_dropped_whole_or_an_error_in_part():

@@ -1832,6 +1832,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         compiling = torch.compiler.is_compiling()
         if self._flush_queued and not compiling:
             self._forget_dead_backward()
+        if (self._many_ranks and self._reduce_entered and self._reduced is None and not self._reduction_started
+                and not compiling and any(b.rs_work is not None for b in self.buckets)):
+            # overlap_comm: the end of a backward launched this step's reduction, and this rank drops it unused
+            # (zero_grad(), or every gradient cleared: _forget_discarded_launches). Another rank that keeps its
+            # own runs the rest of the reduction's collectives in its step(), so this one takes part in them too:
+            # until session 25 it went on into its next call's collectives instead, and the ranks waited for each
+            # other for good (a hang). Now that rank's step meets this one's next call at the handshake: a
+            # CollectiveMismatchError on both; where every rank drops it, they all take part, as before in effect.
+            self._run_reduction()
+            self._reduced = None
         for b in self.buckets:
             if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
                 b.rs_work.wait()
