@@ -40,7 +40,7 @@ def _ranks_machine(machine: str, examples: int) -> None:
 
     @settings(max_examples=examples, deadline=None, derandomize=False, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(program=ranks.CHANGED_AFTER_CLIP if after_clip else st.one_of(ranks.PROGRAMS, ranks.RECIPES)
+    @given(program=st.one_of(ranks.CHANGED_AFTER_CLIP, ranks.DROPPED_ON_ONE_RANK) if after_clip else st.one_of(ranks.PROGRAMS, ranks.RECIPES)
            if machine.startswith(ranks.SCALED) else ranks.PROGRAMS,
            on=st.sampled_from(sorted(ranks.MACHINES)) if after_clip else st.just(machine))
     def run(program, on):

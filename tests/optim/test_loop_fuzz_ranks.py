@@ -5,7 +5,8 @@ freezing, a resume, a new optimizer, a param group added, writing the weights, e
 rank, as in a data-parallel loop; with overlap_comm the model is attached, so step() leaves its all-gathers in
 flight into whatever call comes next. Between a clip and its step, each rank may set, replace or clear its own
 gradients (and ``model.zero_grad()`` clear them all): CHANGED_AFTER_CLIP draws such programs (_step_after_clip
-says what each rank's step makes of them). The "adamw-scaled" machine runs them under torch.amp.GradScaler
+says what each rank's step makes of them); DROPPED_ON_ONE_RANK, a step's gradients dropped on one rank only (drop).
+The "adamw-scaled" machine runs them under torch.amp.GradScaler
 (RECIPES: its recipe as loops write it, with infs set by hand on one rank): every rank skips the same steps and
 keeps the same scale.
 
@@ -442,6 +443,34 @@ class _RankLoop:
         if self.scaler is not None:  # (GradScaler's unscale_ of this step, if any, is gone with the gradients:
             self.scaler._per_optimizer_states.clear()  # the loop calls update() or starts the step again)
 
+    def drop(self, ranks, via):
+        """``opt.zero_grad()`` or ``model.zero_grad()`` on some ranks only, between a backward and the step (a batch
+        skipped on the ranks that found its loss bad). Where the backward's end launched the reduction
+        (overlap_comm), or a clip reduced it, the ranks cannot all do what torch.optim would (each rank's own step):
+        the step is a CollectiveMismatchError on every rank (the dropping ranks reduce afresh, the others take the
+        launched or clipped reduction), or, for model.zero_grad() after a clip, _step_after_clip's error. Elsewhere
+        it is a clear of every gradient on those ranks, as clear_some."""
+        ranks = sorted(ranks)
+        if len(ranks) in (0, WORLD):
+            return self.zero_grad(via, True) if ranks else None
+        if self.list_clip or (self.clipped is not None and self.held0 is None):
+            return self.skipped.append("drop after a clip whose changes are not drawn")
+        if via == "model" and (self.held0 is not None or not self.launched):
+            return self.clear_some(tuple(frozenset(_NAMES) if w in ranks else frozenset() for w in range(WORLD)))
+        if self.rank in ranks:
+            (self.opt if via == "opt" else self.model).zero_grad()
+        if self.launched or self.held0 is not None:
+            try:
+                self._opt_step()
+            except CollectiveMismatchError as e:
+                assert "must be dropped on every rank" in str(e), e
+                return self._recover()
+            raise AssertionError(f"a step after {via}.zero_grad() on ranks {ranks} only did not raise")
+        for w in ranks:  # (opt.zero_grad() before any reduction: that rank's gradients are None, as torch's)
+            for n in self.names:
+                self.refs[w][n].grad = None
+            self.spent[w], self.by_hand[w], self.from_backward[w] = set(), False, set()
+
     def _symmetric_on_frozen(self, names):
         """A frozen parameter's gradient set or cleared on some ranks only is a case without torch semantics
         (DDP does not reduce frozen parameters; here the shard owner's decides: README): rank 0's choice for
@@ -601,6 +630,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
     st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
     st.tuples(st.just("unscale")),  # (SCALED only; elsewhere nothing)
+    st.tuples(st.just("drop"), st.frozensets(st.sampled_from(range(WORLD))), st.sampled_from(["opt", "model"])),
     st.tuples(st.just("overflow"), st.tuples(*[st.frozensets(st.sampled_from(_NAMES), max_size=1)] * WORLD)),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
@@ -610,6 +640,7 @@ _AFTER_CLIP = st.one_of(
     st.tuples(st.just("clear_some"), st.tuples(*[_names] * WORLD)),
     st.tuples(st.just("clear_some"), st.tuples(*[st.sampled_from([frozenset(), frozenset(_NAMES)])] * WORLD)),
     st.tuples(st.just("zero_grad"), st.just("model"), st.just(True)),
+    st.tuples(st.just("drop"), st.frozensets(st.sampled_from(range(WORLD))), st.sampled_from(["opt", "model"])),
     _BACKWARD,
 )
 #: programs around gradients set, cleared or replaced between a clip and the step, on some ranks or all (rare in
@@ -667,7 +698,15 @@ def test_two_rank_grad_scaler_loops_match_torch_optim(program, machine):
     _check(machine, program)
 
 
+#: a backward, then its gradients dropped on one rank (with overlap_comm: after the backward's end launched them)
+DROPPED_ON_ONE_RANK = st.builds(
+    lambda before, drop, after: [*before, drop, *after],
+    st.lists(st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.just(True)), min_size=1, max_size=2),
+    st.tuples(st.just("drop"), st.sampled_from([frozenset({0}), frozenset({1})]), st.sampled_from(["opt", "model"])),
+    st.lists(_CALLS, max_size=5))
+
+
 @SETTINGS
-@given(program=CHANGED_AFTER_CLIP, machine=st.sampled_from(sorted(MACHINES)))
+@given(program=st.one_of(CHANGED_AFTER_CLIP, DROPPED_ON_ONE_RANK), machine=st.sampled_from(sorted(MACHINES)))
 def test_two_rank_gradients_changed_after_a_clip(program, machine):
     _check(machine, program)
