@@ -455,6 +455,11 @@ class _RankLoop:
             return self.zero_grad(via, True) if ranks else None
         if self.list_clip or (self.clipped is not None and self.held0 is None):
             return self.skipped.append("drop after a clip whose changes are not drawn")
+        if via == "opt" and self.held0 is not None and any(
+                kind != "held" for w, kind in enumerate(self._after_clip()) if w not in ranks):
+            # (another rank changed its gradients since the clip: its own error, or a reduction afresh that pairs
+            # with the dropping ranks' own)
+            return self.skipped.append("drop where other ranks changed gradients after the clip")
         if via == "model" and (self.held0 is not None or not self.launched):
             return self.clear_some(tuple(frozenset(_NAMES) if w in ranks else frozenset() for w in range(WORLD)))
         if self.rank in ranks:
