@@ -226,8 +226,7 @@ class _RankLoop:
         self.launched, self.by_hand = self.overlap and sync, [False] * WORLD
 
     def clip(self, max_norm, how):
-        if self.clipped is not None and not (self.unscaled_only and self.kept == self.held0
-                                             and not any(self.set_after)):
+        if self.clipped is not None and not (self.unscaled_only and not self._changed_since_reduction()):
             return self.skipped.append("second clip")
         self.unscaled_only = False
         if how == "torch" and any(self.by_hand):
@@ -258,8 +257,15 @@ class _RankLoop:
             return
         if how == "torch" and not self._any_grad():  # (torch's clip found no gradient: it called nothing of ours)
             return
+        self._hold_reduction()
+
+    def _hold_reduction(self) -> None:
+        """A clip or unscale_ reduced every rank's gradients: what each rank holds now is held0 (and kept)."""
         self.held0 = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
         self.kept, self.set_after = [set(h) for h in self.held0], [set() for _ in range(WORLD)]
+
+    def _changed_since_reduction(self) -> bool:
+        return self.held0 is not None and (self.kept != self.held0 or any(self.set_after))
 
     def _after_clip(self) -> list:
         """What each rank's step() makes of its gradients changed since the clip (test_grads_after_reduction.py):
@@ -359,14 +365,13 @@ class _RankLoop:
         it reaches tritonshard on every rank and no gradient a step used is held (test_loop_fuzz.py checks that)."""
         if self.scaler is None or self._stage() is not OptState.READY or not self._reaches_us() \
                 or self.list_clip or any(self._reuses_spent(w) for w in range(WORLD)) \
-                or (self.held0 is not None and (self.kept != self.held0 or any(self.set_after))):
+                or self._changed_since_reduction():
             return self.skipped.append("unscale_")
         self.scaler.unscale_(self.opt)
         self._unscale_reference()
         if self.clipped is None:  # (a reduction as a clip's: what the step takes, until the loop changes it)
             self.clipped, self.unscaled_only = self._master_grads(), True
-            self.held0 = [{n for n in self.names if self.refs[w][n].grad is not None} for w in range(WORLD)]
-            self.kept, self.set_after = [set(h) for h in self.held0], [set() for _ in range(WORLD)]
+            self._hold_reduction()
 
     def overflow(self, names):
         """An inf in one element of the gradients of ``names[w]`` on rank w, set by hand (a gradient that
@@ -383,7 +388,7 @@ class _RankLoop:
                 assert "while the ranks hold gradients of different parameters" in str(e), e
                 return self._recover()
             raise AssertionError("a step after torch's clip over different lists on the ranks did not raise")
-        if self.held0 is not None and (self.kept != self.held0 or any(self.set_after)):
+        if self._changed_since_reduction():
             if not self._step_after_clip():
                 return
         expect = self._expect_error([self._reuses_spent(w) for w in range(WORLD)])
