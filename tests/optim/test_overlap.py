@@ -267,6 +267,10 @@ def test_a_step_dropped_after_the_launch_on_some_ranks_is_an_error_not_a_hang(ho
     run_on_ranks(_dropped_on_some_ranks, 2, how, dropping, timeout_s=60)
 
 
+def test_a_step_dropped_after_the_launch_on_two_of_four_ranks():
+    run_on_ranks(_dropped_on_some_ranks, 4, "model.zero_grad()", (1, 2), timeout_s=60)
+
+
 def test_gradients_cleared_after_their_reduce_scatters_launched_are_dropped_whole_or_an_error_in_part():
     model = make_model(0)
     opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
