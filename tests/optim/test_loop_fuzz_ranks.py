@@ -300,21 +300,24 @@ class _RankLoop:
         if "afresh" in kinds and set(kinds) != {"afresh"}:
             # the ranks that hold none of the reduction's gradients reduce again, the others keep it: their
             # collectives cannot pair (a rank cannot tell a reduction afresh from none), an error on every rank
-            try:
-                self._opt_step()
-            except CollectiveMismatchError:
-                return self._recover()
-            raise AssertionError(f"a step after gradients changed since the clip ({kinds}) did not raise")
+            return self._step_refused(CollectiveMismatchError, "different collective calls",
+                                      f"a step after gradients changed since the clip ({kinds})")
         if "cleared" in kinds and any(self.kept[w] for w in range(WORLD)):
-            try:
-                self._opt_step()
-            except RuntimeError as e:
-                assert "on some ranks and kept on others" in str(e), (kinds, e)
-                return self._recover()
-            raise AssertionError(f"a step after a clear-all on some ranks ({kinds}) did not raise")
+            return self._step_refused(RuntimeError, "on some ranks and kept on others",
+                                      f"a step after a clear-all on some ranks ({kinds})")
         # every rank afresh: the gradients as they are now, unclipped; every one cleared: nothing stepped
         self.clipped = None if "afresh" in kinds else {n: None for n in self.names}
         return True
+
+    def _step_refused(self, error: type, text: str, what: str) -> None:
+        """The loop's step must raise ``error`` naming ``text`` on this rank (and every rank); the loop goes on after
+        clearing."""
+        try:
+            self._opt_step()
+        except error as e:
+            assert text in str(e), e
+            return self._recover()
+        raise AssertionError(f"{what} did not raise")
 
     def _clip(self, max_norm, how):
         return clip(self.opt, self.model, max_norm, how)
@@ -382,12 +385,8 @@ class _RankLoop:
 
     def step(self):
         if self.list_clip:
-            try:
-                self._opt_step()
-            except RuntimeError as e:
-                assert "while the ranks hold gradients of different parameters" in str(e), e
-                return self._recover()
-            raise AssertionError("a step after torch's clip over different lists on the ranks did not raise")
+            return self._step_refused(RuntimeError, "while the ranks hold gradients of different parameters",
+                                      "a step after torch's clip over different lists on the ranks")
         if self._changed_since_reduction():
             if not self._step_after_clip():
                 return
@@ -470,12 +469,8 @@ class _RankLoop:
         if self.rank in ranks:
             (self.opt if via == "opt" else self.model).zero_grad()
         if self.launched or self.held0 is not None:
-            try:
-                self._opt_step()
-            except CollectiveMismatchError as e:
-                assert "must be dropped on every rank" in str(e), e
-                return self._recover()
-            raise AssertionError(f"a step after {via}.zero_grad() on ranks {ranks} only did not raise")
+            return self._step_refused(CollectiveMismatchError, "must be dropped on every rank",
+                                      f"a step after {via}.zero_grad() on ranks {ranks} only")
         for w in ranks:  # (opt.zero_grad() before any reduction: that rank's gradients are None, as torch's)
             for n in self.names:
                 self.refs[w][n].grad = None

@@ -1840,8 +1840,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             # until session 25 it went on into its next call's collectives instead, and the ranks waited for each
             # other for good (a hang). Now that rank's step meets this one's next call at the handshake: a
             # CollectiveMismatchError on both; where every rank drops it, they all take part, as before in effect.
-            self._run_reduction()
-            self._reduced = None
+            self._run_reduction()  # (its result goes with the rest below)
         for b in self.buckets:
             if b.rs_work is not None:  # launched but never consumed (zero_grad() after backward): finish it
                 b.rs_work.wait()

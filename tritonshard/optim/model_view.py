@@ -294,17 +294,17 @@ class ModelViewMixin:
         if any(isinstance(v, torch.Tensor) for row in values for v in row):
             values = tuple(tuple(_tensor_setting(v) if isinstance(v, torch.Tensor) else v for v in row)
                            for row in values)
-        values += (self._multipliers_folded,)
+        folded = self._multipliers_folded
         cached = self._settings_cache
-        if cached is not None and cached[0] == values:  # (the usual step: a few us instead of ~20 for the text)
+        if cached is not None and cached[0] == (values, folded):  # (the usual step: a few us, not ~20 for the text)
             return cached[1]
         text = "; ".join(f"param_groups[{row[0]}]: " + ", ".join(f"{k}={_setting(v)}" for k, v in zip(keys, row[1:]))
-                         for row in values[:-1])
-        if values[-1]:
-            text += (f"; param.grad multiplied {values[-1]} time(s) by torch code (GradScaler.unscale_, "
+                         for row in values)
+        if folded:
+            text += (f"; param.grad multiplied {folded} time(s) by torch code (GradScaler.unscale_, "
                      "torch's clip_grad_norm_, p.grad.mul_ or div_)")
         settings = comm.digest(text.encode()), text
-        self._settings_cache = (values, settings)
+        self._settings_cache = ((values, folded), settings)
         return settings
 
     def _without_grad_everywhere(self) -> list:
