@@ -2118,16 +2118,23 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         multiplier = self._common_multiplier()
         if multiplier is not None:  # torch code already scaled the gradients (e.g. torch's clip_grad_norm_)
             total = total * multiplier
+        earlier = self._clip_coef
+        if earlier is not None:  # a second clip this step: of the gradients the first one clipped, as torch's
+            total = total * earlier  # (until session 26 it saw them unclipped, and returned their norm)
         # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device: clamp(max_norm / (total + 1e-6), max=1),
         # with the same ops (Python's max_norm / t is t.reciprocal() * max_norm), in place
-        coef = torch.add(total, 1e-6, out=self._clip_buf)
-        self._clip_coef = coef.reciprocal_().mul_(max_norm).clamp_(max=1.0)
+        coef = torch.add(total, 1e-6, out=self._clip_buf if earlier is None else None)
+        coef = coef.reciprocal_().mul_(max_norm).clamp_(max=1.0)
+        self._clip_coef = coef if earlier is None else earlier.mul_(coef)  # (earlier is _clip_buf)
         if self._flags.traced_reduction:  # (under torch.compile: see _adopt_traced_reduction)
             self._flags.traced_clip_coef = self._clip_coef
         return total
 
     def grad_norm(self) -> torch.Tensor:
-        """Global 2-norm of the (averaged) gradients, without clipping; reduces the gradients if not yet done."""
+        """Global 2-norm of the gradients as ``param.grad`` holds them now (averaged over ranks, unscaled; after
+        this step's clips, ``GradScaler.unscale_`` and other multiplies of ``param.grad``): what
+        ``torch.nn.utils.get_total_norm`` returns with torch.optim. It clips nothing; reduces the gradients if not
+        yet done."""
         if torch.compiler.is_compiling() and (why := self._eager_when_compiled()) is not None:
             return _EAGERLY["norm", why](self)
         return self._grad_norm()
@@ -2135,8 +2142,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _grad_norm(self) -> torch.Tensor:
         norm = self._reduce_grads(recheck=True)[0].sqrt()
         if self._clamped:  # (clip_grad_value_ changed them since the reduction's sums of squares)
-            return self._param_grad_norms(2.0).square().sum().sqrt()
-        return norm / self._scale if self._scale is not None else norm
+            norm = self._param_grad_norms(2.0).square().sum().sqrt()
+        elif self._scale is not None:
+            norm = norm / self._scale
+        # what torch code and opt.clip_grad_norm_ multiplied param.grad by since (until session 26 left out: after
+        # GradScaler.unscale_ this was the scaled gradients' norm, after a clip the unclipped one)
+        multiplier = self._common_multiplier()
+        if multiplier is not None:
+            norm = norm * (multiplier.abs() if torch.is_tensor(multiplier) else abs(multiplier))
+        return norm * self._clip_coef if self._clip_coef is not None else norm
 
     @property
     def loss_scale(self) -> Optional[torch.Tensor]:
@@ -2167,7 +2181,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         multipliers = self._grad_multipliers
         for p in dict.fromkeys([*params, *(p for b in self.buckets for p in b.placed)]):
             multipliers.setdefault(p, []).append(inv_scale)
-        self._norm_cache.clear()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (``loss`` itself without loss scaling): call ``.backward()`` on this."""

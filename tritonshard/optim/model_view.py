@@ -430,7 +430,8 @@ class ModelViewMixin:
         self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
         self._grad_multipliers.setdefault(p, []).append(coef)
         self._list_dependent = True
-        self._norm_cache.clear()
+        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
+        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
 
     @torch.no_grad()
     def _clamp_grads(self, params: list, low, high) -> None:
@@ -491,15 +492,18 @@ class ModelViewMixin:
         self._reduced_bufs[1].copy_(flag)
 
     def _param_grad_norm(self, p: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier):
-        what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All parameters' norms are computed at once
-        (one pass over the pieces, one all-reduce) and cached for the step."""
+        """``p``'s gradient norm over all ranks (averaged over ranks, unscaled, times any torch-side multiplier and
+        ``opt.clip_grad_norm_``'s coefficient): what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All
+        parameters' norms are computed at once (one pass over the pieces, one all-reduce) and cached for the step,
+        before any multiplier: a clip or an unscale_ since leaves the cache as it is."""
         if norm_type not in self._norm_cache:
             self._reduce_grads()
             self._norm_cache[norm_type] = self._param_grad_norms(norm_type)
         norm = self._norm_cache[norm_type][self._param_index[p]]
         for c in self._grad_multipliers.get(p, ()):
             norm = norm * (c.abs() if torch.is_tensor(c) else abs(c))
+        if self._clip_coef is not None:  # (until session 26 left out: the unclipped norm after opt.clip_grad_norm_)
+            norm = norm * self._clip_coef
         return norm
 
     @torch.no_grad()
