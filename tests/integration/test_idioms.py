@@ -84,6 +84,38 @@ def test_load_state_dict_with_assign_is_an_error_naming_the_parameter():
         opt.step()
 
 
+
+def _spectral_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 3)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_parametrization_registered_after_attach_trains_as_one_registered_before_building(overlap):
+    """``spectral_norm`` (torch.nn.utils.parametrize) registered after ``attach`` moves the same Parameter object to
+    ``module.parametrizations.weight.original``, which torch.optim goes on training: so does ours, bit for bit as
+    with the parametrization registered before the optimizer was built (another parameter order, so another bucket
+    layout, which the elementwise update does not see). Until session 26 an error calling the weight replaced."""
+    runs = []
+    for registered_before in (True, False):
+        model = _spectral_net()
+        if registered_before:
+            torch.nn.utils.parametrizations.spectral_norm(model[2])
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+        opt.attach(model)
+        if not registered_before:
+            torch.nn.utils.parametrizations.spectral_norm(model[2])
+        for step in range(3):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_for_params()
+        runs.append(torch.cat([t.detach().float().reshape(-1) for t in model.state_dict().values()]))
+    assert not torch.equal(runs[0][:30], _spectral_net()[0].weight.detach().float().reshape(-1)), "it trained"
+    assert_bitwise_equal(runs[1], runs[0], "registered after attach vs before building (weights and u, v)")
+
 # ---------------------------------------------------------------------------------------------- 2. .to()
 def test_copying_to_on_the_same_device_keeps_training_bit_for_bit():
     """accelerate's prepare() calls model.to("cpu:0"), which copies. Before the fix the weights never changed

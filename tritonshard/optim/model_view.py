@@ -120,7 +120,7 @@ class ModelViewMixin:
         if self._state_edited():  # (code wrote to opt.state: state_view.py)
             self._follow_state_edits()
         for module, name, p in self._model_params:
-            if module._parameters.get(name) is not p:
+            if module._parameters.get(name) is not p and not self._follow_parametrization(module, name, p):
                 raise RuntimeError(
                     f"parameter {self._param_names[p]} was replaced in the model by another tensor after the "
                     "optimizer was built (e.g. model.load_state_dict(..., assign=True) or setattr), so the optimizer "
@@ -154,6 +154,20 @@ class ModelViewMixin:
             self.wait_for_params()
             for i in sorted(dirty):
                 self._reconcile_master(self.buckets[i])
+
+    def _follow_parametrization(self, module, name: str, p: torch.Tensor) -> bool:
+        """Whether ``module.<name>``, no longer ``p``, was moved by ``torch.nn.utils.parametrize`` (``spectral_norm``,
+        ``orthogonal``, ``register_parametrization`` after ``attach``): the same Parameter object is then
+        ``module.parametrizations[name].original``, which torch.optim goes on training, and so does this
+        optimizer, from its new place (until session 26 an error calling it replaced). Its values, which the
+        registration may have rewritten (``set_``), are followed as any write is."""
+        lists = module._modules.get("parametrizations")
+        holder = lists._modules.get(name) if lists is not None else None
+        if holder is None or holder._parameters.get("original") is not p:
+            return False
+        at = next(i for i, (m, n, q) in enumerate(self._model_params) if m is module and n == name and q is p)
+        self._model_params[at] = (holder, "original", p)
+        return True
 
     def _model_changed(self) -> bool:
         """Whether :meth:`sync_from_model` has something to follow (or to refuse) now, by its own looks, acting on
