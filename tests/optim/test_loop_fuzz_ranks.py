@@ -226,7 +226,9 @@ class _RankLoop:
         self.launched, self.by_hand = self.overlap and sync, [False] * WORLD
 
     def clip(self, max_norm, how):
-        if self.clipped is not None and not (self.unscaled_only and not self._changed_since_reduction()):
+        # (a second clip clips what the first one clipped, as torch's: drawn since session 26, unless gradients
+        # changed since the reduction or torch's clip ran over lists that differ between the ranks)
+        if self.clipped is not None and (self.list_clip or self._changed_since_reduction()):
             return self.skipped.append("second clip")
         self.unscaled_only = False
         if how == "torch" and any(self.by_hand):
