@@ -186,12 +186,8 @@ class _RankLoop:
             assert self._reuses_spent(self.rank) and _SPENT in str(e), e
             return self._recover()
         assert not self._reuses_spent(self.rank), f"{what} with a spent gradient here did not raise"
-        try:
-            self._opt_step()
-        except PeerFailedError as e:
-            assert _SPENT in str(e), e
-            return self._recover()
-        raise AssertionError(f"{what} with spent gradients on some ranks did not raise, nor did the next step()")
+        return self._step_refused(PeerFailedError, _SPENT, f"{what} with spent gradients on some ranks, and the next "
+                                                           "step(),")
 
     # ------------------------------------------------------------------ calls
     def backward(self, heads, sync):
