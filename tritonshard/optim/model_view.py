@@ -156,17 +156,28 @@ class ModelViewMixin:
                 self._reconcile_master(self.buckets[i])
 
     def _follow_parametrization(self, module, name: str, p: torch.Tensor) -> bool:
-        """Whether ``module.<name>``, no longer ``p``, was moved by ``torch.nn.utils.parametrize`` (``spectral_norm``,
-        ``orthogonal``, ``register_parametrization`` after ``attach``): the same Parameter object is then
-        ``module.parametrizations[name].original``, which torch.optim goes on training, and so does this
-        optimizer, from its new place (until session 26 an error calling it replaced). Its values, which the
-        registration may have rewritten (``set_``), are followed as any write is."""
+        """Whether ``module.<name>``, no longer ``p``, holds it elsewhere because torch moved the same Parameter
+        object, which torch.optim goes on training, and so does this optimizer, from its new place (until session
+        26, 27 an error calling it replaced). Its values, which the move may have rewritten (``set_``, ``.data =``),
+        are followed as any write is. Two moves are followed:
+
+        * ``torch.nn.utils.parametrize`` (``spectral_norm``, ``orthogonal``, ``register_parametrization`` after
+          ``attach``): ``module.parametrizations[name].original``;
+        * ``torch.nn.utils.prune`` (``l1_unstructured`` and friends after ``attach``: ``module.<name>_orig``, with
+          ``module.<name>`` a plain tensor its forward pre-hook recomputes), and ``prune.remove``, which puts it back
+          under its first name: another name in the same module's own parameters.
+        """
         lists = module._modules.get("parametrizations")
         holder = lists._modules.get(name) if lists is not None else None
-        if holder is None or holder._parameters.get("original") is not p:
-            return False
+        if holder is not None and holder._parameters.get("original") is p:
+            to = (holder, "original", p)
+        else:
+            moved = next((n for n, q in module._parameters.items() if q is p), None)
+            if moved is None:
+                return False
+            to = (module, moved, p)
         at = next(i for i, (m, n, q) in enumerate(self._model_params) if m is module and n == name and q is p)
-        self._model_params[at] = (holder, "original", p)
+        self._model_params[at] = to
         return True
 
     def _model_changed(self) -> bool:
