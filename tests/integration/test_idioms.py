@@ -7,6 +7,7 @@ torch.optim's behaviour or raises an error that names the parameter, the cause a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -567,6 +568,111 @@ def test_wrapping_in_ddp_after_building_the_optimizer(attach):
     """Before the fix the gradients were reduced twice (global norm exactly 2x) and the weights diverged. With
     attach() the wrapper's reduction is switched off and training is bit-identical; without it, an error."""
     run_on_ranks(_ddp_wrapped, 2, attach)
+
+
+def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate):
+    """ShardedAdamW over the matrices (attached), torch.optim.SGD(momentum) over the biases, the model wrapped in
+    DDP (``wrap``: before ``attach``, ``attach(ddp)``; or after it, accelerate's order), against the same loop
+    without DDP whose biases' gradients are averaged by hand as DDP's reducer does (divided by the world size in
+    their dtype, then summed). ``accumulate``: two micro-batches, the first in ``ddp.no_sync()`` ("context"; the
+    reference's in ``opt.no_sync()``) or after nanoGPT's ``ddp.require_backward_grad_sync = (micro == last)``
+    ("flag"). With ``wrap="after"`` the first forward comes inside DDP's own ``no_sync()``, entered before
+    tritonshard's guard was on the wrapper."""
+    runs = []
+    for ddp_wrapped in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        opt = ShardedAdamW(mats, lr=1e-2, overlap_comm=overlap)
+        other = torch.optim.SGD(rest, lr=0.1, momentum=0.9)
+        net = model
+        if ddp_wrapped and wrap == "before":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt.attach(net)
+        else:
+            opt.attach(model)
+            if ddp_wrapped:
+                net = torch.nn.parallel.DistributedDataParallel(model)
+        grads = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            xs = [torch.randn(4, 5, generator=gen).to(torch.bfloat16) for _ in range(2 if accumulate else 1)]
+            for i, x in enumerate(xs):
+                last = i == len(xs) - 1
+                if ddp_wrapped and accumulate == "flag":
+                    net.require_backward_grad_sync = last
+                context = (contextlib.nullcontext() if last or accumulate == "flag" and ddp_wrapped
+                           else net.no_sync() if ddp_wrapped else opt.no_sync())
+                with context:
+                    net(x).float().square().mean().backward()
+            if not ddp_wrapped:
+                for p in rest:
+                    p.grad.div_(world_size)
+                    dist.all_reduce(p.grad)
+            grads.append(torch.cat([p.grad.float().reshape(-1) for p in rest]))  # (a log line of them)
+            opt.step()
+            other.step()
+            opt.zero_grad()
+            other.zero_grad()
+        opt.wait_for_params()
+        runs.append((torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]), torch.stack(grads)))
+    (w_ddp, g_ddp), (w_ref, g_ref) = runs
+    assert_bitwise_equal(g_ddp, g_ref, "the biases' gradients after backward (DDP's average)")
+    assert_bitwise_equal(w_ddp, w_ref, "weights")
+    replicas = [torch.empty_like(w_ddp) for _ in range(world_size)]
+    dist.all_gather(replicas, w_ddp)
+    assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas stay equal, as under DDP"
+
+
+@pytest.mark.parametrize("overlap,wrap,accumulate", [(False, "before", None), (True, "after", "context"),
+                                                     (False, "after", "context"), (True, "before", "flag"),
+                                                     (True, "after", "flag")])
+def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overlap, wrap, accumulate):
+    """``attach`` switches a DDP wrapper's reduction off (tritonshard reduces what it holds), so the parameters
+    it does not hold (a torch.optim optimizer over the biases) are averaged by the optimizer at the end of the
+    backward, as DDP would. Until session 27 each rank stepped them with its own gradient: the replicas drifted
+    apart, silently (this test's gradient and replica checks fail there); and with ``overlap_comm`` a first
+    micro-batch in DDP's own ``no_sync()`` (wrapped after attach) or after nanoGPT's flag was an error at the
+    second (its backward had launched the reduction)."""
+    run_on_ranks(_ddp_with_a_torch_optimizer_for_the_rest, 2, overlap, wrap, accumulate)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.used_on_rank_0, self.unused = (torch.nn.Linear(5, 6), torch.nn.Linear(6, 2),
+                                                      torch.nn.Linear(6, 2))
+
+    def forward(self, x, rank):
+        h = self.body(x)
+        return h.float().square().mean() + (self.used_on_rank_0(h).float().mean() if rank == 0 else 0.0)
+
+
+def _ddp_heads_used_on_some_ranks(rank, world_size):
+    """DDP's ``find_unused_parameters`` rule for the parameters no tritonshard optimizer holds: a head used on
+    rank 0 only gets the average on every rank (rank 1's zeros in it), one used nowhere keeps None."""
+    torch.manual_seed(0)
+    model = _TwoHeads().to(torch.bfloat16)
+    opt = ShardedAdamW(model.body.parameters(), lr=1e-2)
+    opt.attach(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    # (the same forward on a twin without DDP gives this rank's own gradients, which the average is made of)
+    twin = copy.deepcopy(model)
+    twin(x, rank).backward()
+    own = [q.grad for q in twin.used_on_rank_0.parameters()]
+    ddp(x, rank).backward()
+    for p, g in zip(model.used_on_rank_0.parameters(), own):
+        mine = (g if g is not None else torch.zeros_like(p)).div(world_size)
+        dist.all_reduce(mine)
+        assert p.grad is not None, "a head used on another rank gets the average here too"
+        assert_bitwise_equal(p.grad, mine, "the average of a head used on rank 0 only")
+    assert all(p.grad is None for p in model.unused.parameters()), "a head no rank used keeps None, as under DDP"
+
+
+def test_ddp_averages_a_head_used_on_some_ranks_only_as_find_unused_parameters_does():
+    run_on_ranks(_ddp_heads_used_on_some_ranks, 2)
 
 
 # ---------------------------------------------------------------------------------------------- 6. freezing

@@ -629,6 +629,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._named_by_model: set = set()
         self._attached: Optional[tuple] = None  # (model, the handles attach() returned), for add_param_group
         self._broadcast_buffers = False  # attach(broadcast_buffers=): rank 0's buffers before every training forward
+        # a DistributedDataParallel around the attached model: the one whose forward this backward follows, where
+        # its gradients of the parameters no tritonshard optimizer holds are to be averaged as DDP would (its own
+        # reduction is off: _before_model_forward); the DDP whose such parameters have our hook, and the handles
+        self._ddp_pending = None
+        self._ddp_hooked: Optional[tuple] = None
+        self._in_ddp_no_sync = False  # its require_backward_grad_sync set False: one level of _no_sync_depth
         self._buffer_slots: tuple = (None, [])  # (the attached model, its (module, buffer name) pairs)
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
         self._placeholders: dict = {}
@@ -1194,6 +1200,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._launch_all()
         if self._reduce_entered and self._reduced is None:
             self._launched_by_backward = True
+        if self._ddp_pending is not None:
+            self._average_for_ddp()
         self._note_eager_step()
 
     def _flush_bucket(self, b: _Bucket) -> None:
@@ -1683,7 +1691,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _reduce_now(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._no_sync_depth:
-            raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first")
+            raise RuntimeError("clip_grad_norm_()/step() inside no_sync(): leave the context first" + (
+                " (here: the DistributedDataParallel's require_backward_grad_sync was set False; set it True before "
+                "the last micro-batch's forward, as DDP needs)" if self._in_ddp_no_sync else ""))
         if self._spent_unlisted or self._spent or self._stale:
             self._check_no_spent_grads()
         self.sync_from_model()
@@ -1940,8 +1950,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._check_not_retired()
         ddp_type = torch.nn.parallel.DistributedDataParallel
         if isinstance(model, ddp_type):
-            model.require_backward_grad_sync = False  # tritonshard reduces the gradients
-            model_sync.guard_model(model, self)  # ddp.parameters() reads the inner model's tensors directly
+            # ddp.parameters() reads the inner model's tensors directly; and tritonshard reduces the gradients:
+            # the guard switches DDP's reduction off
+            model_sync.guard_model(model, self)
             model = model.module
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() takes the torch.nn.Module being trained, got {type(model).__name__}")
@@ -2034,13 +2045,49 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._forget_dead_backward()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:
-            if ddp.require_backward_grad_sync:
-                ddp.require_backward_grad_sync = False
             if not isinstance(ddp, model_sync._GuardedModule):  # wrapped after attach (accelerate's prepare)
-                model_sync.guard_model(ddp, self)
+                model_sync.guard_model(ddp, self)  # (its reduction off from here: its flag reads False)
+            self._note_ddp_forward(ddp)
         if (self._broadcast_buffers and torch.is_grad_enabled() and not self._no_sync_depth
                 and self.world_size * self.replica_size > 1):
             self._buffer_sync(module)
+
+    def _note_ddp_forward(self, ddp) -> None:
+        """A forward of a ``DistributedDataParallel`` around the attached model, its reduction switched off: DDP
+        also averages the gradients of the parameters no tritonshard optimizer holds (a torch.optim optimizer over
+        some of the model, or none), which this optimizer's reduction does not cover. So the end of the backward
+        that follows a training forward outside ``no_sync()`` averages those (:func:`model_sync.average_like_ddp`),
+        done by the optimizer whose ``no_sync()`` the wrapper's is (one per wrapper). Until session 27 they kept
+        each rank's own gradient: the replicas of those parameters drifted apart, silently. Nothing to do, and
+        no cost beyond this call, for a model that no DDP wraps."""
+        owner = getattr(ddp, "_tritonshard_optimizer", None)
+        if owner is None or owner() is not self or not torch.is_grad_enabled() or self._no_sync_depth:
+            self._ddp_pending = None
+            return
+        if self._ddp_hooked is None or self._ddp_hooked[0]() is not ddp:
+            if self._ddp_hooked is not None:
+                for handle in self._ddp_hooked[1]:
+                    handle.remove()
+            hook = model_sync.QueueEndOfBackwardHook(self)
+            handles = [p.register_post_accumulate_grad_hook(hook)
+                       for p in model_sync.unheld(model_sync.ddp_reduced_params(ddp))]
+            self._ddp_hooked = (weakref.ref(ddp), handles)
+        self._ddp_pending = ddp
+
+    def _ddp_wants_sync(self, wants: bool) -> None:
+        """The loop wrote ``wants`` to ``require_backward_grad_sync`` of a DDP around the attached model
+        (model_sync._GuardedDDP): False is this optimizer's ``no_sync()`` until True comes."""
+        if not wants and not self._in_ddp_no_sync:
+            self._no_sync_depth += 1
+            self._in_ddp_no_sync = True
+        elif wants and self._in_ddp_no_sync:
+            self._no_sync_depth -= 1
+            self._in_ddp_no_sync = False
+
+    def _average_for_ddp(self) -> None:
+        """The end of a backward after :meth:`_note_ddp_forward`: average the unheld parameters' gradients."""
+        ddp, self._ddp_pending = self._ddp_pending, None
+        model_sync.average_like_ddp(model_sync.unheld(model_sync.ddp_reduced_params(ddp)), ddp.process_group)
 
     def _check_norm_statistics(self, model: torch.nn.Module) -> None:
         """A BatchNorm (or an InstanceNorm keeping statistics) whose weight construction made ``param_dtype`` while

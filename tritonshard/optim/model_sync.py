@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .bucket import WatchedParameter, landed
+from .bucket import OWNER, WatchedParameter, landed
 
 __all__ = ["ShardedGrad", "SpentGrad", "guard_model", "iter_tensors"]
 
@@ -89,6 +89,76 @@ class WaitForParamsHook(_OptimizerRef):
         opt = self.optimizer()
         if opt is not None:
             opt.wait_for_params([opt.buckets[i] for i in self.bucket_indices])
+
+
+class QueueEndOfBackwardHook(_OptimizerRef):
+    """Post-accumulate-grad hook on a parameter of a ``DistributedDataParallel`` model that no tritonshard
+    optimizer holds: a backward reaching only such parameters still ends in the optimizer's end-of-backward
+    callback, which averages their gradients as DDP would (:func:`average_like_ddp`)."""
+
+    def __call__(self, param):
+        opt = self.optimizer()
+        if opt is not None:
+            opt._queue_end_of_backward()
+
+
+def ddp_reduced_params(ddp) -> list:
+    """The parameters ``ddp`` (a ``DistributedDataParallel``) reduces: its module's trainable ones, without those
+    it was told to ignore, each once (the list its reducer was built with; read from DDP where it keeps it)."""
+    params = getattr(ddp, "_module_parameters", None)
+    if params is None:
+        params = list(ddp.module.parameters())
+    return [p for p in params if p.requires_grad]
+
+
+def average_like_ddp(params: list, group) -> None:
+    """Average the gradients of ``params`` over ``group`` in place, as ``DistributedDataParallel``'s reducer does
+    (each rank's ``param.grad`` divided by the group's size in its own dtype, then summed; with
+    ``find_unused_parameters``' rule for a parameter without a gradient here: zeros from this rank, and a
+    gradient after all where another rank had one; None where no rank had). For the parameters of a DDP model
+    that no tritonshard optimizer holds, whose reduction ``attach`` switched off with the rest of DDP's (the
+    optimizer reduces its own): a torch.optim optimizer stepping them, or a log line of their gradients, sees
+    DDP's average, not this rank's own. Every rank must call it with the same list (DDP's, the same model): one
+    all-reduce per gradient dtype and one of the flags."""
+    size = torch.distributed.get_world_size(group)
+    if size == 1 or not params:
+        return
+    device = params[0].device
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
+    torch.distributed.all_reduce(had, group=group)
+    by_dtype: dict = {}
+    for i, p in enumerate(params):
+        by_dtype.setdefault(p.dtype, []).append(i)
+    averaged: dict = {}
+    for dtype, indices in by_dtype.items():
+        flat = torch.cat([(params[i].grad if params[i].grad is not None
+                           else torch.zeros_like(params[i], memory_format=torch.contiguous_format)).reshape(-1)
+                          for i in indices])
+        flat.div_(size)
+        torch.distributed.all_reduce(flat, group=group)
+        for i, piece in zip(indices, flat.split([params[i].numel() for i in indices])):
+            averaged[i] = piece
+    used = had.tolist()
+    for i, p in enumerate(params):
+        if not used[i]:
+            continue  # (no rank had a gradient: it stays None, as DDP leaves it)
+        if p.grad is None:
+            p.grad = averaged[i].view_as(p).clone()
+        else:
+            p.grad.copy_(averaged[i].view_as(p.grad))
+
+
+def _held(p: torch.Tensor) -> bool:
+    """Whether a live tritonshard optimizer holds ``p``: its entry in :data:`OWNER` refers to a live bucket. (An
+    entry may be stale, its parameter gone and the id reused by ``p``; but then its bucket, which held that
+    parameter, is gone too: a live bucket keeps its parameters, and so their ids, alive.)"""
+    ref = OWNER.get(id(p))
+    return ref is not None and ref() is not None
+
+
+def unheld(params: list) -> list:
+    """Those of ``params`` that no tritonshard optimizer holds (each reduces its own)."""
+    return [p for p in params if not _held(p)]
 
 
 class RootForwardPreHook(_OptimizerRef):
@@ -552,6 +622,8 @@ class _GuardedModule:
         state.pop("_tritonshard_optimizer", None)
         state.pop("_tritonshard_buckets", None)
         state.pop("_tritonshard_grads_only", None)
+        if "_tritonshard_wants_sync" in state:  # (a DDP: its flag as the loop left it)
+            state["require_backward_grad_sync"] = state.pop("_tritonshard_wants_sync")
         return _rebuild_module, (type(self)._tritonshard_base, state)
 
 
@@ -570,6 +642,25 @@ class _GuardedAttributes(_GuardedModule):
         if type(value) is WatchedParameter and not torch.compiler.is_compiling():
             landed(value)
         return value
+
+
+class _GuardedDDP(_GuardedModule):
+    """:class:`_GuardedModule` for a ``DistributedDataParallel`` around the attached model. Its reduction stays off
+    (tritonshard reduces what it holds: ``require_backward_grad_sync`` reads False), and what the loop writes to
+    that flag goes to the optimizer as the ``no_sync()`` it means: nanoGPT's ``model.require_backward_grad_sync =
+    (micro_step == last)``, and DDP's own ``no_sync()`` entered before the wrapper was guarded (accelerate's
+    ``accumulate()`` around the first micro-batch, when ``prepare`` wrapped the model after ``attach``), whose exit
+    writes the flag back. Until session 27 both were ignored: with ``overlap_comm`` the first micro-batch's
+    backward launched the reduction, and the next one's gradients were an error."""
+
+    def __setattr__(self, name, value):
+        if name == "require_backward_grad_sync":
+            object.__setattr__(self, "_tritonshard_wants_sync", bool(value))
+            opt = self._tritonshard_opt()
+            if opt is not None:
+                opt._ddp_wants_sync(bool(value))
+            value = False
+        super().__setattr__(name, value)
 
 
 def _landed_as_listed(items):
@@ -592,8 +683,11 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
     write paths wait for ``optimizer``'s in-flight all-gathers: of the buckets with these indices, or of all of them
     (None); with ``attributes`` its parameters read as attributes too (:class:`_GuardedAttributes`: for a module
     that holds parameters itself, where the optimizer leaves gathers in flight). Pickling and deep copies produce
-    the original class, without the guard. Idempotent."""
-    mixin = _GuardedAttributes if attributes or isinstance(model, _GuardedAttributes) else _GuardedModule
+    the original class, without the guard. Idempotent. A ``DistributedDataParallel``: :class:`_GuardedDDP`, its
+    reduction switched off from here on, the ``no_sync()`` it is in (its flag) handed to the optimizer."""
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    mixin = (_GuardedDDP if ddp else
+             _GuardedAttributes if attributes or isinstance(model, _GuardedAttributes) else _GuardedModule)
     if not isinstance(model, mixin):
         cls = type(model)._tritonshard_base if isinstance(model, _GuardedModule) else type(model)
         guarded = _GUARDED_CLASSES.get((cls, mixin))
@@ -604,3 +698,5 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
         model.__class__ = guarded
     object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
     object.__setattr__(model, "_tritonshard_buckets", None if buckets is None else tuple(buckets))
+    if ddp and "_tritonshard_wants_sync" not in model.__dict__:
+        model.require_backward_grad_sync = model.__dict__.get("require_backward_grad_sync", True)
