@@ -675,6 +675,33 @@ def test_ddp_averages_a_head_used_on_some_ranks_only_as_find_unused_parameters_d
     run_on_ranks(_ddp_heads_used_on_some_ranks, 2)
 
 
+def _ddp_join(rank, world_size, wrap):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    if wrap == "before":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt.attach(ddp)
+    else:
+        opt.attach(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match=r"join\(\) \(uneven inputs.*drop_last=True"):
+        with ddp.join():
+            for _ in range(3 - rank):  # (rank 1 runs out of batches first)
+                ddp(torch.randn(4, 5).to(torch.bfloat16)).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    dist.barrier()  # (every rank got here: nobody is left waiting)
+
+
+@pytest.mark.parametrize("wrap", ["before", "after"])
+def test_ddp_join_for_uneven_inputs_is_an_error_on_every_rank(wrap):
+    """``ddp.join()``: a rank out of batches shadows DDP's all-reduces, not the optimizer's collectives, which
+    replaced them; until session 27 the other ranks' step() waited for it for good. Now an error on every rank:
+    entering it on a guarded wrapper, or at the first forward inside it (wrapped after attach, guarded there)."""
+    run_on_ranks(_ddp_join, 2, wrap, timeout_s=120)
+
+
 # ---------------------------------------------------------------------------------------------- 6. freezing
 def test_a_parameter_frozen_after_building_is_left_unchanged():
     """torch.optim skips a parameter without a gradient: no weight decay, no moment update."""

@@ -2047,6 +2047,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if ddp is not None and ddp.module is module:
             if not isinstance(ddp, model_sync._GuardedModule):  # wrapped after attach (accelerate's prepare)
                 model_sync.guard_model(ddp, self)  # (its reduction off from here: its flag reads False)
+            model_sync.check_not_joined(ddp)
             self._note_ddp_forward(ddp)
         if (self._broadcast_buffers and torch.is_grad_enabled() and not self._no_sync_depth
                 and self.world_size * self.replica_size > 1):

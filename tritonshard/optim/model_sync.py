@@ -662,6 +662,31 @@ class _GuardedDDP(_GuardedModule):
             value = False
         super().__setattr__(name, value)
 
+    def join_hook(self, **kwargs):
+        """DDP's part in ``ddp.join()`` / ``torch.distributed.algorithms.Join([ddp])`` (uneven inputs): refused, on
+        every rank at once (each enters it before its loop). A rank out of batches would shadow DDP's all-reduces,
+        but not the optimizer's collectives, which DDP's reduction gave way to: the other ranks' next ``step()``
+        would wait for it for good (a hang until session 27). A wrapper not guarded yet when ``join()`` was
+        entered (wrapped after ``attach``) raises it at its first forward (``check_not_joined``)."""
+        raise RuntimeError(DDP_JOIN_REFUSED)
+
+
+#: ddp.join() refused: why, and the way out
+DDP_JOIN_REFUSED = (
+    "DistributedDataParallel.join() (uneven inputs across ranks) is not supported for a model attached to a "
+    "tritonshard optimizer: the gradients are reduced by the optimizer's step(), whose collectives a rank that ran "
+    "out of batches would not join, so the others would wait for it. Give every rank the same number of batches "
+    "(DistributedSampler(..., drop_last=True), or stop every rank at the shortest loader's length) and leave out "
+    "join().")
+
+
+def check_not_joined(ddp) -> None:
+    """A forward of ``ddp`` inside ``ddp.join()`` (its join config enabled): :data:`DDP_JOIN_REFUSED`, on every rank
+    at that forward (each rank's first one inside it, after DDP's own join all-reduce, which they all made)."""
+    config = getattr(ddp, "_join_config", None)
+    if config is not None and config.enable:
+        raise RuntimeError(DDP_JOIN_REFUSED)
+
 
 def _landed_as_listed(items):
     for item in items:
