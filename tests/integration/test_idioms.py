@@ -570,14 +570,14 @@ def test_wrapping_in_ddp_after_building_the_optimizer(attach):
     run_on_ranks(_ddp_wrapped, 2, attach)
 
 
-def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate):
+def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate, compiled=False):
     """ShardedAdamW over the matrices (attached), torch.optim.SGD(momentum) over the biases, the model wrapped in
     DDP (``wrap``: before ``attach``, ``attach(ddp)``; or after it, accelerate's order), against the same loop
     without DDP whose biases' gradients are averaged by hand as DDP's reducer does (divided by the world size in
     their dtype, then summed). ``accumulate``: two micro-batches, the first in ``ddp.no_sync()`` ("context"; the
     reference's in ``opt.no_sync()``) or after nanoGPT's ``ddp.require_backward_grad_sync = (micro == last)``
     ("flag"). With ``wrap="after"`` the first forward comes inside DDP's own ``no_sync()``, entered before
-    tritonshard's guard was on the wrapper."""
+    tritonshard's guard was on the wrapper. ``compiled``: ``torch.compile(ddp)`` runs the forwards."""
     runs = []
     for ddp_wrapped in (True, False):
         torch.manual_seed(0)
@@ -594,6 +594,10 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
             opt.attach(model)
             if ddp_wrapped:
                 net = torch.nn.parallel.DistributedDataParallel(model)
+        ddp = net
+        if ddp_wrapped and compiled:
+            torch._dynamo.reset()
+            net = torch.compile(ddp)
         grads = []
         for step in range(3):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -601,9 +605,9 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
             for i, x in enumerate(xs):
                 last = i == len(xs) - 1
                 if ddp_wrapped and accumulate == "flag":
-                    net.require_backward_grad_sync = last
+                    ddp.require_backward_grad_sync = last
                 context = (contextlib.nullcontext() if last or accumulate == "flag" and ddp_wrapped
-                           else net.no_sync() if ddp_wrapped else opt.no_sync())
+                           else ddp.no_sync() if ddp_wrapped else opt.no_sync())
                 with context:
                     net(x).float().square().mean().backward()
             if not ddp_wrapped:
@@ -625,17 +629,18 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
     assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas stay equal, as under DDP"
 
 
-@pytest.mark.parametrize("overlap,wrap,accumulate", [(False, "before", None), (True, "after", "context"),
-                                                     (False, "after", "context"), (True, "before", "flag"),
-                                                     (True, "after", "flag")])
-def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overlap, wrap, accumulate):
+@pytest.mark.parametrize("overlap,wrap,accumulate,compiled", [
+    (False, "before", None, False), (True, "after", "context", False), (False, "after", "context", False),
+    (True, "before", "flag", False), (True, "after", "flag", False), (True, "after", "context", True)])
+def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overlap, wrap, accumulate, compiled):
     """``attach`` switches a DDP wrapper's reduction off (tritonshard reduces what it holds), so the parameters
     it does not hold (a torch.optim optimizer over the biases) are averaged by the optimizer at the end of the
     backward, as DDP would. Until session 27 each rank stepped them with its own gradient: the replicas drifted
     apart, silently (this test's gradient and replica checks fail there); and with ``overlap_comm`` a first
     micro-batch in DDP's own ``no_sync()`` (wrapped after attach) or after nanoGPT's flag was an error at the
-    second (its backward had launched the reduction)."""
-    run_on_ranks(_ddp_with_a_torch_optimizer_for_the_rest, 2, overlap, wrap, accumulate)
+    second (its backward had launched the reduction). Compiled: the DDP part of the model's forward pre-hook runs
+    eagerly (it looks at the parameters, whose placeholder gradients dynamo cannot wrap)."""
+    run_on_ranks(_ddp_with_a_torch_optimizer_for_the_rest, 2, overlap, wrap, accumulate, compiled)
 
 
 class _TwoHeads(torch.nn.Module):

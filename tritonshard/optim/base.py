@@ -1970,6 +1970,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # collectives, eager under a compiled model (DDP runs them outside it); wrapped here, not as a decorator,
         # which would import torch._dynamo with tritonshard (~0.6 s; the first optimizer imports it anyway)
         self._buffer_sync = torch.compiler.disable(self._broadcast_model_buffers)
+        self._ddp_forward_eager = torch.compiler.disable(self._on_ddp_forward)
         cast_to = self.param_dtype if cast_forward_inputs else None
         handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
         if self.overlap_comm:
@@ -2039,19 +2040,25 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _before_model_forward(self, module: torch.nn.Module) -> None:
         """Root forward pre-hook. A DistributedDataParallel wrapper running this forward would all-reduce the
-        gradients a second time: turn its reduction off before its post-forward prepares one (its no_sync()
-        restores the value it found, False). Then, in a training forward, rank 0's buffers (``broadcast_buffers``)."""
+        gradients a second time: turn its reduction off before its post-forward prepares one
+        (:meth:`_on_ddp_forward`). Then, in a training forward, rank 0's buffers (``broadcast_buffers``)."""
         if self._flush_queued and not torch.compiler.is_compiling():
             self._forget_dead_backward()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:
-            if not isinstance(ddp, model_sync._GuardedModule):  # wrapped after attach (accelerate's prepare)
-                model_sync.guard_model(ddp, self)  # (its reduction off from here: its flag reads False)
-            model_sync.check_not_joined(ddp)
-            self._note_ddp_forward(ddp)
+            # (eagerly under a compiled DDP: it looks at the parameters, whose placeholder grads dynamo cannot wrap)
+            (self._ddp_forward_eager if torch.compiler.is_compiling() else self._on_ddp_forward)(ddp)
         if (self._broadcast_buffers and torch.is_grad_enabled() and not self._no_sync_depth
                 and self.world_size * self.replica_size > 1):
             self._buffer_sync(module)
+
+    def _on_ddp_forward(self, ddp) -> None:
+        """A forward of ``ddp``, around the attached model: its reduction off (the guard, put on here where it was
+        wrapped after attach: accelerate's prepare), ``join()`` refused, its unheld parameters noted."""
+        if not isinstance(ddp, model_sync._GuardedModule):
+            model_sync.guard_model(ddp, self)  # (its reduction off from here: its flag reads False)
+        model_sync.check_not_joined(ddp)
+        self._note_ddp_forward(ddp)
 
     def _note_ddp_forward(self, ddp) -> None:
         """A forward of a ``DistributedDataParallel`` around the attached model, its reduction switched off: DDP
