@@ -707,6 +707,48 @@ def test_ddp_join_for_uneven_inputs_is_an_error_on_every_rank(wrap):
     run_on_ranks(_ddp_join, 2, wrap, timeout_s=120)
 
 
+def _two_optimizers_on_one_model(rank, world_size):
+    """Muon's usual split, in two optimizers: one over the matrices, one over the rest, both attached to the model,
+    overlap_comm, accumulation in ``model.no_sync()``; against one optimizer holding both as two groups (the
+    update is elementwise per parameter: the same bits)."""
+    runs = []
+    for split in (True, False):
+        model = tiny_llama(0)
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        kw = dict(lr=3e-3, bucket_cap_mb=1e-9, overlap_comm=True)
+        opts = ([ShardedAdamW(mats, **kw), ShardedAdamW(rest, **kw)] if split
+                else [ShardedAdamW([{"params": mats}, {"params": rest}], **kw)])
+        for opt in opts:
+            opt.attach(model)
+        if split:  # the model's read paths wait for both optimizers' all-gathers, the last attached one's too
+            assert [o for o, _ in model._tritonshard_guards()] == opts
+            block = model.model.layers[0]
+            assert {o for o, _ in block._tritonshard_guards()} == set(opts), "a block holding both waits for both"
+        for step in range(3):
+            for micro in range(2):
+                with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                    lm_loss(model, tokens(step, rank, micro)).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            seen = {k: v.clone() for k, v in model.state_dict().items()}  # (right after step: waits)
+            for opt in opts:
+                opt.wait_for_params()
+            for k, v in model.state_dict().items():
+                assert_bitwise_equal(seen[k], v, f"{k} read right after step {step}")
+        runs.append(flat_weights(model))
+    assert_bitwise_equal(runs[0], runs[1], "two optimizers against one with two groups")
+
+
+def test_two_optimizers_attached_to_one_model_share_no_sync_and_the_read_guards():
+    """Until session 27 a model's guard was the last attached optimizer's only: ``model.no_sync()`` (accelerate's
+    ``accumulate()``) entered that one's, so the other launched its reduction at the first micro-batch's end and
+    the second micro-batch was an error; and the model's own reads right after step() waited for one optimizer's
+    all-gathers."""
+    run_on_ranks(_two_optimizers_on_one_model, 2)
+
+
 # ---------------------------------------------------------------------------------------------- 6. freezing
 def test_a_parameter_frozen_after_building_is_left_unchanged():
     """torch.optim skips a parameter without a gradient: no weight decay, no moment update."""

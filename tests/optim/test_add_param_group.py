@@ -99,7 +99,8 @@ def _late_group_run(rank, world_size, kind, options):
             # (the read above passes whenever gloo's gathers happen to be done already: that it waits is checked
             # here, as the buckets its guard and its forward pre-hook wait for)
             mine = {opt._bucket_of[p][0].index for p in model[0].parameters()}
-            assert set(model[0]._tritonshard_buckets) == mine, "model[0]'s read path waits for its buckets"
+            guards = model[0]._tritonshard_guards()
+            assert [(o, set(i)) for o, i in guards] == [(opt, mine)], "model[0]'s read path waits for its buckets"
             waits = {i for h in model[0]._forward_pre_hooks.values() for i in getattr(h, "bucket_indices", ())}
             assert waits == mine, "model[0]'s forward waits for its buckets"
         what = f"{kind} {options}, rank {rank} of {world_size}, after step {step}"

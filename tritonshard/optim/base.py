@@ -705,6 +705,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     ref = module.__dict__.get("_tritonshard_optimizer")
                     if ref is not None and ref() is other:
                         object.__setattr__(module, "_tritonshard_optimizer", None)
+                    guarding = module.__dict__.get("_tritonshard_guarding")
+                    if guarding:
+                        object.__setattr__(module, "_tritonshard_guarding",
+                                           tuple((r, i) for r, i in guarding if r() is not other))
                 other._attached = None
             other._retired_by = (f"a {type(self).__name__} built later over the same parameters "
                                  f"({_names(names)}) took them over")

@@ -559,15 +559,23 @@ _EAGER_ZERO_GRAD: list = []
 class _GuardedModule:
     """Mixin put in front of the attached model's class (``guard_model``): the model's own read and write paths wait
     for in-flight parameter all-gathers first. ``no_sync()`` is the optimizer's, so accelerate's ``accumulate()``
-    (which calls ``model.no_sync()``) skips communication as it does with DDP."""
+    (which calls ``model.no_sync()``) skips communication as it does with DDP. Several optimizers attached to one
+    model (Muon's matrices and AdamW's rest in two, a GAN's two in one module): each guard is every one's (until
+    session 27 the last attached one's only: ``model.no_sync()`` left the others reducing, an error at the next
+    micro-batch with ``overlap_comm``, and ``state_dict()`` right after step() waited for one optimizer's
+    all-gathers, not the others')."""
 
     def _tritonshard_wait(self) -> None:
-        opt = self._tritonshard_opt()
-        if opt is not None:
-            indices = self.__dict__.get("_tritonshard_buckets")  # None: every bucket
+        for opt, indices in self._tritonshard_guards():  # (indices None: every bucket)
             opt.wait_for_params(None if indices is None else [opt.buckets[i] for i in indices])
 
+    def _tritonshard_guards(self) -> list:
+        """(optimizer, its bucket indices or None) of every live optimizer guarding this module, oldest first."""
+        return [(opt, indices) for ref, indices in self.__dict__.get("_tritonshard_guarding", ())
+                if (opt := ref()) is not None]
+
     def _tritonshard_opt(self):
+        """The optimizer that attached last (a DDP wrapper's: the one that averages its unheld parameters)."""
         ref = self.__dict__.get("_tritonshard_optimizer")
         return ref() if ref is not None else None
 
@@ -613,14 +621,14 @@ class _GuardedModule:
         return super()._apply(*args, **kwargs)
 
     def no_sync(self):
-        opt = self._tritonshard_opt()
-        return opt.no_sync() if opt is not None else contextlib.nullcontext()
+        opts = [opt for opt, _ in self._tritonshard_guards()]
+        return opts[0].no_sync() if len(opts) == 1 else _all_no_sync(opts)
 
     def __reduce_ex__(self, protocol):
         self._tritonshard_wait()
         state = self.__getstate__()
         state.pop("_tritonshard_optimizer", None)
-        state.pop("_tritonshard_buckets", None)
+        state.pop("_tritonshard_guarding", None)
         state.pop("_tritonshard_grads_only", None)
         if "_tritonshard_wants_sync" in state:  # (a DDP: its flag as the loop left it)
             state["require_backward_grad_sync"] = state.pop("_tritonshard_wants_sync")
@@ -656,8 +664,7 @@ class _GuardedDDP(_GuardedModule):
     def __setattr__(self, name, value):
         if name == "require_backward_grad_sync":
             object.__setattr__(self, "_tritonshard_wants_sync", bool(value))
-            opt = self._tritonshard_opt()
-            if opt is not None:
+            for opt, _ in self._tritonshard_guards():
                 opt._ddp_wants_sync(bool(value))
             value = False
         super().__setattr__(name, value)
@@ -686,6 +693,15 @@ def check_not_joined(ddp) -> None:
     config = getattr(ddp, "_join_config", None)
     if config is not None and config.enable:
         raise RuntimeError(DDP_JOIN_REFUSED)
+
+
+@contextlib.contextmanager
+def _all_no_sync(optimizers: list):
+    """``no_sync()`` of each of ``optimizers`` (none: nothing to skip)."""
+    with contextlib.ExitStack() as stack:
+        for opt in optimizers:
+            stack.enter_context(opt.no_sync())
+        yield
 
 
 def _landed_as_listed(items):
@@ -721,7 +737,10 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
                            {"_tritonshard_base": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
             _GUARDED_CLASSES[(cls, mixin)] = guarded
         model.__class__ = guarded
+    indices = None if buckets is None else tuple(buckets)
+    guarding = [(ref, i) for ref, i in model.__dict__.get("_tritonshard_guarding", ())
+                if ref() is not None and ref() is not optimizer]
+    object.__setattr__(model, "_tritonshard_guarding", tuple(guarding) + ((weakref.ref(optimizer), indices),))
     object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
-    object.__setattr__(model, "_tritonshard_buckets", None if buckets is None else tuple(buckets))
     if ddp and "_tritonshard_wants_sync" not in model.__dict__:
         model.require_backward_grad_sync = model.__dict__.get("require_backward_grad_sync", True)
