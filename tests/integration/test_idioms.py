@@ -857,6 +857,25 @@ def test_saving_pickling_and_copying_an_attached_model():
     _train(model, opt, steps=1, first_step=1)  # and the original trains on
 
 
+def test_pickling_or_copying_the_optimizer_is_an_error_naming_state_dict():
+    """``torch.save(opt)``, ``copy.deepcopy(opt)``, ``copy.copy(opt)``: torch.optim's ``__getstate__`` carries the
+    defaults, state and groups only, so until session 27 the copy was an optimizer without its buffers or hooks,
+    an AttributeError at its first step(). Now a TypeError at the copy, naming state_dict(); the original trains
+    on, and its state_dict() pickles."""
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3)
+    _train(model, opt, steps=1)
+    for how in (lambda: torch.save(opt, io.BytesIO()), lambda: copy.deepcopy(opt), lambda: copy.copy(opt),
+                lambda: pickle.dumps(opt)):
+        with pytest.raises(TypeError, match=r"cannot be pickled or copied.*opt\.state_dict\(\)"):
+            how()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    fresh = ShardedAdamW(model.parameters(), lr=3e-3)
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    _train(model, fresh, steps=1, first_step=1)
+
+
 def test_safetensors_save_model_and_load_model_keep_every_weight(tmp_path):
     """safetensors' save_model / load_model (and accelerate's checkpoints, tests/integration/test_accelerate.py)
     group tensors by storage. Until session 20 every parameter was a view of its bucket's buffer: save_model and

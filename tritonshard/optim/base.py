@@ -735,6 +735,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         placeholders, zeroed = self._placeholders, self._zeroed
         return any(p.grad is placeholders[p] and p not in zeroed for b in self.buckets for p in b.placed)
 
+    def __reduce_ex__(self, protocol):
+        """Pickling or copying the optimizer (``torch.save(opt)``, ``copy.deepcopy(opt)``): a TypeError naming the way
+        that works. torch.optim's ``__getstate__`` carries its defaults, state and groups only, so until session 27
+        the copy was an optimizer without its buffers and hooks: an AttributeError at its first step(), long after.
+        (Its state is sharded over the ranks, in buffers the model's parameters are views of.)"""
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt), pickle): its "
+            "state is this rank's shard, in buffers that the model's parameters are views of. Save its state_dict() "
+            "instead (torch.save(opt.state_dict(), path), or tritonshard.checkpoint.save_sharded(opt, path) on "
+            "every rank) and load it into an optimizer built over the model (opt.load_state_dict(...))")
+
     def _check_not_retired(self) -> None:
         if self._retired_by is not None:
             raise RuntimeError(
