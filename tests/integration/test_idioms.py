@@ -573,7 +573,7 @@ def test_wrapping_in_ddp_after_building_the_optimizer(attach):
 def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate, compiled=False):
     """ShardedAdamW over the matrices (attached), torch.optim.SGD(momentum) over the biases, the model wrapped in
     DDP (``wrap``: before ``attach``, ``attach(ddp)``; or after it, accelerate's order), against the same loop
-    without DDP whose biases' gradients are averaged by hand as DDP's reducer does (divided by the world size in
+    without DDP whose biases' gradients are averaged by hand as DDP's reducer does (multiplied by 1 / world size in
     their dtype, then summed). ``accumulate``: two micro-batches, the first in ``ddp.no_sync()`` ("context"; the
     reference's in ``opt.no_sync()``) or after nanoGPT's ``ddp.require_backward_grad_sync = (micro == last)``
     ("flag"). With ``wrap="after"`` the first forward comes inside DDP's own ``no_sync()``, entered before
@@ -612,7 +612,7 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
                     net(x).float().square().mean().backward()
             if not ddp_wrapped:
                 for p in rest:
-                    p.grad.div_(world_size)
+                    p.grad.mul_(1.0 / world_size)
                     dist.all_reduce(p.grad)
             grads.append(torch.cat([p.grad.float().reshape(-1) for p in rest]))  # (a log line of them)
             opt.step()
@@ -656,24 +656,24 @@ class _TwoHeads(torch.nn.Module):
 
 def _ddp_heads_used_on_some_ranks(rank, world_size):
     """DDP's ``find_unused_parameters`` rule for the parameters no tritonshard optimizer holds: a head used on
-    rank 0 only gets the average on every rank (rank 1's zeros in it), one used nowhere keeps None."""
+    rank 0 only gets the average on every rank (rank 1's zeros in it), one used nowhere keeps None. The oracle is
+    DDP itself: a twin of the model (no tritonshard optimizer over it) in a DDP of its own, the same forward; its
+    reducer's gradients bit for bit."""
     torch.manual_seed(0)
     model = _TwoHeads().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
     opt = ShardedAdamW(model.body.parameters(), lr=1e-2)
     opt.attach(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    real_ddp = torch.nn.parallel.DistributedDataParallel(twin, find_unused_parameters=True)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    # (the same forward on a twin without DDP gives this rank's own gradients, which the average is made of)
-    twin = copy.deepcopy(model)
-    twin(x, rank).backward()
-    own = [q.grad for q in twin.used_on_rank_0.parameters()]
+    real_ddp(x, rank).backward()
     ddp(x, rank).backward()
-    for p, g in zip(model.used_on_rank_0.parameters(), own):
-        mine = (g if g is not None else torch.zeros_like(p)).div(world_size)
-        dist.all_reduce(mine)
+    for p, q in zip(model.used_on_rank_0.parameters(), twin.used_on_rank_0.parameters()):
         assert p.grad is not None, "a head used on another rank gets the average here too"
-        assert_bitwise_equal(p.grad, mine, "the average of a head used on rank 0 only")
+        assert_bitwise_equal(p.grad, q.grad, "a head used on rank 0 only: against DDP's own reduction")
     assert all(p.grad is None for p in model.unused.parameters()), "a head no rank used keeps None, as under DDP"
+    assert all(q.grad is None for q in twin.unused.parameters()), "(and under DDP)"
 
 
 def test_ddp_averages_a_head_used_on_some_ranks_only_as_find_unused_parameters_does():

@@ -2080,7 +2080,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         also averages the gradients of the parameters no tritonshard optimizer holds (a torch.optim optimizer over
         some of the model, or none), which this optimizer's reduction does not cover. So the end of the backward
         that follows a training forward outside ``no_sync()`` averages those (:func:`model_sync.average_like_ddp`),
-        done by the optimizer whose ``no_sync()`` the wrapper's is (one per wrapper). Until session 27 they kept
+        done by the optimizer attached last (one per wrapper). Until session 27 they kept
         each rank's own gradient: the replicas of those parameters drifted apart, silently. Nothing to do, and
         no cost beyond this call, for a model that no DDP wraps."""
         owner = getattr(ddp, "_tritonshard_optimizer", None)

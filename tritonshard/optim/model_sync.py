@@ -113,7 +113,7 @@ def ddp_reduced_params(ddp) -> list:
 
 def average_like_ddp(params: list, group) -> None:
     """Average the gradients of ``params`` over ``group`` in place, as ``DistributedDataParallel``'s reducer does
-    (each rank's ``param.grad`` divided by the group's size in its own dtype, then summed; with
+    (each rank's ``param.grad`` multiplied by 1 / the group's size in its own dtype, then summed; with
     ``find_unused_parameters``' rule for a parameter without a gradient here: zeros from this rank, and a
     gradient after all where another rank had one; None where no rank had). For the parameters of a DDP model
     that no tritonshard optimizer holds, whose reduction ``attach`` switched off with the rest of DDP's (the
@@ -134,7 +134,7 @@ def average_like_ddp(params: list, group) -> None:
         flat = torch.cat([(params[i].grad if params[i].grad is not None
                            else torch.zeros_like(params[i], memory_format=torch.contiguous_format)).reshape(-1)
                           for i in indices])
-        flat.div_(size)
+        flat.mul_(1.0 / size)  # (DDP's reducer: mul_out by the wrapped scalar 1 / world size, as it copies)
         torch.distributed.all_reduce(flat, group=group)
         for i, piece in zip(indices, flat.split([params[i].numel() for i in indices])):
             averaged[i] = piece

@@ -157,8 +157,8 @@ class ModelViewMixin:
 
     def _follow_parametrization(self, module, name: str, p: torch.Tensor) -> bool:
         """Whether ``module.<name>``, no longer ``p``, holds it elsewhere because torch moved the same Parameter
-        object, which torch.optim goes on training, and so does this optimizer, from its new place (until session
-        26, 27 an error calling it replaced). Its values, which the move may have rewritten (``set_``, ``.data =``),
+        object, which torch.optim goes on training, and so does this optimizer, from its new place (an error
+        calling it replaced until session 26, for pruning 27). Its values, which the move may have rewritten (``set_``, ``.data =``),
         are followed as any write is. Two moves are followed:
 
         * ``torch.nn.utils.parametrize`` (``spectral_norm``, ``orthogonal``, ``register_parametrization`` after
