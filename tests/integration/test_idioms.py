@@ -643,6 +643,47 @@ def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overl
     run_on_ranks(_ddp_with_a_torch_optimizer_for_the_rest, 2, overlap, wrap, accumulate, compiled)
 
 
+def _ddp_rest_taken_over_later(rank, world_size):
+    """The biases trained by torch.optim.SGD for two steps, then by a second ShardedAdamW built over them and
+    attached (the unheld list is found again when a parameter is laid out: they are this optimizer's to reduce
+    now, their gradients placeholders that an average by hand would fail on); against the same loop without DDP,
+    the biases' gradients averaged by hand while SGD trains them."""
+    runs = []
+    for ddp_wrapped in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        opts = [ShardedAdamW(mats, lr=1e-2, overlap_comm=True)]
+        opts[0].attach(model)
+        net = torch.nn.parallel.DistributedDataParallel(model) if ddp_wrapped else model
+        sgd = torch.optim.SGD(rest, lr=0.1)
+        for step in range(4):
+            if step == 2:
+                opts.append(ShardedAdamW(rest, lr=1e-2, overlap_comm=True))
+                opts[1].attach(model)
+                sgd = None
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
+            net(x).float().square().mean().backward()
+            if sgd is not None:
+                if not ddp_wrapped:
+                    for p in rest:
+                        dist.all_reduce(p.grad.mul_(1.0 / world_size))
+                sgd.step()
+                sgd.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for opt in opts:
+            opt.wait_for_params()
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+    assert_bitwise_equal(runs[0], runs[1], "weights: SGD's biases under DDP, then a second ShardedAdamW's")
+
+
+def test_ddp_parameters_taken_over_by_a_tritonshard_optimizer_later_are_its_own_to_reduce():
+    run_on_ranks(_ddp_rest_taken_over_later, 2)
+
+
 class _TwoHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()

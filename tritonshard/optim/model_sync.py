@@ -102,13 +102,12 @@ class QueueEndOfBackwardHook(_OptimizerRef):
             opt._queue_end_of_backward()
 
 
-def ddp_reduced_params(ddp) -> list:
-    """The parameters ``ddp`` (a ``DistributedDataParallel``) reduces: its module's trainable ones, without those
-    it was told to ignore, each once (the list its reducer was built with; read from DDP where it keeps it)."""
+def ddp_params(ddp) -> list:
+    """The parameters ``ddp`` (a ``DistributedDataParallel``) looks after: its module's, without those it was told
+    to ignore, each once (those of them with ``requires_grad`` are what its reducer reduces; read from DDP where
+    it keeps the list)."""
     params = getattr(ddp, "_module_parameters", None)
-    if params is None:
-        params = list(ddp.module.parameters())
-    return [p for p in params if p.requires_grad]
+    return list(params) if params is not None else list(ddp.module.parameters())
 
 
 def average_like_ddp(params: list, group) -> None:
@@ -148,7 +147,7 @@ def average_like_ddp(params: list, group) -> None:
             p.grad.copy_(averaged[i].view_as(p.grad))
 
 
-def _held(p: torch.Tensor) -> bool:
+def held(p: torch.Tensor) -> bool:
     """Whether a live tritonshard optimizer holds ``p``: its entry in :data:`OWNER` refers to a live bucket. (An
     entry may be stale, its parameter gone and the id reused by ``p``; but then its bucket, which held that
     parameter, is gone too: a live bucket keeps its parameters, and so their ids, alive.)"""
@@ -158,7 +157,7 @@ def _held(p: torch.Tensor) -> bool:
 
 def unheld(params: list) -> list:
     """Those of ``params`` that no tritonshard optimizer holds (each reduces its own)."""
-    return [p for p in params if not _held(p)]
+    return [p for p in params if not held(p)]
 
 
 class RootForwardPreHook(_OptimizerRef):
