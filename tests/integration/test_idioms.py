@@ -395,6 +395,46 @@ def _reads_after_step_all_wrappers(rank, world_size):
         _reads_after_step(rank, world_size, wrapper)
 
 
+class _LinearOfItsOwn(torch.nn.Module):
+    """A module swapped in after attach, holding the same Parameter objects (as SyncBatchNorm's conversion and
+    quantization-aware training's prepare make): it has none of tritonshard's hooks."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_a_forward_that_reads_weights_no_one_waited_for_is_an_error_at_its_backward():
+    """With overlap_comm, a module swapped in after attach has no forward pre-hook waiting for its parameters'
+    all-gathers, so its forward read them while the gathers were writing them (the last step's values in some
+    elements, on a GPU). Until session 27 that trained on, silently; now its backward raises, naming them (the
+    swap itself read the weights through the old, guarded module, which waited: the forward after the next
+    step() is the first that reads unwaited). Without overlap_comm the same loop trains on (nothing in flight)."""
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
+        opt.attach(model)
+        for step in range(3):
+            if step == 1:
+                model[2] = _LinearOfItsOwn(model[2])
+            loss = model(torch.randn(4, 5).to(torch.bfloat16)).float().square().mean()
+            if overlap and step == 2:
+                with pytest.raises(RuntimeError, match=r"'2\.bias', '2\.weight' got gradients from a forward "
+                                                       r"that read them before their all-gather"):
+                    loss.backward()
+                assert all(b.ag_work is None for b in opt.buckets), "the gathers are waited for"
+                break
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            assert not overlap
+
+
 def test_reading_the_weights_right_after_step_with_overlap_sees_the_new_weights():
     """Before the fix, with overlap_comm=True + attach(), a read before the next forward returned a mix of old and
     new weights (the all-gathers were still in flight). Then (issue 22.1) reads through the model *inside* an

@@ -1205,8 +1205,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if self._frozen_at_build:  # (parameters unfrozen since: their buckets are flushed and launched below)
             self._adopt_unfrozen()
         self._flush_buckets(self.buckets)  # buckets some of whose parameters got no gradient in this backward
+        unwaited = None
         for b in self.buckets:
-            b.ready.clear()
+            if b.ready:  # (overlap_comm: gradients of this backward)
+                if b.ag_work is not None:  # ... of parameters whose all-gather no forward waited for
+                    unwaited = (unwaited or []) + [p for p in b.params if id(p) in b.ready]
+                b.ready.clear()
         if self._grad_streams:  # every gradient they were noted for is in a buffer now
             self._grad_streams.clear()
         # a backward that reached none of our parameters (torch.autograd.grad through the model's outputs, or a
@@ -1220,6 +1224,26 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if self._ddp_pending is not None:
             self._average_for_ddp()
         self._note_eager_step()
+        if unwaited:
+            self._raise_unwaited(unwaited)
+
+    def _raise_unwaited(self, params: list) -> None:
+        """The end of a backward (``overlap_comm``) found gradients of ``params``, whose all-gather, launched by the
+        last step(), no forward waited for: the forward read them without the wait that a hooked module's pre-hook,
+        a guarded attribute read or the model's listings make, so it may have seen the last step's values in some
+        elements (the gather writes them in the background). Until session 27 that trained on, silently. Seen on
+        every rank alike (the same model and code); the gathers are waited for now, so the loop can go on after a
+        fix. Costs nothing where every gather was waited for (one look per bucket given gradients)."""
+        self.wait_for_params()
+        raise RuntimeError(
+            f"tritonshard: {_names([self._param_names[p] for p in params])} got gradients from a forward that read "
+            "them before their all-gather (launched by the last step(), overlap_comm=True) was waited for, so it may "
+            "have used the last step's values in some elements. Nothing that used them waited: a module made or "
+            "swapped in after attach() (SyncBatchNorm.convert_sync_batchnorm, quantization-aware training's "
+            "prepare, a submodule replaced by another holding the same parameters), or a tensor taken from the "
+            "model before step() (a list of parameters kept for a regularizer). Change the model before building "
+            "the optimizer, read parameters through the model (model.fc.weight, model.parameters()), or call "
+            "opt.wait_for_params() before such a forward.")
 
     def _flush_bucket(self, b: _Bucket) -> None:
         """Move the bucket's pending ``param.grad`` s into its grad buffer; the first flush since zero_grad()
