@@ -414,8 +414,7 @@ def test_a_forward_that_reads_weights_no_one_waited_for_is_an_error_at_its_backw
     swap itself read the weights through the old, guarded module, which waited: the forward after the next
     step() is the first that reads unwaited). Without overlap_comm the same loop trains on (nothing in flight)."""
     for overlap in (True, False):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+        model = _split_net()[0]
         opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
         opt.attach(model)
         for step in range(3):
@@ -610,6 +609,13 @@ def test_wrapping_in_ddp_after_building_the_optimizer(attach):
     run_on_ranks(_ddp_wrapped, 2, attach)
 
 
+def _split_net() -> tuple:
+    """A small bf16 net, seeded, with its matrices and its biases (the split of Muon's usual two optimizers)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+    return model, [p for p in model.parameters() if p.dim() == 2], [p for p in model.parameters() if p.dim() != 2]
+
+
 def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate, compiled=False):
     """ShardedAdamW over the matrices (attached), torch.optim.SGD(momentum) over the biases, the model wrapped in
     DDP (``wrap``: before ``attach``, ``attach(ddp)``; or after it, accelerate's order), against the same loop
@@ -620,10 +626,7 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
     tritonshard's guard was on the wrapper. ``compiled``: ``torch.compile(ddp)`` runs the forwards."""
     runs = []
     for ddp_wrapped in (True, False):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
-        mats = [p for p in model.parameters() if p.dim() == 2]
-        rest = [p for p in model.parameters() if p.dim() != 2]
+        model, mats, rest = _split_net()
         opt = ShardedAdamW(mats, lr=1e-2, overlap_comm=overlap)
         other = torch.optim.SGD(rest, lr=0.1, momentum=0.9)
         net = model
@@ -685,15 +688,12 @@ def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overl
 
 def _ddp_rest_taken_over_later(rank, world_size):
     """The biases trained by torch.optim.SGD for two steps, then by a second ShardedAdamW built over them and
-    attached (the unheld list is found again when a parameter is laid out: they are this optimizer's to reduce
-    now, their gradients placeholders that an average by hand would fail on); against the same loop without DDP,
-    the biases' gradients averaged by hand while SGD trains them."""
+    attached (found unheld at the first forward, held now: this optimizer's to reduce, left out of the average,
+    their gradients placeholders that an average would fail on); against the same loop without DDP, the biases'
+    gradients averaged by hand while SGD trains them."""
     runs = []
     for ddp_wrapped in (True, False):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
-        mats = [p for p in model.parameters() if p.dim() == 2]
-        rest = [p for p in model.parameters() if p.dim() != 2]
+        model, mats, rest = _split_net()
         opts = [ShardedAdamW(mats, lr=1e-2, overlap_comm=True)]
         opts[0].attach(model)
         net = torch.nn.parallel.DistributedDataParallel(model) if ddp_wrapped else model
@@ -762,8 +762,7 @@ def test_ddp_averages_a_head_used_on_some_ranks_only_as_find_unused_parameters_d
 
 
 def _ddp_join(rank, world_size, wrap):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+    model = _split_net()[0]
     opt = ShardedAdamW(model.parameters(), lr=1e-2)
     if wrap == "before":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
