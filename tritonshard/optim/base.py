@@ -1962,8 +1962,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           assign=True)`` or ``setattr`` would replace them: an error, not a model that silently stops training).
         * A ``DistributedDataParallel`` wrapped around the model later (accelerate's ``prepare``, Lightning) keeps
           working: its own gradient reduction is switched off at its first forward, as tritonshard reduces the
-          gradients already. ``model`` may also be such a wrapper.
-        * ``model.no_sync()`` is ``opt.no_sync()`` (accelerate's ``accumulate()`` calls it).
+          gradients already; the gradients of the model's parameters that no tritonshard optimizer holds are
+          averaged at the end of each backward DDP would have reduced, as DDP would; its
+          ``require_backward_grad_sync`` flag set False (nanoGPT) is ``opt.no_sync()``; ``join()`` is refused.
+          ``model`` may also be such a wrapper.
+        * ``model.no_sync()`` is ``opt.no_sync()`` (accelerate's ``accumulate()`` calls it): of every optimizer
+          attached to the model.
         * With ``init_sync`` (the default) and more than one rank, the model's buffers take rank 0's values, as DDP's
           construction broadcasts them (the parameters did at the optimizer's construction): a collective, every
           rank attaches the same model.
