@@ -616,14 +616,16 @@ def _split_net() -> tuple:
     return model, [p for p in model.parameters() if p.dim() == 2], [p for p in model.parameters() if p.dim() != 2]
 
 
-def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate, compiled=False):
+def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate, compiled=False,
+                                            static_graph=False):
     """ShardedAdamW over the matrices (attached), torch.optim.SGD(momentum) over the biases, the model wrapped in
     DDP (``wrap``: before ``attach``, ``attach(ddp)``; or after it, accelerate's order), against the same loop
     without DDP whose biases' gradients are averaged by hand as DDP's reducer does (multiplied by 1 / world size in
     their dtype, then summed). ``accumulate``: two micro-batches, the first in ``ddp.no_sync()`` ("context"; the
     reference's in ``opt.no_sync()``) or after nanoGPT's ``ddp.require_backward_grad_sync = (micro == last)``
     ("flag"). With ``wrap="after"`` the first forward comes inside DDP's own ``no_sync()``, entered before
-    tritonshard's guard was on the wrapper. ``compiled``: ``torch.compile(ddp)`` runs the forwards."""
+    tritonshard's guard was on the wrapper. ``compiled``: ``torch.compile(ddp)`` runs the forwards;
+    ``static_graph``: DDP's option (its first backward runs a delayed all-reduce of its own, whatever its flag)."""
     runs = []
     for ddp_wrapped in (True, False):
         model, mats, rest = _split_net()
@@ -631,12 +633,12 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
         other = torch.optim.SGD(rest, lr=0.1, momentum=0.9)
         net = model
         if ddp_wrapped and wrap == "before":
-            net = torch.nn.parallel.DistributedDataParallel(model)
+            net = torch.nn.parallel.DistributedDataParallel(model, static_graph=static_graph)
             opt.attach(net)
         else:
             opt.attach(model)
             if ddp_wrapped:
-                net = torch.nn.parallel.DistributedDataParallel(model)
+                net = torch.nn.parallel.DistributedDataParallel(model, static_graph=static_graph)
         ddp = net
         if ddp_wrapped and compiled:
             torch._dynamo.reset()
@@ -672,18 +674,23 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
     assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas stay equal, as under DDP"
 
 
-@pytest.mark.parametrize("overlap,wrap,accumulate,compiled", [
-    (False, "before", None, False), (True, "after", "context", False), (False, "after", "context", False),
-    (True, "before", "flag", False), (True, "after", "flag", False), (True, "after", "context", True)])
-def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overlap, wrap, accumulate, compiled):
+@pytest.mark.parametrize("overlap,wrap,accumulate,compiled,static_graph", [
+    (False, "before", None, False, False), (True, "after", "context", False, False),
+    (False, "after", "context", False, False), (True, "before", "flag", False, False),
+    (True, "after", "flag", False, False), (True, "after", "context", True, False), (False, "after", None, False, True),
+    (True, "before", "context", False, True)])
+def test_ddp_averages_the_gradients_of_parameters_a_torch_optimizer_trains(overlap, wrap, accumulate, compiled,
+                                                                           static_graph):
     """``attach`` switches a DDP wrapper's reduction off (tritonshard reduces what it holds), so the parameters
     it does not hold (a torch.optim optimizer over the biases) are averaged by the optimizer at the end of the
     backward, as DDP would. Until session 27 each rank stepped them with its own gradient: the replicas drifted
     apart, silently (this test's gradient and replica checks fail there); and with ``overlap_comm`` a first
     micro-batch in DDP's own ``no_sync()`` (wrapped after attach) or after nanoGPT's flag was an error at the
     second (its backward had launched the reduction). Compiled: the DDP part of the model's forward pre-hook runs
-    eagerly (it looks at the parameters, whose placeholder gradients dynamo cannot wrap)."""
-    run_on_ranks(_ddp_with_a_torch_optimizer_for_the_rest, 2, overlap, wrap, accumulate, compiled)
+    eagerly (it looks at the parameters, whose placeholder gradients dynamo cannot wrap). ``static_graph=True``:
+    until session 27 DDP's first backward ran its delayed all-reduce over the placeholders (an error; before,
+    torch's INTERNAL ASSERT)."""
+    run_on_ranks(_ddp_with_a_torch_optimizer_for_the_rest, 2, overlap, wrap, accumulate, compiled, static_graph)
 
 
 def _ddp_rest_taken_over_later(rank, world_size):

@@ -743,3 +743,9 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
     object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
     if ddp and "_tritonshard_wants_sync" not in model.__dict__:
         model.require_backward_grad_sync = model.__dict__.get("require_backward_grad_sync", True)
+        # static_graph=True: DDP's first backward would run its reducer's delayed all-reduce whatever the flag says
+        # (queued by the _DDPSink its forward puts on the outputs until then), reading param.grad from C++, which
+        # tritonshard's placeholders refuse (until session 27 an error, before it torch's INTERNAL ASSERT). Marked
+        # as done: the reducer has nothing to do here
+        if getattr(model, "static_graph", False) and hasattr(model, "_static_graph_delay_allreduce_enqueued"):
+            model._static_graph_delay_allreduce_enqueued = True
