@@ -24,6 +24,7 @@ from tests.integration.hf import eval_loss, flat_weights, lm_loss, tiny_gpt2, ti
 from tests.optim.training import LR, MAX_NORM, Reference, batch, loss_fn, make_model, param_groups, schedule
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import all_gather_single
+from tritonshard.optim import model_sync
 from tritonshard.optim.model_sync import ShardedGrad
 
 BF16_REL = 2.0 ** -8  # one bf16 rounding, relative to the value: round to nearest is within half of 2^-7
@@ -98,7 +99,9 @@ def test_a_parametrization_registered_after_attach_trains_as_one_registered_befo
     """``spectral_norm`` (torch.nn.utils.parametrize) registered after ``attach`` moves the same Parameter object to
     ``module.parametrizations.weight.original``, which torch.optim goes on training: so does ours, bit for bit as
     with the parametrization registered before the optimizer was built (another parameter order, so another bucket
-    layout, which the elementwise update does not see). Until session 26 an error calling the weight replaced."""
+    layout, which the elementwise update does not see). Until session 26 an error calling the weight replaced;
+    with overlap_comm, until session 27 a read of the weight outside a forward right after step() did not wait for
+    its gather (the parametrization's holder was not guarded)."""
     runs = []
     for registered_before in (True, False):
         model = _spectral_net()
@@ -113,6 +116,8 @@ def test_a_parametrization_registered_after_attach_trains_as_one_registered_befo
             model(x).float().square().mean().backward()
             opt.step()
             opt.zero_grad()
+        if overlap:  # model[2].weight read outside a forward right after step() waits for its gather
+            assert isinstance(model[2].parametrizations.weight, model_sync._GuardedAttributes)
         opt.wait_for_params()
         runs.append(torch.cat([t.detach().float().reshape(-1) for t in model.state_dict().values()]))
     assert not torch.equal(runs[0][:30], _spectral_net()[0].weight.detach().float().reshape(-1)), "it trained"

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from . import model_sync
 from .bucket import DATA_READS, _Bucket, alone, watch
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -171,6 +172,10 @@ class ModelViewMixin:
         holder = lists._modules.get(name) if lists is not None else None
         if holder is not None and holder._parameters.get("original") is p:
             to = (holder, "original", p)
+            if self.overlap_comm and self._attached is not None:
+                # its reads wait for its gather, as its module's did (``module.weight`` outside a forward right after
+                # step() reads holder.original; until session 27 without waiting)
+                model_sync.guard_model(holder, self, [self._bucket_of[p][0].index], attributes=True)
         else:
             moved = next((n for n, q in module._parameters.items() if q is p), None)
             if moved is None:
