@@ -12,6 +12,7 @@ import copy
 import io
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -412,31 +413,47 @@ class _LinearOfItsOwn(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def test_a_forward_that_reads_weights_no_one_waited_for_is_an_error_at_its_backward():
-    """With overlap_comm, a module swapped in after attach has no forward pre-hook waiting for its parameters'
-    all-gathers, so its forward read them while the gathers were writing them (the last step's values in some
-    elements, on a GPU). Until session 27 that trained on, silently; now its backward raises, naming them (the
-    swap itself read the weights through the old, guarded module, which waited: the forward after the next
-    step() is the first that reads unwaited). Without overlap_comm the same loop trains on (nothing in flight)."""
-    for overlap in (True, False):
-        model = _split_net()[0]
-        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
-        opt.attach(model)
-        for step in range(3):
-            if step == 1:
-                model[2] = _LinearOfItsOwn(model[2])
-            loss = model(torch.randn(4, 5).to(torch.bfloat16)).float().square().mean()
-            if overlap and step == 2:
-                with pytest.raises(RuntimeError, match=r"'2\.bias', '2\.weight' got gradients from a forward "
-                                                       r"that read them before their all-gather"):
-                    loss.backward()
-                assert all(b.ag_work is None for b in opt.buckets), "the gathers are waited for"
-                break
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        else:
-            assert not overlap
+def _swapped_run(overlap: bool, how: str, steps: int = 4):
+    """``steps`` steps of the small net, its last Linear swapped at step 1 for a module of its own holding the same
+    parameters: ``how`` "setattr" (``model[2] = ...``), "_modules" (``model._modules["2"] = ...``, as
+    quantization's convert does), or "none". Returns the weights, or the step at whose backward an error came."""
+    model = _split_net()[0]
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
+    opt.attach(model)
+    for step in range(steps):
+        if step == 1 and how == "setattr":
+            model[2] = _LinearOfItsOwn(model[2])
+        elif step == 1 and how == "_modules":
+            model._modules["2"] = _LinearOfItsOwn(model[2])
+        loss = model(torch.randn(4, 5, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16))
+        try:
+            loss.float().square().mean().backward()
+        except RuntimeError as e:
+            assert re.search(r"'2\.bias', '2\.weight' got gradients from a forward that read them before their "
+                             r"all-gather", str(e)), e
+            assert all(b.ag_work is None for b in opt.buckets), "the gathers are waited for"
+            return step
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return flat_weights(model)
+
+
+def test_a_module_swapped_in_after_attach_waits_for_its_parameters_or_its_backward_is_an_error():
+    """With overlap_comm, a module swapped in after attach (holding the same parameters: SyncBatchNorm's
+    conversion, quantization-aware training's prepare) has none of the hooks that wait for its parameters'
+    all-gathers, so its forward read them while the gathers wrote them (the last step's values in some elements,
+    on a GPU): until session 27 that trained on, silently. Set through the module (``model[2] = m``, ``add_module``)
+    it gets them at the next forward and trains bit for bit as the module it replaced; set past that
+    (``model._modules[k] = m``) its backward raises, naming the parameters (the swap itself read them through the
+    old, guarded module, which waited: the forward after the next step() is the first that reads unwaited).
+    Without overlap_comm nothing is in flight after step(): both swaps train on."""
+    want = _swapped_run(True, "none")
+    assert_bitwise_equal(_swapped_run(True, "setattr"), want, "swapped in by setattr, overlap_comm")
+    assert _swapped_run(True, "_modules") == 2, "the error comes at the backward after the first unwaited forward"
+    plain = _swapped_run(False, "none")
+    assert_bitwise_equal(_swapped_run(False, "setattr"), plain, "setattr, no overlap")
+    assert_bitwise_equal(_swapped_run(False, "_modules"), plain, "_modules, no overlap")
 
 
 def test_reading_the_weights_right_after_step_with_overlap_sees_the_new_weights():

@@ -637,6 +637,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         #: them): :meth:`_ddp_unheld`'s cache
         self._ddp_unheld_cache: Optional[tuple] = None
         self._in_ddp_no_sync = False  # its require_backward_grad_sync set False: one level of _no_sync_depth
+        # overlap_comm + attach: the modules with our WaitForParamsHook, and whether a submodule was set in a
+        # guarded module since the last look (model_sync._modules_changed; _hook_new_modules)
+        self._hooked_modules: weakref.WeakSet = weakref.WeakSet()
+        self._new_modules = False
         self._buffer_slots: tuple = (None, [])  # (the attached model, its (module, buffer name) pairs)
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
         self._placeholders: dict = {}
@@ -2044,9 +2048,29 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                                 if p in self._bucket_of} & indices)
                 if owned:
                     handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
+                    self._hooked_modules.add(module)
         self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
         self._guard_modules(model)
         return handles
+
+    def _hook_new_modules(self) -> None:
+        """overlap_comm + attach, at the model's first forward after a submodule was set in one of its guarded
+        modules: a module holding some of the parameters without a WaitForParamsHook (made or swapped in after
+        attach, holding the same Parameter objects: SyncBatchNorm.convert_sync_batchnorm, ``model.fc =
+        Wrapper(model.fc)``) gets one, and the guards; until session 27 its forward read the parameters while
+        their all-gathers wrote them (since 38599c2 an error at its backward, which a swap bypassing
+        ``__setattr__``/``add_module``, e.g. ``model._modules[k] = m``, still gets)."""
+        self._new_modules = False
+        model, handles = self._attached
+        for module in model.modules():
+            if module in self._hooked_modules:
+                continue
+            owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
+                            if p in self._bucket_of})
+            if owned:
+                handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
+                self._hooked_modules.add(module)
+        self._guard_modules(model)
 
     def _guard_modules(self, model: torch.nn.Module) -> None:
         """Guard ``model`` and every module inside it that holds some of the optimizer's parameters, each waiting
@@ -2089,6 +2113,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (:meth:`_on_ddp_forward`). Then, in a training forward, rank 0's buffers (``broadcast_buffers``)."""
         if self._flush_queued and not torch.compiler.is_compiling():
             self._forget_dead_backward()
+        if self._new_modules and self.overlap_comm and not torch.compiler.is_compiling():
+            self._hook_new_modules()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:
             # (eagerly under a compiled DDP: it looks at the parameters, whose placeholder grads dynamo cannot wrap)

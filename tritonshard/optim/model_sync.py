@@ -573,6 +573,15 @@ class _GuardedModule:
         return [(opt, indices) for ref, indices in self.__dict__.get("_tritonshard_guarding", ())
                 if (opt := ref()) is not None]
 
+    def __setattr__(self, name, value):
+        if isinstance(value, torch.nn.Module):  # (a submodule set or swapped in: module.fc = ..., model[2] = ...)
+            _modules_changed(self)
+        super().__setattr__(name, value)
+
+    def add_module(self, name, module):  # (register_module, ModuleList.append, ModuleDict[k] = ...)
+        _modules_changed(self)
+        return super().add_module(name, module)
+
     def _tritonshard_opt(self):
         """The optimizer that attached last (a DDP wrapper's: the one that averages its unheld parameters)."""
         ref = self.__dict__.get("_tritonshard_optimizer")
@@ -692,6 +701,15 @@ def check_not_joined(ddp) -> None:
     config = getattr(ddp, "_join_config", None)
     if config is not None and config.enable:
         raise RuntimeError(DDP_JOIN_REFUSED)
+
+
+def _modules_changed(module) -> None:
+    """A submodule was set in ``module`` (guarded: it holds some of its optimizers' parameters): each of them
+    looks for modules without its hooks at the model's next forward (``_hook_new_modules``): one made or swapped in
+    after attach holding the same parameters (SyncBatchNorm.convert_sync_batchnorm's add_module, ``model.fc =
+    Wrapper(model.fc)``) would read them without waiting for their all-gathers."""
+    for opt, _ in module._tritonshard_guards():
+        opt._new_modules = True
 
 
 @contextlib.contextmanager
