@@ -790,6 +790,21 @@ def test_ddp_averages_a_head_used_on_some_ranks_only_as_find_unused_parameters_d
     run_on_ranks(_ddp_heads_used_on_some_ranks, 2)
 
 
+def test_attaching_the_same_model_again_keeps_one_set_of_hooks():
+    """attach() twice (the loop's and an integration's): until session 27 a second set of hooks, so the root hooks
+    ran twice per forward (rank 0's buffers broadcast twice). Now the same handles; other options are an error."""
+    for overlap in (False, True):
+        model = _split_net()[0]
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+        handles = opt.attach(model)
+        counts = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+        assert opt.attach(model) is handles
+        assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == counts
+        with pytest.raises(ValueError, match=r"attached already.*'cast_forward_inputs': True.*'cast_forward_inputs'"
+                                             r": False"):
+            opt.attach(model, cast_forward_inputs=False)
+
+
 def _ddp_join(rank, world_size, wrap):
     model = _split_net()[0]
     opt = ShardedAdamW(model.parameters(), lr=1e-2)

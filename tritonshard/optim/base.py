@@ -628,6 +628,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._model_params: list = []  # (module, attribute name, parameter), filled by attach()
         self._named_by_model: set = set()
         self._attached: Optional[tuple] = None  # (model, the handles attach() returned), for add_param_group
+        self._attach_options: dict = {}  # (the attach() keyword arguments it was made with)
         self._broadcast_buffers = False  # attach(broadcast_buffers=): rank 0's buffers before every training forward
         # a DistributedDataParallel around the attached model: the one whose forward this backward follows, where
         # its gradients of the parameters no tritonshard optimizer holds are to be averaged as DDP would (its own
@@ -2008,6 +2009,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         for name, value in (("cast_forward_inputs", cast_forward_inputs), ("broadcast_buffers", broadcast_buffers)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        options = {"cast_forward_inputs": cast_forward_inputs, "broadcast_buffers": broadcast_buffers}
+        if self._attached is not None and self._attached[0] is model:
+            # attached already (the loop's attach and an integration's, or a DDP made since and attached too): the
+            # same hooks. A second set ran the root hooks twice per forward (the buffers broadcast twice, until
+            # session 27)
+            if options != self._attach_options:
+                raise ValueError(f"attach(): the model is attached already, with {self._attach_options}; got "
+                                 f"{options} (its hooks are made once: pass the same options)")
+            return self._attached[1]
         self._check_norm_statistics(model)
         self._sync_model_buffers(model)
         self._broadcast_buffers = broadcast_buffers
@@ -2027,6 +2037,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._defer_gathers = True
         handles += self._attach_buckets(model, self.buckets)
         self._attached = (model, handles)
+        self._attach_options = options
         return handles
 
     def _attach_buckets(self, model: torch.nn.Module, buckets: list) -> list:
