@@ -638,9 +638,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         #: them): :meth:`_ddp_unheld`'s cache
         self._ddp_unheld_cache: Optional[tuple] = None
         self._in_ddp_no_sync = False  # its require_backward_grad_sync set False: one level of _no_sync_depth
-        # overlap_comm + attach: the modules with our WaitForParamsHook, and whether a submodule was set in a
-        # guarded module since the last look (model_sync._modules_changed; _hook_new_modules)
-        self._hooked_modules: weakref.WeakSet = weakref.WeakSet()
+        # overlap_comm + attach: whether a submodule was set in a guarded module since the last look
+        # (model_sync._modules_changed; _hook_new_modules)
         self._new_modules = False
         self._buffer_slots: tuple = (None, [])  # (the attached model, its (module, buffer name) pairs)
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
@@ -709,9 +708,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 for handle in handles:
                     handle.remove()
                 for module in model.modules():
-                    ref = module.__dict__.get("_tritonshard_optimizer")
-                    if ref is not None and ref() is other:
-                        object.__setattr__(module, "_tritonshard_optimizer", None)
                     guarding = module.__dict__.get("_tritonshard_guarding")
                     if guarding:
                         object.__setattr__(module, "_tritonshard_guarding",
@@ -2059,7 +2055,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                                 if p in self._bucket_of} & indices)
                 if owned:
                     handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
-                    self._hooked_modules.add(module)
         self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
         self._guard_modules(model)
         return handles
@@ -2074,13 +2069,13 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._new_modules = False
         model, handles = self._attached
         for module in model.modules():
-            if module in self._hooked_modules:
-                continue
+            if any(type(h) is model_sync.WaitForParamsHook and h.optimizer() is self
+                   for h in module._forward_pre_hooks.values()):
+                continue  # (hooked by attach or add_param_group)
             owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
                             if p in self._bucket_of})
             if owned:
                 handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
-                self._hooked_modules.add(module)
         self._guard_modules(model)
 
     def _guard_modules(self, model: torch.nn.Module) -> None:
@@ -2136,22 +2131,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _on_ddp_forward(self, ddp) -> None:
         """A forward of ``ddp``, around the attached model: its reduction off (the guard, put on here where it was
-        wrapped after attach: accelerate's prepare), ``join()`` refused, its unheld parameters noted."""
+        wrapped after attach: accelerate's prepare), ``join()`` refused, and its unheld parameters noted. DDP also
+        averages the gradients of the parameters no tritonshard optimizer holds (a torch.optim optimizer over some
+        of the model, or none), which this optimizer's reduction does not cover. So the end of the backward that
+        follows a training forward outside ``no_sync()`` averages those (:func:`model_sync.average_like_ddp`),
+        done by the optimizer attached last (one per wrapper). Until session 27 they kept each rank's own
+        gradient: the replicas of those parameters drifted apart, silently. Nothing to do, and no cost beyond
+        this call, for a model that no DDP wraps."""
         if not isinstance(ddp, model_sync._GuardedModule):
             model_sync.guard_model(ddp, self)  # (its reduction off from here: its flag reads False)
         model_sync.check_not_joined(ddp)
-        self._note_ddp_forward(ddp)
-
-    def _note_ddp_forward(self, ddp) -> None:
-        """A forward of a ``DistributedDataParallel`` around the attached model, its reduction switched off: DDP
-        also averages the gradients of the parameters no tritonshard optimizer holds (a torch.optim optimizer over
-        some of the model, or none), which this optimizer's reduction does not cover. So the end of the backward
-        that follows a training forward outside ``no_sync()`` averages those (:func:`model_sync.average_like_ddp`),
-        done by the optimizer attached last (one per wrapper). Until session 27 they kept
-        each rank's own gradient: the replicas of those parameters drifted apart, silently. Nothing to do, and
-        no cost beyond this call, for a model that no DDP wraps."""
-        owner = getattr(ddp, "_tritonshard_optimizer", None)
-        if owner is None or owner() is not self or not torch.is_grad_enabled() or self._no_sync_depth:
+        guards = ddp._tritonshard_guards()
+        if not guards or guards[-1][0] is not self or not torch.is_grad_enabled() or self._no_sync_depth:
             self._ddp_pending = None
             return
         self._ddp_pending = ddp if self._ddp_unheld(ddp) else None
@@ -2185,7 +2176,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._in_ddp_no_sync = False
 
     def _average_for_ddp(self) -> None:
-        """The end of a backward after :meth:`_note_ddp_forward`: average the unheld parameters' gradients."""
+        """The end of a backward after :meth:`_on_ddp_forward`: average the unheld parameters' gradients."""
         ddp, self._ddp_pending = self._ddp_pending, None
         params = [p for p in self._ddp_unheld(ddp) if p.requires_grad and not model_sync.held(p)]
         model_sync.average_like_ddp(params, ddp.process_group)

@@ -569,7 +569,8 @@ class _GuardedModule:
             opt.wait_for_params(None if indices is None else [opt.buckets[i] for i in indices])
 
     def _tritonshard_guards(self) -> list:
-        """(optimizer, its bucket indices or None) of every live optimizer guarding this module, oldest first."""
+        """(optimizer, its bucket indices or None) of every live optimizer guarding this module, oldest first (a
+        DDP wrapper's last one averages the parameters none of them holds)."""
         return [(opt, indices) for ref, indices in self.__dict__.get("_tritonshard_guarding", ())
                 if (opt := ref()) is not None]
 
@@ -581,11 +582,6 @@ class _GuardedModule:
     def add_module(self, name, module):  # (register_module, ModuleList.append, ModuleDict[k] = ...)
         _modules_changed(self)
         return super().add_module(name, module)
-
-    def _tritonshard_opt(self):
-        """The optimizer that attached last (a DDP wrapper's: the one that averages its unheld parameters)."""
-        ref = self.__dict__.get("_tritonshard_optimizer")
-        return ref() if ref is not None else None
 
     def named_parameters(self, *args, **kwargs):  # (parameters() lists these too)
         """Each parameter's all-gather waited for as it is handed out, not all of them first: ``next(model
@@ -635,7 +631,6 @@ class _GuardedModule:
     def __reduce_ex__(self, protocol):
         self._tritonshard_wait()
         state = self.__getstate__()
-        state.pop("_tritonshard_optimizer", None)
         state.pop("_tritonshard_guarding", None)
         state.pop("_tritonshard_grads_only", None)
         if "_tritonshard_wants_sync" in state:  # (a DDP: its flag as the loop left it)
@@ -758,7 +753,6 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
     guarding = [(ref, i) for ref, i in model.__dict__.get("_tritonshard_guarding", ())
                 if ref() is not None and ref() is not optimizer]
     object.__setattr__(model, "_tritonshard_guarding", tuple(guarding) + ((weakref.ref(optimizer), indices),))
-    object.__setattr__(model, "_tritonshard_optimizer", weakref.ref(optimizer))
     if ddp and "_tritonshard_wants_sync" not in model.__dict__:
         model.require_backward_grad_sync = model.__dict__.get("require_backward_grad_sync", True)
         # static_graph=True: DDP's first backward would run its reducer's delayed all-reduce whatever the flag says

@@ -121,7 +121,7 @@ class ModelViewMixin:
         if self._state_edited():  # (code wrote to opt.state: state_view.py)
             self._follow_state_edits()
         for module, name, p in self._model_params:
-            if module._parameters.get(name) is not p and not self._follow_parametrization(module, name, p):
+            if module._parameters.get(name) is not p and not self._follow_moved_parameter(module, name, p):
                 raise RuntimeError(
                     f"parameter {self._param_names[p]} was replaced in the model by another tensor after the "
                     "optimizer was built (e.g. model.load_state_dict(..., assign=True) or setattr), so the optimizer "
@@ -156,11 +156,11 @@ class ModelViewMixin:
             for i in sorted(dirty):
                 self._reconcile_master(self.buckets[i])
 
-    def _follow_parametrization(self, module, name: str, p: torch.Tensor) -> bool:
+    def _follow_moved_parameter(self, module, name: str, p: torch.Tensor) -> bool:
         """Whether ``module.<name>``, no longer ``p``, holds it elsewhere because torch moved the same Parameter
         object, which torch.optim goes on training, and so does this optimizer, from its new place (an error
-        calling it replaced until session 26, for pruning 27). Its values, which the move may have rewritten (``set_``, ``.data =``),
-        are followed as any write is. Two moves are followed:
+        calling it replaced until session 26, for pruning 27). Its values, which the move may have rewritten
+        (``set_``, ``.data =``), are followed as any write is. Two moves are followed:
 
         * ``torch.nn.utils.parametrize`` (``spectral_norm``, ``orthogonal``, ``register_parametrization`` after
           ``attach``): ``module.parametrizations[name].original``;
