@@ -13,6 +13,8 @@ import io
 import os
 import pickle
 import re
+import sys
+import weakref
 
 import pytest
 import torch
@@ -753,6 +755,61 @@ def test_ddp_parameters_taken_over_by_a_tritonshard_optimizer_later_are_its_own_
     run_on_ranks(_ddp_rest_taken_over_later, 2)
 
 
+def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap):
+    """A tritonshard optimizer trains part of a DDP model (``gone="rest"``: the biases, beside another one over the
+    matrices) or all of it (``"all"``) for two steps and is deleted; torch.optim.SGD trains those parameters from
+    there, against the same loop without DDP, their gradients averaged by hand; two micro-batches a step, the
+    first in ``net.no_sync()``. ``del`` alone frees the optimizer
+    (checked): no reference cycle keeps it, and its hooks, alive until a collection, which ranks run at times of
+    their own."""
+    ShardedAdamW([torch.nn.Parameter(torch.ones(3))])  # (not the process's first: see the README's row)
+    runs = []
+    for ddp_wrapped in (True, False):
+        model, mats, rest = _split_net()
+        kept = ShardedAdamW(mats, lr=1e-2, overlap_comm=overlap) if gone == "rest" else None
+        opt = ShardedAdamW(rest if gone == "rest" else model.parameters(), lr=1e-2, overlap_comm=overlap)
+        opt.attach(model)
+        if kept is not None:
+            kept.attach(model)
+        net = torch.nn.parallel.DistributedDataParallel(model) if ddp_wrapped else model
+        trained_by_sgd = rest if gone == "rest" else list(model.parameters())
+        for step in range(5):
+            if step == 2:
+                opt.wait_for_params()
+                gone_ref = weakref.ref(opt)
+                del opt
+                assert gone_ref() is None, "del opt frees the optimizer"
+                opt = torch.optim.SGD(trained_by_sgd, lr=0.1, momentum=0.9)
+            for micro in range(2):  # (the first in net.no_sync(): DDP's own once every optimizer is gone)
+                with net.no_sync() if micro == 0 else contextlib.nullcontext():
+                    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                    net(x.to(torch.bfloat16)).float().square().mean().backward()
+            if step >= 2 and not ddp_wrapped:
+                for p in trained_by_sgd:
+                    dist.all_reduce(p.grad.mul_(1.0 / world_size))
+            opt.step()
+            opt.zero_grad()
+            if kept is not None:
+                kept.step()
+                kept.zero_grad()
+        if kept is not None:
+            kept.wait_for_params()
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+    assert_bitwise_equal(runs[0], runs[1], "weights: torch.optim.SGD under DDP after the tritonshard optimizer")
+    replicas = [torch.empty_like(runs[0]) for _ in range(world_size)]
+    dist.all_gather(replicas, runs[0])
+    assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas stay equal, as under DDP"
+
+
+@pytest.mark.parametrize("gone,overlap", [("all", False), ("all", True), ("rest", True)])
+def test_ddp_averages_again_what_a_deleted_tritonshard_optimizer_held(gone, overlap):
+    """Until session 28 a deleted optimizer's parameters kept each rank's own gradient under DDP, silently: its
+    guard left the wrapper's reduction off for good (``"all"``), and a surviving optimizer's list of the
+    parameters to average was found once, while the deleted one still held them (``"rest"``). And ``del`` did not
+    free an attached optimizer (bound methods of its own kept in it), so its hooks ran on until a collection."""
+    run_on_ranks(_ddp_after_an_optimizer_is_gone, 2, gone, overlap)
+
+
 class _TwoHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -831,10 +888,12 @@ def test_ddp_join_for_uneven_inputs_is_an_error_on_every_rank(wrap):
     run_on_ranks(_ddp_join, 2, wrap, timeout_s=120)
 
 
-def _two_optimizers_on_one_model(rank, world_size):
+def _two_optimizers_on_one_model(rank, world_size, wrap):
     """Muon's usual split, in two optimizers: one over the matrices, one over the rest, both attached to the model,
     overlap_comm, accumulation in ``model.no_sync()``; against one optimizer holding both as two groups (the
-    update is elementwise per parameter: the same bits)."""
+    update is elementwise per parameter: the same bits). ``wrap``: the model wrapped in DDP after attach
+    (accelerate's order), the first micro-batch in DDP's own ``no_sync()``, entered before either optimizer saw
+    the wrapper."""
     runs = []
     for split in (True, False):
         model = tiny_llama(0)
@@ -849,13 +908,16 @@ def _two_optimizers_on_one_model(rank, world_size):
             assert [o for o, _ in model._tritonshard_guards()] == opts
             block = model.model.layers[0]
             assert {o for o, _ in block._tritonshard_guards()} == set(opts), "a block holding both waits for both"
+        net = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
         for step in range(3):
             for micro in range(2):
-                with model.no_sync() if micro == 0 else contextlib.nullcontext():
-                    lm_loss(model, tokens(step, rank, micro)).backward()
+                with net.no_sync() if micro == 0 else contextlib.nullcontext():
+                    lm_loss(net, tokens(step, rank, micro)).backward()
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
+            if split and wrap:  # (until session 28 the second optimizer was not the wrapper's: not in its no_sync())
+                assert [o for o, _ in net._tritonshard_guards()] == opts
             seen = {k: v.clone() for k, v in model.state_dict().items()}  # (right after step: waits)
             for opt in opts:
                 opt.wait_for_params()
@@ -865,12 +927,14 @@ def _two_optimizers_on_one_model(rank, world_size):
     assert_bitwise_equal(runs[0], runs[1], "two optimizers against one with two groups")
 
 
-def test_two_optimizers_attached_to_one_model_share_no_sync_and_the_read_guards():
+@pytest.mark.parametrize("wrap", [False, True])
+def test_two_optimizers_attached_to_one_model_share_no_sync_and_the_read_guards(wrap):
     """Until session 27 a model's guard was the last attached optimizer's only: ``model.no_sync()`` (accelerate's
     ``accumulate()``) entered that one's, so the other launched its reduction at the first micro-batch's end and
     the second micro-batch was an error; and the model's own reads right after step() waited for one optimizer's
-    all-gathers."""
-    run_on_ranks(_two_optimizers_on_one_model, 2)
+    all-gathers. Wrapped in DDP after attach, until session 28 the wrapper's guard was the first optimizer's only
+    (the one whose forward hook saw it first): the other was outside DDP's ``no_sync()``, the same error."""
+    run_on_ranks(_two_optimizers_on_one_model, 2, wrap)
 
 
 # ---------------------------------------------------------------------------------------------- 6. freezing
@@ -979,6 +1043,27 @@ def test_saving_pickling_and_copying_an_attached_model():
         lm_loss(copied, tokens(7)).backward()  # its hooks are inert: nothing reaches the optimizer
         assert not any(b.has_grads for b in opt.buckets)
     _train(model, opt, steps=1, first_step=1)  # and the original trains on
+
+
+def _first_step_keeps_no_locals(rank, world_size):
+    assert "transformers" in sys.modules  # (where it is, the first step on more than one rank looks for a Trainer)
+    ShardedAdamW([torch.nn.Parameter(torch.ones(3))])  # (not the process's first optimizer: see the README)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=0.1)
+    batch = torch.randn(4, 3).to(torch.bfloat16)
+    model(batch).float().sum().backward()
+    opt.step()
+    refs = weakref.ref(opt), weakref.ref(batch)
+    del opt, batch
+    assert [r() is None for r in refs] == [True, True], "the optimizer and the batch freed by del"
+
+
+def test_the_first_step_keeps_no_copy_of_the_loops_locals():
+    """The first step on more than one rank looks up the stack for a Hugging Face Trainer to hand its callback to.
+    Until session 28 it read each frame's ``f_locals``, which on Python < 3.13 leaves a copy of the frame's locals
+    in it until the frame ends: the loop's first batch, model and optimizer stayed alive for the whole run (a
+    ``del opt`` freed nothing). Only the Trainer's own frames are read now."""
+    run_on_ranks(_first_step_keeps_no_locals, 2)
 
 
 def test_pickling_or_copying_the_optimizer_is_an_error_naming_state_dict():

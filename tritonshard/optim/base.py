@@ -114,7 +114,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
                              partials_multi_launch_spec, shared_sum_sq_workspace)
 from . import graphs as _graphs
 from . import model_sync
-from .bucket import _Bucket, set_grad, split_into_buckets, trace as _trace
+from .bucket import HOLDERS_GONE, _Bucket, set_grad, split_into_buckets, trace as _trace
 from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin, _names
 from .param_steps import ParamStepsMixin
@@ -309,6 +309,9 @@ _EAGER_REASONS = {
     "grads": "tritonshard: opt.zero_grad() runs eagerly under torch.compile: it looks at each param.grad, which "
              "holds tritonshard's placeholder (dynamo cannot wrap it). Under fullgraph=True call it outside the "
              "compiled function",
+    "forward": "tritonshard: an attached model's forward pre-hook runs eagerly under torch.compile where it "
+               "broadcasts rank 0's buffers (a collective, as DDP's own runs outside the graph) or looks at a "
+               "DistributedDataParallel wrapper's parameters (whose placeholder gradients dynamo cannot wrap)",
 }
 
 
@@ -450,6 +453,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                                                    ("norm", _norm_eagerly, ("here", "ranks")),
                                                    ("zero_grad", _zero_grad_eagerly, ("grads",)))
                             for why in whys)
+            # (unbound: a bound method kept in the optimizer made a reference cycle, so `del opt` left it, its hooks
+            # and a DDP wrapper's reduction switched off alive until the garbage collector ran, on each rank when
+            # it did: until session 28)
+            _EAGERLY.update(((name, "forward"), torch.compiler.disable(fn, reason=_EAGER_REASONS["forward"]))
+                            for name, fn in (("buffers", ShardedOptimizer._broadcast_model_buffers),
+                                             ("ddp_forward", ShardedOptimizer._on_ddp_forward)))
         self._init_state_view()
         self._check_params()
 
@@ -2022,10 +2031,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # registered after attach are not broadcast (DDP's list is made at construction too)
         self._buffer_slots = (model, [(m, name) for _, m in model.named_modules() for name in m._buffers])
         self._buffers_seen = None  # (the first training forward broadcasts)
-        # collectives, eager under a compiled model (DDP runs them outside it); wrapped here, not as a decorator,
-        # which would import torch._dynamo with tritonshard (~0.6 s; the first optimizer imports it anyway)
-        self._buffer_sync = torch.compiler.disable(self._broadcast_model_buffers)
-        self._ddp_forward_eager = torch.compiler.disable(self._on_ddp_forward)
         cast_to = self.param_dtype if cast_forward_inputs else None
         handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
         if self.overlap_comm:
@@ -2124,10 +2129,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:
             # (eagerly under a compiled DDP: it looks at the parameters, whose placeholder grads dynamo cannot wrap)
-            (self._ddp_forward_eager if torch.compiler.is_compiling() else self._on_ddp_forward)(ddp)
+            if torch.compiler.is_compiling():
+                _EAGERLY["ddp_forward", "forward"](self, ddp)
+            else:
+                self._on_ddp_forward(ddp)
         if (self._broadcast_buffers and torch.is_grad_enabled() and not self._no_sync_depth
                 and self.world_size * self.replica_size > 1):
-            self._buffer_sync(module)
+            # (a collective: eager under a compiled model, as DDP runs its own outside it)
+            _EAGERLY["buffers", "forward"](self, module)
 
     def _on_ddp_forward(self, ddp) -> None:
         """A forward of ``ddp``, around the attached model: its reduction off (the guard, put on here where it was
@@ -2138,10 +2147,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         done by the optimizer attached last (one per wrapper). Until session 27 they kept each rank's own
         gradient: the replicas of those parameters drifted apart, silently. Nothing to do, and no cost beyond
         this call, for a model that no DDP wraps."""
-        if not isinstance(ddp, model_sync._GuardedModule):
+        guards = ddp._tritonshard_guards() if isinstance(ddp, model_sync._GuardedModule) else ()
+        if not any(opt is self for opt, _ in guards):  # (each optimizer attached to the model: until session 28
+            # the first one's only, so where it was deleted DDP reduced again, beside the others' reduction)
             model_sync.guard_model(ddp, self)  # (its reduction off from here: its flag reads False)
+            guards = ddp._tritonshard_guards()
         model_sync.check_not_joined(ddp)
-        guards = ddp._tritonshard_guards()
         if not guards or guards[-1][0] is not self or not torch.is_grad_enabled() or self._no_sync_depth:
             self._ddp_pending = None
             return
@@ -2151,10 +2162,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """``ddp``'s parameters that no tritonshard optimizer held when first asked (trainable or not), each with a
         hook that queues the end-of-backward callback: found once per wrapper, not per step (~80 us for 300
         parameters on this repo's CPU machine). One of them held since (an optimizer built or a group added over
-        it later) is left out where they are averaged (:meth:`_average_for_ddp`); a holder gone without a
-        successor, its parameters unheld again, is not looked for."""
+        it later) is left out where they are averaged (:meth:`_average_for_ddp`); where a holder has gone since
+        (``del`` of another tritonshard optimizer, a torch.optim one training its parameters from here) they are
+        looked for again (until session 28 not: their gradients stayed each rank's own, silently)."""
         cached = self._ddp_unheld_cache
-        if cached is not None and cached[0]() is ddp:
+        if cached is not None and cached[0]() is ddp  and cached[3] == HOLDERS_GONE[0]:
             return cached[1]
         if cached is not None:
             for handle in cached[2]:
@@ -2162,7 +2174,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         params = model_sync.unheld(model_sync.ddp_params(ddp))
         hook = model_sync.QueueEndOfBackwardHook(self)
         handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-        self._ddp_unheld_cache = (weakref.ref(ddp), params, handles)
+        self._ddp_unheld_cache = (weakref.ref(ddp), params, handles, HOLDERS_GONE[0])
         return params
 
     def _ddp_wants_sync(self, wants: bool) -> None:

@@ -57,6 +57,14 @@ set_grad = torch._C.TensorBase.grad.__set__
 #: :class:`WatchedParameter`, all of them laid out, are.
 OWNER: dict = {}
 
+#: how many buckets have been collected (an optimizer gone, ``del opt``): its parameters are held by none now, so
+#: what was found unheld before (a DDP wrapper's list of parameters to average, ``_ddp_unheld``) is looked for again
+HOLDERS_GONE = [0]
+
+
+def _holder_gone(_ref) -> None:
+    HOLDERS_GONE[0] += 1
+
 
 def _must_look(p: torch.Tensor) -> None:
     """The next step of ``p``'s optimizer must look at the parameters: run eagerly if compiled (see
@@ -189,11 +197,12 @@ class _Bucket:
         #: the optimizer shares one ``step`` among buckets (a param group's, or parameters unfrozen together) and
         #: sets this to the index of the first bucket that shares it (ShardedOptimizer._index_buckets)
         self.counter_index = -1
+        owner = weakref.ref(self, _holder_gone)
         for p, view in zip(params, self.param_buffer.get_views()):
             view.copy_(p.detach())  # round to nearest even, as Tensor.to does
             p.data = alone(view)  # the Parameter object stays (module and optimizer references keep working)
             watch(p)
-            OWNER[id(p)] = weakref.ref(self)
+            OWNER[id(p)] = owner
             set_grad(p, None)
         #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
         self.master_remainder = None

@@ -626,6 +626,8 @@ class _GuardedModule:
 
     def no_sync(self):
         opts = [opt for opt, _ in self._tritonshard_guards()]
+        if not opts and hasattr(super(), "no_sync"):  # (every optimizer gone: a DDP's own, it reduces again)
+            return super().no_sync()
         return opts[0].no_sync() if len(opts) == 1 else _all_no_sync(opts)
 
     def __reduce_ex__(self, protocol):
@@ -669,8 +671,18 @@ class _GuardedDDP(_GuardedModule):
             object.__setattr__(self, "_tritonshard_wants_sync", bool(value))
             for opt, _ in self._tritonshard_guards():
                 opt._ddp_wants_sync(bool(value))
-            value = False
+            return
         super().__setattr__(name, value)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False while a live tritonshard optimizer guards this wrapper; once none does (each one gone: ``del opt``,
+        a torch.optim optimizer training the model from here), what the loop last wrote, so DDP reduces again as
+        it would have without tritonshard. Until session 28 it stayed False: the gradients of the next optimizer
+        were each rank's own, the replicas drifted apart, silently."""
+        if self._tritonshard_guards():
+            return False
+        return self.__dict__.get("_tritonshard_wants_sync", True)
 
     def join_hook(self, **kwargs):
         """DDP's part in ``ddp.join()`` / ``torch.distributed.algorithms.Join([ddp])`` (uneven inputs): refused, on
@@ -761,3 +773,5 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
         # as done: the reducer has nothing to do here
         if getattr(model, "static_graph", False) and hasattr(model, "_static_graph_delay_allreduce_enqueued"):
             model._static_graph_delay_allreduce_enqueued = True
+    elif ddp:  # (one more optimizer guarding it: in the no_sync() its flag says, as the others are)
+        optimizer._ddp_wants_sync(model.__dict__["_tritonshard_wants_sync"])
