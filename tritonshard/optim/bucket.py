@@ -227,6 +227,19 @@ class _Bucket:
         self.launches: dict = {}
         self.ag_work = None         # handle of its in-flight param all-gather
 
+    def __del__(self) -> None:
+        """An optimizer let go of right after ``step()`` with ``overlap_comm`` (``del opt`` at the end of a phase, a
+        torch.optim optimizer training the model from there): its all-gathers were left to the next forward, whose
+        hooks went with it, while the parameters outlive it. Their gathers are waited for here, before anything
+        else can read them (until session 28 a read after the ``del`` saw the last step's weights in some
+        elements, silently)."""
+        work = getattr(self, "ag_work", None)
+        if work is not None:
+            try:
+                work.wait()
+            except Exception:  # (its group destroyed, a peer gone: nothing will land, and a finalizer cannot raise)
+                pass
+
     def wait_gather(self) -> None:
         """Wait for this bucket's in-flight param all-gather (launched by step()), if any."""
         work = self.ag_work
