@@ -1045,6 +1045,49 @@ def test_saving_pickling_and_copying_an_attached_model():
     _train(model, opt, steps=1, first_step=1)  # and the original trains on
 
 
+def _ddp_optimizer_attached_later(rank, world_size, how):
+    """A DDP around the attached model (wrapped after attach), overlap_comm, two micro-batches a step, the first in
+    ``net.no_sync()``; at step 2 a ShardedAdamW attached to the model besides (``"second"``: over the biases, which
+    nothing trained until then) or instead of the first (``"rebuilt"``: over every parameter, the old one kept by
+    its LR scheduler, so retired, not deleted). Against the same loop without DDP (``model.no_sync()``)."""
+    runs = []
+    for ddp_wrapped in (True, False):
+        model, mats, rest = _split_net()
+        opt = ShardedAdamW(mats if how == "second" else model.parameters(), lr=1e-2, overlap_comm=True)
+        opt.attach(model)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # (keeps a rebuilt one's old one alive)
+        opts = [opt]
+        net = torch.nn.parallel.DistributedDataParallel(model) if ddp_wrapped else model
+        for step in range(4):
+            if step == 2:
+                if how == "rebuilt":
+                    opts = []
+                opts.append(ShardedAdamW(rest if how == "second" else model.parameters(), lr=1e-2, overlap_comm=True))
+                opts[-1].attach(model)
+            for micro in range(2):
+                with net.no_sync() if micro == 0 else contextlib.nullcontext():
+                    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                    net(x.to(torch.bfloat16)).float().square().mean().backward()
+            for o in opts:
+                o.step()
+            if opts[0] is opt:
+                sched.step()
+            model.zero_grad()
+        for o in opts:
+            o.wait_for_params()
+        runs.append(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]))
+    assert_bitwise_equal(runs[0], runs[1], f"weights under DDP with a {how} optimizer attached after its first forward")
+
+
+@pytest.mark.parametrize("how", ["second", "rebuilt"])
+def test_ddp_an_optimizer_attached_after_its_first_forward_is_in_its_no_sync(how):
+    """Until session 28 the DDP wrapper's guard took an optimizer attached after its first forward in at the next
+    forward only, so the ``net.no_sync()`` entered before it left that optimizer reducing (an error at the second
+    micro-batch with ``overlap_comm``), and an optimizer retired by a new one built over its parameters stayed in
+    it: ``net.no_sync()`` entered the retired one's."""
+    run_on_ranks(_ddp_optimizer_attached_later, 2, how)
+
+
 def _deleted_right_after_step(rank, world_size):
     ShardedAdamW([torch.nn.Parameter(torch.ones(3))])  # (not the process's first optimizer: see the README)
     runs = []

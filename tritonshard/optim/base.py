@@ -716,7 +716,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 model, handles = other._attached
                 for handle in handles:
                     handle.remove()
-                for module in model.modules():
+                around = model_sync.ddp_around(model)  # (a DDP's guard too: its no_sync() and its average)
+                for module in [*model.modules(), *([around] if around is not None else [])]:
                     guarding = module.__dict__.get("_tritonshard_guarding")
                     if guarding:
                         object.__setattr__(module, "_tritonshard_guarding",
@@ -2039,6 +2040,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         handles += self._attach_buckets(model, self.buckets)
         self._attached = (model, handles)
         self._attach_options = options
+        ddp = model_sync.ddp_around(model)
+        if ddp is not None:  # (a DDP guarded around it already, for another optimizer: this one's too from here, in
+            # the no_sync() it is in; until session 28 only from its next forward, so a ddp.no_sync() entered
+            # before that left this optimizer out, an error at the next micro-batch with overlap_comm)
+            model_sync.guard_model(ddp, self)
         return handles
 
     def _attach_buckets(self, model: torch.nn.Module, buckets: list) -> list:

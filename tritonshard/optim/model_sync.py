@@ -742,6 +742,16 @@ def _rebuild_module(cls, state):
 
 _GUARDED_CLASSES: dict[tuple, type] = {}
 
+#: an attached model -> a weak reference to the DistributedDataParallel guarded around it (not one of the model's
+#: modules): an optimizer attached to the model later guards it at once, one retired leaves its guards
+_DDP_AROUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ddp_around(model: torch.nn.Module):
+    """The guarded ``DistributedDataParallel`` around ``model`` (an attached model), or None."""
+    ref = _DDP_AROUND.get(model)
+    return ref() if ref is not None else None
+
 
 def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = None, attributes: bool = False) -> None:
     """Swap ``model``'s class for a guarded subclass of it (same name, ``isinstance`` still holds) whose read and
@@ -765,6 +775,8 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
     guarding = [(ref, i) for ref, i in model.__dict__.get("_tritonshard_guarding", ())
                 if ref() is not None and ref() is not optimizer]
     object.__setattr__(model, "_tritonshard_guarding", tuple(guarding) + ((weakref.ref(optimizer), indices),))
+    if ddp:
+        _DDP_AROUND[model.module] = weakref.ref(model)
     if ddp and "_tritonshard_wants_sync" not in model.__dict__:
         model.require_backward_grad_sync = model.__dict__.get("require_backward_grad_sync", True)
         # static_graph=True: DDP's first backward would run its reducer's delayed all-reduce whatever the flag says
