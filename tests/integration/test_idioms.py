@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import os
 import pickle
@@ -1086,6 +1087,29 @@ def test_ddp_an_optimizer_attached_after_its_first_forward_is_in_its_no_sync(how
     micro-batch with ``overlap_comm``), and an optimizer retired by a new one built over its parameters stayed in
     it: ``net.no_sync()`` entered the retired one's."""
     run_on_ranks(_ddp_optimizer_attached_later, 2, how)
+
+
+def test_an_optimizer_let_go_of_between_backward_and_step_leaves_an_error_naming_that():
+    """The gradients of a backward live in the optimizer's buffers; let go of before its step(), it takes them
+    along, and what reads ``param.grad`` next (a torch.optim optimizer's step) raises saying so (until session 28
+    the message blamed a DistributedDataParallel wrapper). Zeroed, the next backward trains as usual."""
+    model, _, _ = _split_net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    opt.attach(model)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    model(x).float().square().mean().backward()
+    del opt
+    gc.collect()  # (the test's first optimizer may be held by a cycle until a collection: see the README)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"optimizer that held it is gone.*model\.zero_grad\(\)"):
+        sgd.step()
+    model.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    sgd.step()
+    for p, b, g in zip(model.parameters(), before, grads):
+        assert_bitwise_equal(p.detach(), b - 0.1 * g, "SGD's step after the backward run again")
 
 
 def _deleted_right_after_step(rank, world_size):

@@ -531,6 +531,11 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
     name = placeholder._name if placeholder is not None else "a parameter"
     where = (f"tritonshard: {what} on the gradient of {name}: after backward, tritonshard keeps gradients in its "
              "sharded buffers and param.grad is a placeholder without storage.")
+    if placeholder is not None and placeholder._optimizer() is None:
+        return RuntimeError(
+            where + " The tritonshard optimizer that held it is gone (let go of between the backward and its step()), "
+                    "and the gradient went with its buffers. Call step() of the old optimizer before letting it go, or "
+                    "zero the gradients (model.zero_grad()) and run the backward again with the new optimizer.")
     if torch.compiler.is_compiling():
         return RuntimeError(
             where + " torch.compile is tracing code that reads param.grad, and dynamo cannot wrap the placeholder: "
