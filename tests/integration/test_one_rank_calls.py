@@ -79,6 +79,39 @@ def test_a_collective_called_on_one_rank_is_an_error_on_every_rank(tmp_path):
     run_on_ranks(_one_rank_calls, 2, str(tmp_path))
 
 
+def _zero_redundancy_save(rank, world_size, tmp):
+    """ZeroRedundancyOptimizer's saving idiom: ``consolidate_state_dict(to=1)`` on every rank, then ``state_dict()``
+    on rank 1 alone, saved; every rank loads it into a fresh optimizer and trains on: bit for bit the run that
+    was not interrupted."""
+    path = os.path.join(tmp, "opt.pt")
+    runs = []
+    for resume in (False, True):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        opt.attach(model)
+        for step in range(4):
+            if resume and step == 2:
+                opt.consolidate_state_dict(to=1)
+                if rank == 1:
+                    torch.save({"opt": opt.state_dict(), "model": model.state_dict()}, path)
+                torch.distributed.barrier()
+                saved = torch.load(path)
+                model = tiny_llama(1)  # other weights: everything comes from the file
+                model.load_state_dict(saved["model"])
+                opt = ShardedAdamW(model.parameters(), lr=3e-3)
+                opt.attach(model)
+                opt.load_state_dict(saved["opt"])
+            _step(model, opt, rank, step)
+        runs.append(flat_weights(model))
+    assert_bitwise_equal(runs[1], runs[0], "resumed from consolidate_state_dict(to=1) + state_dict() on rank 1")
+    with pytest.raises(ValueError, match=r"consolidate_state_dict\(to=2\).*\[0, 2\)"):
+        opt.consolidate_state_dict(to=2)
+
+
+def test_zero_redundancy_optimizers_consolidate_state_dict_then_save_on_one_rank(tmp_path):
+    run_on_ranks(_zero_redundancy_save, 2, str(tmp_path))
+
+
 def _logged_norm_on_rank_0(rank, world_size):
     """The reduction on rank 0 (grad_norm() for a log line) pairs with rank 1's in step(): this keeps working, and
     trains exactly as when every rank asks."""

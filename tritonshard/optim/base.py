@@ -2172,7 +2172,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (``del`` of another tritonshard optimizer, a torch.optim one training its parameters from here) they are
         looked for again (until session 28 not: their gradients stayed each rank's own, silently)."""
         cached = self._ddp_unheld_cache
-        if cached is not None and cached[0]() is ddp  and cached[3] == HOLDERS_GONE[0]:
+        if cached is not None and cached[0]() is ddp and cached[3] == HOLDERS_GONE[0]:
             return cached[1]
         if cached is not None:
             for handle in cached[2]:

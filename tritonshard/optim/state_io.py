@@ -109,6 +109,17 @@ class StateDictMixin:
         if keep:
             self._prepared_state = (self._param_version_key(), gathered)
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """``torch.distributed.optim.ZeroRedundancyOptimizer``'s way to save a sharded optimizer, for loops written
+        for it: every rank calls this (a collective), then the process of global rank ``to`` calls
+        ``state_dict()`` alone (``if rank == 0: torch.save(opt.state_dict(), path)``). It is
+        :meth:`prepare_state_dict` with ``keep`` on rank ``to`` only. Unlike ZeroRedundancyOptimizer, a
+        ``state_dict()`` on the other ranks is not an error: called on all of them, it is the usual collective."""
+        if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < comm.group_size():
+            raise ValueError(f"consolidate_state_dict(to={to!r}): to is the global rank of the process that will "
+                             f"call state_dict(), an int in [0, {comm.group_size()})")
+        self.prepare_state_dict(keep=comm.group_rank() == to)
+
     def _prepared_fits(self) -> bool:
         """Whether :meth:`prepare_state_dict` left a state that still holds (no step, load or weight write since):
         ``state_dict()`` then returns it without communicating."""
