@@ -756,13 +756,14 @@ def test_ddp_parameters_taken_over_by_a_tritonshard_optimizer_later_are_its_own_
     run_on_ranks(_ddp_rest_taken_over_later, 2)
 
 
-def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap):
+def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap, static_graph=False):
     """A tritonshard optimizer trains part of a DDP model (``gone="rest"``: the biases, beside another one over the
     matrices) or all of it (``"all"``) for two steps and is deleted; torch.optim.SGD trains those parameters from
     there, against the same loop without DDP, their gradients averaged by hand; two micro-batches a step, the
     first in ``net.no_sync()``. ``del`` alone frees the optimizer
     (checked): no reference cycle keeps it, and its hooks, alive until a collection, which ranks run at times of
-    their own."""
+    their own. ``static_graph``: DDP(static_graph=True), whose reducer took the first backwards, run while the
+    optimizer reduced, for its own first iteration: an error at its next forward, then a new DDP trains on."""
     ShardedAdamW([torch.nn.Parameter(torch.ones(3))])  # (not the process's first: see the README's row)
     runs = []
     for ddp_wrapped in (True, False):
@@ -772,7 +773,7 @@ def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap):
         opt.attach(model)
         if kept is not None:
             kept.attach(model)
-        net = torch.nn.parallel.DistributedDataParallel(model) if ddp_wrapped else model
+        net = torch.nn.parallel.DistributedDataParallel(model, static_graph=static_graph) if ddp_wrapped else model
         trained_by_sgd = rest if gone == "rest" else list(model.parameters())
         for step in range(5):
             if step == 2:
@@ -781,8 +782,18 @@ def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap):
                 del opt
                 assert gone_ref() is None, "del opt frees the optimizer"
                 opt = torch.optim.SGD(trained_by_sgd, lr=0.1, momentum=0.9)
-            for micro in range(2):  # (the first in net.no_sync(): DDP's own once every optimizer is gone)
-                with net.no_sync() if micro == 0 else contextlib.nullcontext():
+                if ddp_wrapped and static_graph:
+                    with pytest.raises(RuntimeError, match=r"static_graph=True.*skip the all-reduce.*new Dist"):
+                        net(torch.zeros(1, 5, dtype=torch.bfloat16))
+                    old = weakref.ref(net)
+                    net = torch.nn.parallel.DistributedDataParallel(model, static_graph=True)
+                    gc.collect()  # (the error's traceback held the old one, whose reducer's hooks are on the weights)
+                    assert old() is None
+            # (the first in net.no_sync(): DDP's own once every optimizer is gone; one with static_graph, whose
+            # first iteration in no_sync() is torch's INTERNAL ASSERT, tritonshard or not)
+            micros = 1 if static_graph else 2
+            for micro in range(micros):
+                with net.no_sync() if micro < micros - 1 else contextlib.nullcontext():
                     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
                     net(x.to(torch.bfloat16)).float().square().mean().backward()
             if step >= 2 and not ddp_wrapped:
@@ -802,13 +813,15 @@ def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap):
     assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas stay equal, as under DDP"
 
 
-@pytest.mark.parametrize("gone,overlap", [("all", False), ("all", True), ("rest", True)])
-def test_ddp_averages_again_what_a_deleted_tritonshard_optimizer_held(gone, overlap):
+@pytest.mark.parametrize("gone,overlap,static_graph", [("all", False, False), ("all", True, False),
+                                                       ("rest", True, False), ("all", False, True)])
+def test_ddp_averages_again_what_a_deleted_tritonshard_optimizer_held(gone, overlap, static_graph):
     """Until session 28 a deleted optimizer's parameters kept each rank's own gradient under DDP, silently: its
     guard left the wrapper's reduction off for good (``"all"``), and a surviving optimizer's list of the
     parameters to average was found once, while the deleted one still held them (``"rest"``). And ``del`` did not
-    free an attached optimizer (bound methods of its own kept in it), so its hooks ran on until a collection."""
-    run_on_ranks(_ddp_after_an_optimizer_is_gone, 2, gone, overlap)
+    free an attached optimizer (bound methods of its own kept in it), so its hooks ran on until a collection.
+    With ``static_graph=True`` DDP resumed skipping its all-reduces from its second iteration on, silently."""
+    run_on_ranks(_ddp_after_an_optimizer_is_gone, 2, gone, overlap, static_graph)
 
 
 class _TwoHeads(torch.nn.Module):

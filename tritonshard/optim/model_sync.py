@@ -687,6 +687,8 @@ class _GuardedDDP(_GuardedModule):
         were each rank's own, the replicas drifted apart, silently."""
         if self._tritonshard_guards():
             return False
+        if self.__dict__.get("_tritonshard_marked_static"):
+            raise RuntimeError(DDP_STATIC_GRAPH_ORPHANED)
         return self.__dict__.get("_tritonshard_wants_sync", True)
 
     def join_hook(self, **kwargs):
@@ -697,6 +699,15 @@ class _GuardedDDP(_GuardedModule):
         entered (wrapped after ``attach``) raises it at its first forward (``check_not_joined``)."""
         raise RuntimeError(DDP_JOIN_REFUSED)
 
+
+#: a DDP(static_graph=True) whose first iterations ran under the guard, every tritonshard optimizer gone since
+DDP_STATIC_GRAPH_ORPHANED = (
+    "DistributedDataParallel(static_graph=True) around this model ran its first iterations while a tritonshard "
+    "optimizer reduced the gradients, and no tritonshard optimizer is attached to it any more, so DDP would reduce "
+    "again; but its reducer took those backwards for its own first iteration (static_graph counts the gradient "
+    "hooks there) and would skip the all-reduce from its second one on, silently. Wrap the model in a new "
+    "DistributedDataParallel (DistributedDataParallel(ddp.module, static_graph=True)), or keep a tritonshard "
+    "optimizer attached to it.")
 
 #: ddp.join() refused: why, and the way out
 DDP_JOIN_REFUSED = (
@@ -780,15 +791,18 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
     guarding = [(ref, i) for ref, i in model.__dict__.get("_tritonshard_guarding", ())
                 if ref() is not None and ref() is not optimizer]
     object.__setattr__(model, "_tritonshard_guarding", tuple(guarding) + ((weakref.ref(optimizer), indices),))
-    if ddp:
-        _DDP_AROUND[model.module] = weakref.ref(model)
-    if ddp and "_tritonshard_wants_sync" not in model.__dict__:
+    if not ddp:
+        return
+    _DDP_AROUND[model.module] = weakref.ref(model)
+    if "_tritonshard_wants_sync" not in model.__dict__:
         model.require_backward_grad_sync = model.__dict__.get("require_backward_grad_sync", True)
-        # static_graph=True: DDP's first backward would run its reducer's delayed all-reduce whatever the flag says
-        # (queued by the _DDPSink its forward puts on the outputs until then), reading param.grad from C++, which
-        # tritonshard's placeholders refuse (until session 27 an error, before it torch's INTERNAL ASSERT). Marked
-        # as done: the reducer has nothing to do here
-        if getattr(model, "static_graph", False) and hasattr(model, "_static_graph_delay_allreduce_enqueued"):
-            model._static_graph_delay_allreduce_enqueued = True
-    elif ddp:  # (one more optimizer guarding it: in the no_sync() its flag says, as the others are)
+    else:  # (one more optimizer guarding it: in the no_sync() its flag says, as the others are)
         optimizer._ddp_wants_sync(model.__dict__["_tritonshard_wants_sync"])
+    # static_graph=True: DDP's first backward would run its reducer's delayed all-reduce whatever the flag says
+    # (queued by the _DDPSink its forward puts on the outputs until then), reading param.grad from C++, which
+    # tritonshard's placeholders refuse (until session 27 an error, before it torch's INTERNAL ASSERT). Marked as
+    # done (the reducer has nothing to do here); where the guard goes, this wrapper cannot reduce again
+    # (DDP_STATIC_GRAPH_ORPHANED: until session 28 silently skipped all-reduces)
+    if getattr(model, "static_graph", False) and getattr(model, "_static_graph_delay_allreduce_enqueued", True) is False:
+        model._static_graph_delay_allreduce_enqueued = True
+        object.__setattr__(model, "_tritonshard_marked_static", True)
