@@ -803,6 +803,6 @@ def guard_model(model: torch.nn.Module, optimizer, buckets: Optional[tuple] = No
     # tritonshard's placeholders refuse (until session 27 an error, before it torch's INTERNAL ASSERT). Marked as
     # done (the reducer has nothing to do here); where the guard goes, this wrapper cannot reduce again
     # (DDP_STATIC_GRAPH_ORPHANED: until session 28 silently skipped all-reduces)
-    if getattr(model, "static_graph", False) and getattr(model, "_static_graph_delay_allreduce_enqueued", True) is False:
+    if getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True):
         model._static_graph_delay_allreduce_enqueued = True
         object.__setattr__(model, "_tritonshard_marked_static", True)
