@@ -760,9 +760,8 @@ def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap, static_grap
     """A tritonshard optimizer trains part of a DDP model (``gone="rest"``: the biases, beside another one over the
     matrices) or all of it (``"all"``) for two steps and is deleted; torch.optim.SGD trains those parameters from
     there, against the same loop without DDP, their gradients averaged by hand; two micro-batches a step, the
-    first in ``net.no_sync()``. ``del`` alone frees the optimizer
-    (checked): no reference cycle keeps it, and its hooks, alive until a collection, which ranks run at times of
-    their own. ``static_graph``: DDP(static_graph=True), whose reducer took the first backwards, run while the
+    first in ``net.no_sync()``. ``del`` alone frees the optimizer (checked): no reference cycle keeps it, and its
+    hooks, alive until a collection, which ranks run at times of their own. ``static_graph``: DDP(static_graph=True), whose reducer took the first backwards, run while the
     optimizer reduced, for its own first iteration: an error at its next forward, then a new DDP trains on."""
     ShardedAdamW([torch.nn.Parameter(torch.ones(3))])  # (not the process's first: see the README's row)
     runs = []
