@@ -63,10 +63,11 @@ def adopt_trainer(opt: ShardedOptimizer, max_frames: int = 24) -> bool:
     for _ in range(max_frames):
         if frame is None:
             return False
-        # (the Trainer's own frames only: on Python < 3.13 reading a frame's f_locals leaves a copy of its locals
-        # in it until it ends, so the loop's frames kept their first step's batch, model and optimizer: a `del
-        # opt` freed nothing until session 28)
-        trainer = frame.f_locals.get("self") if frame.f_globals.get("__name__") == "transformers.trainer" else None
+        # (the frames of transformers and of libraries built on its Trainer only: on Python < 3.13 reading a
+        # frame's f_locals leaves a copy of its locals in it until it ends, so the user's loop's frames kept their
+        # first step's batch, model and optimizer: a `del opt` freed nothing until session 28)
+        module = frame.f_globals.get("__name__") or ""
+        trainer = frame.f_locals.get("self") if module.startswith(("transformers.", "trl.")) else None
         if isinstance(trainer, Trainer):
             if not any(isinstance(cb, ShardedOptimizerCallback) for cb in trainer.callback_handler.callbacks):
                 trainer.add_callback(ShardedOptimizerCallback())
