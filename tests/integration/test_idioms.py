@@ -1101,6 +1101,33 @@ def test_ddp_an_optimizer_attached_after_its_first_forward_is_in_its_no_sync(how
     run_on_ranks(_ddp_optimizer_attached_later, 2, how)
 
 
+def _two_losses_backpropagated_one_by_one(overlap: bool, first_in_no_sync: bool) -> torch.Tensor:
+    model, _, _ = _split_net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+    opt.attach(model)
+    for step in range(3):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        hidden = model[:2](x)
+        with opt.no_sync() if first_in_no_sync else contextlib.nullcontext():
+            hidden.float().abs().mean().backward(retain_graph=True)  # (an auxiliary loss on the hidden layer)
+        model[2](hidden).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def test_several_backward_calls_in_one_step_with_overlap_say_how_to_run_them():
+    """Two losses backpropagated one by one (retain_graph=True): without overlap_comm as torch.optim (their sum);
+    with it, the first backward launched the reduction, and the second one's gradients are an error whose text
+    (until session 28 about accumulation only) names this case; its way out trains bit for bit as without."""
+    want = _two_losses_backpropagated_one_by_one(overlap=False, first_in_no_sync=False)
+    with pytest.raises(RuntimeError, match=r"several backward\(\) calls.*retain_graph=True"):
+        _two_losses_backpropagated_one_by_one(overlap=True, first_in_no_sync=False)
+    assert_bitwise_equal(_two_losses_backpropagated_one_by_one(overlap=True, first_in_no_sync=True), want,
+                         "the first backward in opt.no_sync()")
+
+
 def test_an_optimizer_let_go_of_between_backward_and_step_leaves_an_error_naming_that():
     """The gradients of a backward live in the optimizer's buffers; let go of before its step(), it takes them
     along, and what reads ``param.grad`` next (a torch.optim optimizer's step) raises saying so (until session 28

@@ -1367,8 +1367,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if b.rs_launched:
             raise RuntimeError(
                 f"gradients for bucket {b.index} arrived after its reduce-scatter was launched: with "
-                "overlap_comm=True, run every backward of an accumulation but the last inside opt.no_sync() (with "
-                "a reentrant activation checkpoint, also call opt.attach(model))")
+                "overlap_comm=True, run every backward of an accumulation but the last inside opt.no_sync(), also "
+                "where one step has several backward() calls (losses backpropagated one by one, retain_graph=True) "
+                "(with a reentrant activation checkpoint, also call opt.attach(model))")
         self._after_last_step_readers()
         if not b.has_grads and len(pending) < len(b.params):
             for p, view in zip(b.params, b.grad_buffer.get_views()):  # (a marker's part of the buffer still holds
