@@ -641,6 +641,13 @@ def _split_net() -> tuple:
     return model, [p for p in model.parameters() if p.dim() == 2], [p for p in model.parameters() if p.dim() != 2]
 
 
+def _average_by_hand(params: list, world_size: int) -> None:
+    """The gradients of ``params`` averaged as DDP's reducer does: multiplied by 1 / world size in their dtype, then
+    summed over the ranks (the reference the DDP tests compare with)."""
+    for p in params:
+        dist.all_reduce(p.grad.mul_(1.0 / world_size))
+
+
 def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, accumulate, compiled=False,
                                             static_graph=False):
     """ShardedAdamW over the matrices (attached), torch.optim.SGD(momentum) over the biases, the model wrapped in
@@ -681,9 +688,7 @@ def _ddp_with_a_torch_optimizer_for_the_rest(rank, world_size, overlap, wrap, ac
                 with context:
                     net(x).float().square().mean().backward()
             if not ddp_wrapped:
-                for p in rest:
-                    p.grad.mul_(1.0 / world_size)
-                    dist.all_reduce(p.grad)
+                _average_by_hand(rest, world_size)
             grads.append(torch.cat([p.grad.float().reshape(-1) for p in rest]))  # (a log line of them)
             opt.step()
             other.step()
@@ -739,8 +744,7 @@ def _ddp_rest_taken_over_later(rank, world_size):
             net(x).float().square().mean().backward()
             if sgd is not None:
                 if not ddp_wrapped:
-                    for p in rest:
-                        dist.all_reduce(p.grad.mul_(1.0 / world_size))
+                    _average_by_hand(rest, world_size)
                 sgd.step()
                 sgd.zero_grad()
             for opt in opts:
@@ -796,8 +800,7 @@ def _ddp_after_an_optimizer_is_gone(rank, world_size, gone, overlap, static_grap
                     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
                     net(x.to(torch.bfloat16)).float().square().mean().backward()
             if step >= 2 and not ddp_wrapped:
-                for p in trained_by_sgd:
-                    dist.all_reduce(p.grad.mul_(1.0 / world_size))
+                _average_by_hand(trained_by_sgd, world_size)
             opt.step()
             opt.zero_grad()
             if kept is not None:

@@ -644,7 +644,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # reduction is off: _before_model_forward); the DDP whose such parameters have our hook, and the handles
         self._ddp_pending = None
         #: (weak ref to the DDP, its parameters no tritonshard optimizer held then, the handles of our hooks on
-        #: them): :meth:`_ddp_unheld`'s cache
+        #: them, bucket.HOLDERS_GONE then): :meth:`_ddp_unheld`'s cache
         self._ddp_unheld_cache: Optional[tuple] = None
         self._in_ddp_no_sync = False  # its require_backward_grad_sync set False: one level of _no_sync_depth
         # overlap_comm + attach: whether a submodule was set in a guarded module since the last look

@@ -233,12 +233,10 @@ class _Bucket:
         hooks went with it, while the parameters outlive it. Their gathers are waited for here, before anything
         else can read them (until session 28 a read after the ``del`` saw the last step's weights in some
         elements, silently)."""
-        work = getattr(self, "ag_work", None)
-        if work is not None:
-            try:
-                work.wait()
-            except Exception:  # (its group destroyed, a peer gone: nothing will land, and a finalizer cannot raise)
-                pass
+        try:
+            self.wait_gather()
+        except Exception:  # (its group destroyed, a peer gone: nothing will land; a bucket built part way; and a
+            pass           # finalizer cannot raise)
 
     def wait_gather(self) -> None:
         """Wait for this bucket's in-flight param all-gather (launched by step()), if any."""
