@@ -22,11 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+#: the pages the README links to for the details: their commands are checked as the README's are
+DOCS = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 MAKE_SCRIPTS = {"train": "examples/train_gpt.py", "train-hf": "examples/train_hf.py"}  # what TRAIN_ARGS reach
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.S | re.M)
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
 
 
 def _python_blocks() -> tuple[list[str], list[str]]:
@@ -75,13 +77,14 @@ def test_the_buffer_quickstart_runs_under_torchrun(tmp_path):
 # ---------------------------------------------------------------------------------------------- commands
 def _commands() -> list[str]:
     found = []
-    for block in _blocks("bash"):
-        for line in block.splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith(("make ", "python -m ", "torchrun ")):
-                found.append(line)
-    for inline in re.findall(r"`((?:make|python -m|torchrun) [^`]+)`", README):
-        found.append(inline)
+    for text in (README, *DOCS.values()):
+        for block in _blocks("bash", text):
+            for line in block.splitlines():
+                line = line.split("  #")[0].strip()
+                if line.startswith(("make ", "python -m ", "torchrun ")):
+                    found.append(line)
+        for inline in re.findall(r"`((?:make|python -m|torchrun) [^`]+)`", text):
+            found.append(" ".join(inline.split()))  # (an inline command may wrap across lines)
     return sorted(set(found))
 
 
@@ -141,3 +144,32 @@ def test_every_command_in_the_readme_exists_with_the_flags_it_shows():
             elif j and args[j - 1].startswith("--") and re.fullmatch(r"[a-z][a-z0-9_-]*", arg):
                 # a word value (a choice); placeholders are upper case (DIR, N), numbers are not checked
                 assert re.search(rf"\b{re.escape(arg)}\b", text), f"`{cmd}`: {args[j - 1]} {arg} is not in:\n{text}"
+
+
+# ---------------------------------------------------------------------------------------------- links
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_readme_and_its_pages_resolves():
+    """The README keeps the summary and links to docs/ for the details (session 29 moved them there): a link to a
+    file that is not there, or to a heading that was renamed, would leave a reader at a dead end."""
+    pages = {"README.md": README, **DOCS}
+    checked = 0
+    for name, text in pages.items():
+        here = (ROOT / name).parent
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (here / path).resolve() if path else ROOT / name
+            assert file.exists(), f"{name}: the link {target!r} points to {file}, which does not exist"
+            if anchor:
+                headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+                assert anchor in {_anchor(h) for h in headings}, f"{name}: no heading for #{anchor} in {file.name}"
+            checked += 1
+    assert checked >= 10, checked  # the README links to each page of docs/, and each page back to it
+    for page in DOCS:
+        if page.endswith(".md"):
+            assert f"({page})" in README, f"README.md does not link to {page}"
