@@ -337,6 +337,45 @@ def test_model_zero_grad_between_backward_and_step_discards_the_gradients():
     assert_bitwise_equal(only_second, opt2.grad_norm(), "grad norm after model.zero_grad() and a new backward")
 
 
+def _autograd_grad_run(call: str | None, overlap: bool) -> tuple[list, list]:
+    """Two steps of SGD with momentum (its update scales with the clip coefficient, where AdamW's would hide a
+    missing clip), two micro-batches each, torch's clip over ``model.parameters()``. ``call``: where a
+    ``torch.autograd.grad`` over the parameters runs (a metric's gradient, a meta-learning inner step, a
+    gradient-penalty term), which leaves ``param.grad`` as it is."""
+    model = tiny_gpt2(0)
+    opt = ShardedSGD(model.parameters(), lr=0.1, momentum=0.9, overlap_comm=overlap)
+    opt.attach(model)
+    norms = []
+    for step in range(2):
+        for micro in range(2):
+            with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                lm_loss(model, tokens(2 * step + micro)).backward()
+            if call == f"after micro-batch {micro}":
+                grads = torch.autograd.grad(lm_loss(model, tokens(9)), list(model.parameters()))
+                assert all(g is not None and g.abs().sum() > 0 for g in grads)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("call", ["after micro-batch 0", "after micro-batch 1"])
+def test_torch_autograd_grad_over_the_parameters_between_backward_and_step_changes_nothing(call, overlap):
+    """torch.autograd.grad(loss, params) computes gradients without accumulating them into param.grad. Until
+    session 29 it removed tritonshard's placeholders from param.grad (the hook that does so before a backward
+    accumulates ran for it too), so torch's clip after it found no gradients, returned 0 and clipped nothing:
+    other weights, silently. Now the loop trains bit for bit as without the call."""
+    norms, weights = _autograd_grad_run(call, overlap)
+    ref_norms, ref_weights = _autograd_grad_run(None, overlap)
+    for step, (a, b) in enumerate(zip(norms, ref_norms)):
+        assert float(b) > 0.05  # the clip clips
+        assert_bitwise_equal(a, b, f"torch's clip norm at step {step}, autograd.grad {call}")
+    for a, b in zip(weights, ref_weights):
+        assert_bitwise_equal(a, b, f"weights, autograd.grad {call}")
+
+
 # ---------------------------------------------------------------------------------------------- 4. reads after step
 class _PeftStyle(torch.nn.Module):
     """The shape of PEFT's wrappers: PeftModel.base_model (LoraModel).model (the user's model); forward delegates."""

@@ -668,6 +668,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._clamped = False  # clip_grad_value_ clamped this step's reduced gradients (the reduction's sum_sq is stale)
         self._state_exposed = False
         self._hooks: list = []
+        self._grad_accumulators: list = []  # the parameters' AccumulateGrad nodes, alive with their pre-hooks
         # every structure derived from the buckets (norm workspace, lookups, launch order and plans, the model's
         # view), rebuilt for the new buckets by add_param_group after construction
         self._index_buckets(self.buckets, range(len(self.param_groups)))
@@ -711,7 +712,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             other.wait_for_params()
             for handle in other._hooks:
                 handle.remove()
-            other._hooks = []
+            other._hooks, other._grad_accumulators = [], []
             if other._attached is not None:
                 model, handles = other._attached
                 for handle in handles:
@@ -962,7 +963,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 p.requires_grad_(True)  # for when it is unfrozen
             try:
                 self._hooks.append(p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)))
-                self._hooks.append(p.register_hook(model_sync.ClearPlaceholderHook(self, p)))
+                # the placeholder goes in a pre-hook of the parameter's AccumulateGrad node, which runs only where
+                # a backward accumulates into param.grad: a tensor hook runs in torch.autograd.grad(loss, params)
+                # too, which leaves param.grad as it is (until session 29 that removed the placeholder, so torch's
+                # clip after such a call found no gradients and returned 0, silently). The node lives while a
+                # reference holds it, and its hooks with it: the optimizer holds it, as DDP's reducer does.
+                accumulator = model_sync.grad_accumulator(p)
+                self._grad_accumulators.append(accumulator)
+                self._hooks.append(accumulator.register_prehook(model_sync.ClearPlaceholderHook(self, p)))
             finally:
                 if frozen:
                     p.requires_grad_(False)

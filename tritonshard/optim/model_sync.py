@@ -59,10 +59,18 @@ class GradReadyHook(_OptimizerRef):
             opt._on_grad_ready(param)
 
 
+def grad_accumulator(param: torch.Tensor):
+    """The AccumulateGrad node of a leaf tensor that requires grad (``torch.autograd.graph.get_gradient_edge``'s,
+    which needs grad mode, also where the optimizer is built under ``no_grad()`` or ``inference_mode()``)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return torch.autograd.graph.get_gradient_edge(param).node
+
+
 class ClearPlaceholderHook(_OptimizerRef):
-    """Tensor hook on a parameter, run before autograd accumulates a new gradient into ``param.grad``: a
-    :class:`ShardedGrad` there (the previous micro-batch's gradient, already in the grad buffer) is removed, so
-    autograd stores the new gradient instead of accumulating into a placeholder."""
+    """Pre-hook of a parameter's AccumulateGrad node, run before autograd accumulates a new gradient into
+    ``param.grad`` (and only then: not in ``torch.autograd.grad``): a :class:`ShardedGrad` there (the previous
+    micro-batch's gradient, already in the grad buffer) is removed, so autograd stores the new gradient instead of
+    accumulating into a placeholder."""
 
     def __init__(self, optimizer, param):
         super().__init__(optimizer)
@@ -71,7 +79,7 @@ class ClearPlaceholderHook(_OptimizerRef):
     def __getstate__(self):
         return {"_ref": None, "_param": None}
 
-    def __call__(self, grad):
+    def __call__(self, grad_outputs):
         opt, param = self.optimizer(), self._param() if self._param is not None else None
         if opt is not None and param is not None:
             opt._take_placeholder(param)
