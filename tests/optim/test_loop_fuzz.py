@@ -211,6 +211,17 @@ class TrainingLoop(RuleBasedStateMachine):
         self.launched, self.by_hand, self.clipped = self.overlap and sync, False, None  # (a clip without gradients:
         #                                                                        the backward's are not clipped)
 
+    @rule(heads=st.sets(st.sampled_from(HEADS), min_size=1))
+    def autograd_grad(self, heads):
+        """``torch.autograd.grad`` over the parameters (a metric's gradient, a meta-learning inner step): it
+        computes gradients without accumulating them, so ``param.grad`` and everything after it stay as they are,
+        and the reference does nothing. (Until session 29 it took tritonshard's placeholders out of param.grad, so
+        a clip after it found no gradients.)"""
+        x = torch.randn(5, 7, generator=torch.Generator().manual_seed(10_000 + self.batch))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(self.model.loss(x, sorted(heads)), params, allow_unused=True)
+        assert any(g is not None for g in grads)
+
     # (a second clip in a step clips the gradients the first one clipped, as torch's does: until session 26 ours
     # computed its coefficient from the unclipped ones, and torch's after ours clipped twice over)
     @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), how=st.sampled_from(["opt", "torch"]))
