@@ -268,6 +268,58 @@ def test_the_hf_trainer_saves_and_resumes_on_two_ranks(tmp_path):
     run_on_ranks(_trainer, 2, str(tmp_path), True, False)
 
 
+def _trainer_builds_the_optimizer(rank, world_size, out):
+    """``Trainer(optimizer_cls_and_kwargs=(ShardedAdamW, {...}))``: the Trainer builds the optimizer over its
+    weight-decay groups, then wraps the model in DDP, with no point in between for ``opt.attach(model)``. Against
+    the same optimizer built and attached by hand and passed in ``optimizers=``: the same grad norms and weights,
+    bit for bit."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(
+        world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29998")  # the process group exists already
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    from tritonshard.integrations.hf import ShardedOptimizerCallback
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    data = [{"input_ids": ids, "labels": ids} for step in range(3) for ids in tokens(step, batch=4)]
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=3, save_strategy="no",
+                             learning_rate=3e-3, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1, report_to=[],
+                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    results = {}
+    for how in ("by the Trainer", "by hand"):
+        model = tiny_llama(0)
+        if how == "by the Trainer":
+            trainer = InOrder(model=model, args=args, train_dataset=data,
+                              optimizer_cls_and_kwargs=(ShardedAdamW, {"lr": 3e-3, "bucket_cap_mb": 0.05}))
+        else:  # what the Trainer's create_optimizer builds from those (its two weight-decay groups), attached
+            decay = set(Trainer.get_decay_parameter_names(None, model))
+            groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
+                      {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+            opt = ShardedAdamW(groups, lr=3e-3, bucket_cap_mb=0.05)
+            opt.attach(model)
+            trainer = InOrder(model=model, args=args, train_dataset=data, optimizers=(opt, None),
+                              callbacks=[ShardedOptimizerCallback()])
+        trainer.train()
+        sharded = trainer.optimizer.optimizer  # (accelerate's AcceleratedOptimizer around it)
+        assert isinstance(sharded, ShardedAdamW) and sharded._attached is not None, how
+        assert sum(isinstance(cb, ShardedOptimizerCallback) for cb in trainer.callback_handler.callbacks) == 1, how
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        assert len(norms) == 3 and min(norms) > 0.5, (how, norms)  # every step clipped
+        results[how] = (torch.tensor(norms), flat_weights(model))
+    assert_bitwise_equal(results["by the Trainer"][0], results["by hand"][0], "the Trainer's logged grad norms")
+    assert_bitwise_equal(results["by the Trainer"][1], results["by hand"][1], "weights")
+
+
+def test_a_sharded_optimizer_the_hf_trainer_builds_itself_trains_on_two_ranks(tmp_path):
+    """Until session 29 the first backward raised (DDP's reducer read the placeholder gradients: the model was
+    never attached) and nothing in the Trainer's flow let the loop attach it. Now the optimizer finds the Trainer
+    building it and adds its callback, which attaches the model at the start of training."""
+    run_on_ranks(_trainer_builds_the_optimizer, 2, str(tmp_path))
+
+
 def _error_on_one_rank(rank, world_size, case):
     """An error that step() finds on one rank only, before any collective: that rank raises it, and the other one
     PeerFailedError naming it, at once; then both clear their gradients and train on together."""

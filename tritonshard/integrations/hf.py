@@ -10,6 +10,12 @@ the optimizer on every rank.
     trainer = Trainer(model=model, args=args, optimizers=(opt, scheduler),
                       callbacks=[ShardedOptimizerCallback()])
 
+A Trainer can also build the optimizer itself, ``Trainer(..., optimizer_cls_and_kwargs=(ShardedAdamW, {...}))``,
+and then wraps the model in ``DistributedDataParallel`` (on more than one rank) with no point in between where the
+loop could call ``opt.attach(model)``, which that wrapper needs (else its reducer meets tritonshard's placeholder
+gradients: an error). The optimizer finds the Trainer building it and adds the callback, and the callback attaches
+the Trainer's model at the start of training where the optimizer is not attached yet, on more than one rank.
+
 A Trainer that drives a sharded optimizer on several ranks without the callback gets one at the optimizer's first
 ``step()`` (:func:`adopt_trainer`, logged): without it the first save would deadlock, since the other ranks go on
 into the Trainer's own collectives (accelerate's gather of the token count) while the main process waits in
@@ -48,6 +54,17 @@ class ShardedOptimizerCallback(TrainerCallback):
         if control.should_save and opt is not None and not args.save_only_model:
             opt.prepare_state_dict(keep=bool(args.should_save))  # only the saving processes keep a copy
 
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """Attach the Trainer's model (the one inside the DDP wrapper the Trainer made) to a sharded optimizer not
+        attached yet, on more than one rank: before the wrapper's first forward, which is where ``attach`` switches
+        its gradient reduction off. (Where the optimizer is attached already, to this model or another, nothing.)"""
+        opt = _sharded(optimizer)
+        if opt is None or model is None or opt._attached is not None or opt.world_size * opt.replica_size == 1:
+            return
+        opt.attach(model)
+        _log.info("tritonshard: attached the Trainer's model to %s (the Trainer wraps the model in "
+                  "DistributedDataParallel; attach switches its gradient reduction off)", type(opt).__name__)
+
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self._prepare(args, control, optimizer)
 
@@ -57,8 +74,9 @@ class ShardedOptimizerCallback(TrainerCallback):
 
 def adopt_trainer(opt: ShardedOptimizer, max_frames: int = 24) -> bool:
     """If a ``transformers.Trainer`` is up the call stack (its training loop calling ``opt.step()``) and has no
-    :class:`ShardedOptimizerCallback`, add one. Returns whether a Trainer was found. Called once, from the first
-    ``step()`` of an optimizer with more than one rank, when transformers is imported."""
+    :class:`ShardedOptimizerCallback`, add one. Returns whether a Trainer was found. Called, when transformers is imported,
+    for an optimizer with more than one rank as it is built (a Trainer building it itself) and, where no Trainer
+    was found then, once more at its first ``step()``."""
     frame = sys._getframe(1)
     for _ in range(max_frames):
         if frame is None:

@@ -676,6 +676,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         _LIVE.add(self)
         self._restore_grads(held)
         self._adopt_marked()
+        if self._look_for_trainer and "transformers" in sys.modules and not torch.compiler.is_compiling():
+            # a transformers.Trainer building its optimizer itself (optimizer_cls_and_kwargs) wraps the model in
+            # DDP before training, with nothing of the user's in between to attach it: its callback attaches
+            # the model at the start of training (and gathers the state before the Trainer's saves)
+            from ..integrations import hf
+            self._look_for_trainer = not hf.adopt_trainer(self)
 
     # ------------------------------------------------------------------ another optimizer over the same parameters
     def _holders(self, params: list) -> list:

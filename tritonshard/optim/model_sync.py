@@ -556,7 +556,9 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
             where + " A C++ access like this one means the model was wrapped in DistributedDataParallel (or FSDP) "
             "after the optimizer was built, without opt.attach(model): the wrapper would reduce the gradients a "
             "second time. Call opt.attach(model) before wrapping (it switches the wrapper's gradient reduction "
-            "off), or don't wrap the model: tritonshard is the data parallelism.")
+            "off), or don't wrap the model: tritonshard is the data parallelism. (A Hugging Face Trainer wraps it "
+            "in train(): pass callbacks=[tritonshard.integrations.hf.ShardedOptimizerCallback()], which attaches "
+            "it first.)")
     return RuntimeError(
         where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, a division by a "
         "number (p.grad /= n, the same n for every parameter), the clamps of clip_grad_value_, and zero_(); for "
