@@ -74,9 +74,9 @@ class ShardedOptimizerCallback(TrainerCallback):
 
 def adopt_trainer(opt: ShardedOptimizer, max_frames: int = 24) -> bool:
     """If a ``transformers.Trainer`` is up the call stack (its training loop calling ``opt.step()``) and has no
-    :class:`ShardedOptimizerCallback`, add one. Returns whether a Trainer was found. Called, when transformers is imported,
-    for an optimizer with more than one rank as it is built (a Trainer building it itself) and, where no Trainer
-    was found then, once more at its first ``step()``."""
+    :class:`ShardedOptimizerCallback`, add one. Returns whether a Trainer was found. Called, when transformers is
+    imported, for an optimizer with more than one rank as it is built (a Trainer building it itself) and, where no
+    Trainer was found then, once more at its first ``step()``."""
     frame = sys._getframe(1)
     for _ in range(max_frames):
         if frame is None:
