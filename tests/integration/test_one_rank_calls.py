@@ -224,17 +224,27 @@ def test_ranks_loading_different_checkpoints_get_an_error_on_every_rank(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- the HF Trainer
-def _trainer(rank, world_size, out, resume, callback):
+def _in_order_trainer(rank, world_size):
+    """A ``transformers.Trainer`` subclass that hands out the batches in order, on this rank of the process group
+    that exists already (accelerate reads it from the environment)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(
-        world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29998")  # the process group exists already
+        world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29998")
     from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainingArguments
-
-    from tritonshard.integrations.hf import ShardedOptimizerCallback
+    from transformers import Trainer
 
     class InOrder(Trainer):
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
+
+    return InOrder
+
+
+def _trainer(rank, world_size, out, resume, callback):
+    from transformers import TrainingArguments
+
+    from tritonshard.integrations.hf import ShardedOptimizerCallback
+
+    InOrder = _in_order_trainer(rank, world_size)
 
     data = [{"input_ids": ids, "labels": ids} for step in range(4) for ids in tokens(step, batch=4)]
     model = tiny_llama(0)
@@ -273,16 +283,11 @@ def _trainer_builds_the_optimizer(rank, world_size, out):
     weight-decay groups, then wraps the model in DDP, with no point in between for ``opt.attach(model)``. Against
     the same optimizer built and attached by hand and passed in ``optimizers=``: the same grad norms and weights,
     bit for bit."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(
-        world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29998")  # the process group exists already
-    from torch.utils.data import SequentialSampler
     from transformers import Trainer, TrainingArguments
 
     from tritonshard.integrations.hf import ShardedOptimizerCallback
 
-    class InOrder(Trainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
+    InOrder = _in_order_trainer(rank, world_size)
 
     data = [{"input_ids": ids, "labels": ids} for step in range(3) for ids in tokens(step, batch=4)]
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=3, save_strategy="no",
