@@ -14,7 +14,6 @@ import pickle
 import pytest
 import torch
 
-import tritonshard
 from tests.distributed import run_on_ranks
 from tests.helpers import assert_bitwise_equal
 from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
