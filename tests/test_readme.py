@@ -170,5 +170,4 @@ def test_every_link_between_the_readme_and_its_pages_resolves():
             checked += 1
     assert checked >= 10, checked  # the README links to each page of docs/, and each page back to it
     for page in DOCS:
-        if page.endswith(".md"):
-            assert f"({page})" in README, f"README.md does not link to {page}"
+        assert f"({page})" in README, f"README.md does not link to {page}"

@@ -72,12 +72,13 @@ class ShardedOptimizerCallback(TrainerCallback):
         self._prepare(args, control, optimizer)
 
 
-def adopt_trainer(opt: ShardedOptimizer, max_frames: int = 24) -> bool:
+def adopt_trainer(opt: ShardedOptimizer, max_frames: int = 24, skip_frames: int = 1) -> bool:
     """If a ``transformers.Trainer`` is up the call stack (its training loop calling ``opt.step()``) and has no
     :class:`ShardedOptimizerCallback`, add one. Returns whether a Trainer was found. Called, when transformers is
     imported, for an optimizer with more than one rank as it is built (a Trainer building it itself) and, where no
-    Trainer was found then, once more at its first ``step()``."""
-    frame = sys._getframe(1)
+    Trainer was found then, once more at its first ``step()``. The stack is read from ``skip_frames`` above this
+    function (its caller's, by default)."""
+    frame = sys._getframe(skip_frames)
     for _ in range(max_frames):
         if frame is None:
             return False

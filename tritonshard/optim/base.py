@@ -676,12 +676,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         _LIVE.add(self)
         self._restore_grads(held)
         self._adopt_marked()
-        if self._look_for_trainer and "transformers" in sys.modules and not torch.compiler.is_compiling():
-            # a transformers.Trainer building its optimizer itself (optimizer_cls_and_kwargs) wraps the model in
-            # DDP before training, with nothing of the user's in between to attach it: its callback attaches
-            # the model at the start of training (and gathers the state before the Trainer's saves)
-            from ..integrations import hf
-            self._look_for_trainer = not hf.adopt_trainer(self)
+        # a transformers.Trainer building its optimizer itself (optimizer_cls_and_kwargs) wraps the model in DDP
+        # before training, with nothing of the user's in between to attach it: its callback attaches the model at
+        # the start of training (and gathers the state before the Trainer's saves)
+        self._look_for_trainer_once(last=False)
 
     # ------------------------------------------------------------------ another optimizer over the same parameters
     def _holders(self, params: list) -> list:
@@ -2498,15 +2496,23 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._expose_state()
         return loss
 
+    def _look_for_trainer_once(self, last: bool) -> None:
+        """With more than one rank and transformers imported: a ``transformers.Trainer`` up the stack (building this
+        optimizer, or at its first step) gets :class:`~tritonshard.integrations.hf.ShardedOptimizerCallback`
+        (:func:`~tritonshard.integrations.hf.adopt_trainer`). Looked for until one is found, or the ``last`` time."""
+        if not self._look_for_trainer:
+            return
+        found = False
+        if "transformers" in sys.modules and not torch.compiler.is_compiling():
+            from ..integrations import hf
+            found = hf.adopt_trainer(self, skip_frames=2)
+        self._look_for_trainer = not (found or last)
+
     def _before_update(self) -> tuple:
         """What :meth:`step` checks and reduces before it changes anything (an error here is told to the other
         ranks: :meth:`_tell_peers`): ``(found_inf, amp_scale, amp_found_inf, multiplier, frozen)``."""
         self._check_loss_scale_floor()
-        if self._look_for_trainer:  # once: a transformers.Trainer saves the optimizer on one rank only
-            self._look_for_trainer = False
-            if "transformers" in sys.modules and not torch.compiler.is_compiling():
-                from ..integrations import hf
-                hf.adopt_trainer(self)
+        self._look_for_trainer_once(last=True)  # a transformers.Trainer saves the optimizer on one rank only
         # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
         # a bad value in group 1 must not leave group 0 updated and the step counters advanced
         for gi, group in self._trained_groups:
