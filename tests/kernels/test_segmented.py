@@ -1,6 +1,7 @@
 """Segmented launches (issue 20.3): one launch of an update kernel over several buckets' shards computes, bit for
 bit, what one launch per bucket computes: fp32 and bf16 states, stochastic rounding with a key per bucket, the
-remainder master, a skipped step, and buckets of odd sizes (0, 1, sizes that are no multiple of BLOCK). Through
+remainder master, a skipped step, and buckets of odd sizes (0, 16, sizes that are no multiple of BLOCK; a size that
+is no multiple of 16 does not merge). Through
 the Triton interpreter, against the same kernel launched bucket by bucket (itself tested against the PyTorch
 references in test_adamw.py and test_sgd_lion.py)."""
 
@@ -11,7 +12,10 @@ from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE, randn
 from tritonshard.kernels import _launch, adamw, lion, sgd
 
-SIZES = [1, 2049, 0, 4099, 37, 2048]  # BLOCK is 2048 for every update kernel
+# BLOCK is 2048 for every update kernel. A segment's numel is a multiple of 16 (what the kernel's masks assume, so
+# its accesses stay 16 bytes wide; every shard of a Buffer with the default 64-element alignment is one): a
+# single 16, a block and a bit, none, two blocks and a bit, a 3 x 16 tail, exactly one block
+SIZES = [16, 2064, 0, 4112, 48, 2048]
 ALIGN = 64  # a Buffer's element alignment: where a rank's shard starts inside the bucket's buffer
 
 
@@ -104,7 +108,7 @@ def test_one_segmented_launch_equals_one_launch_per_bucket(kind, state_dtype, st
 
 
 def test_launches_that_differ_otherwise_do_not_merge():
-    buckets = [_bucket(n, 10 * i, torch.float32, False, False) for i, n in enumerate([5, 70])]
+    buckets = [_bucket(n, 10 * i, torch.float32, False, False) for i, n in enumerate([16, 80])]
     for b in buckets:
         b["remainders"] = False
     shared = (_coefficients("adamw"), torch.tensor(1.0, device=DEVICE), torch.tensor(0.0, device=DEVICE))
@@ -114,6 +118,13 @@ def test_launches_that_differ_otherwise_do_not_merge():
     other_eps = adamw.launch_spec(buckets[1]["param"], buckets[1]["grad"], *buckets[1]["states"], shared[0], None,
                                   shared[1], shared[2], buckets[1]["out"], None, 0.9, 0.999, 1e-6, False, False)
     assert merge([specs[0], other_eps]) is None, "another eps: two launches"
-    misaligned = dict(buckets[1], grad=_shard(71, 99, torch.bfloat16)[1:])  # 1 element past a 64-element start
+    misaligned = dict(buckets[1], grad=_shard(81, 99, torch.bfloat16)[1:])  # 1 element past a 64-element start
     (spec,) = _specs("adamw", [misaligned], shared)
     assert merge([specs[0], spec]) is None, "an offset that is no multiple of 16 elements: two launches"
+    # an align=1 Buffer's shard: the kernel's mask would be wrong to assume 16-element steps (on a GPU the compiler
+    # vectorizes by that promise), so it launches on its own
+    odd = {k: (v[:40] if isinstance(v, torch.Tensor) and v.dim() else [x[:40] for x in v] if k == "states" else v)
+           for k, v in buckets[1].items()}
+    (spec,) = _specs("adamw", [odd], shared)
+    assert merge([specs[0], spec]) is None, "a numel that is no multiple of 16: two launches"
+    assert merge(specs) is not None

@@ -182,8 +182,10 @@ def segmented_spec(specs: list, vector: tuple, scalar: tuple, numel: int, tables
     (each role's element offset from segment 0's tensor, then the numel; see tritonshard.kernels._update_jit).
 
     None when the launches cannot be merged: other differences between them, a role whose tensors differ in dtype
-    or device, or an offset that is not a whole number of elements or (``vector`` roles, which the kernel reads with
-    16-byte accesses) not a multiple of 16 elements. The caller then launches them one by one."""
+    or device, an offset that is not a whole number of elements or (``vector`` roles, which the kernel reads with
+    16-byte accesses) not a multiple of 16 elements, or a numel that is not a multiple of 16 (every shard of a
+    Buffer with the default ``align`` is one; ``align=1`` layouts need not be). The caller then launches them one
+    by one."""
     kernel, _, first_args, kwargs = specs[0]
     roles = tuple(vector) + tuple(scalar)
     if len(roles) >= SEGMENT_FIELDS or kwargs.get("MULTI") is not False:
@@ -202,6 +204,8 @@ def segmented_spec(specs: list, vector: tuple, scalar: tuple, numel: int, tables
     rows, schedule = [], []
     for s, (_, _, args, _) in enumerate(specs):
         n = int(args[numel])
+        if n % 16:  # (the kernel's masks assume it, see _update_jit.segment_numel)
+            return None
         row = []
         for j, i in enumerate(roles if n else ()):  # (an empty segment has no programs, and maybe no address)
             t, t0 = args[i], first_args[i]
