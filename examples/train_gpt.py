@@ -223,15 +223,19 @@ def parse_args(argv=None):
     p.add_argument("--profile-step", type=int, default=0,
                    help="trace this step with torch.profiler (host and device): rank 0 writes "
                         "profile_step<N>.json (chrome trace) and .txt (top ops) to the run directory; 0: off")
+    p.add_argument("--profile-with-stack", action="store_true",
+                   help="record Python call stacks in the trace too (which Python function the host time of a "
+                        "hook or a step goes to; it slows the traced iteration down)")
     return p.parse_args(argv)
 
 
-def start_profile(device):
-    """torch.profiler over one training iteration (forward, backward, clipping, step, zero_grad), host and device."""
+def start_profile(device, with_stack: bool = False):
+    """torch.profiler over one training iteration (forward, backward, clipping, step, zero_grad), host and device;
+    ``with_stack``: Python functions too (python_function events in the chrome trace)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities)
+    profiler = torch.profiler.profile(activities=activities, with_stack=with_stack)
     profiler.__enter__()
     return profiler
 
@@ -362,7 +366,7 @@ def main(argv=None):
 
     step = start
     while step < args.steps:
-        profiler = start_profile(device) if step + 1 == args.profile_step else None
+        profiler = start_profile(device, args.profile_with_stack) if step + 1 == args.profile_step else None
         t0 = time.perf_counter()
         lr = lr_at(step, args)
         for g in opt.param_groups:  # every group follows the schedule relative to its own peak
