@@ -191,7 +191,8 @@ def _segmented_update(which: str, n: int) -> None:
         specs = [adamw_mod.launch_spec(p, g, m, v, coef, None, grad_scale, found_inf, o, None, 0.9, 0.999, 1e-8,
                                        False, False) for p, g, m, v, o in zip(params, grads, states, second, outs)]
     elif which == "sgd":
-        coef, module = sgd_mod.sgd_coefficients(torch.tensor(1e-3, dtype=torch.float64), torch.device("cpu"))[0], sgd_mod
+        coef, module = sgd_mod.sgd_coefficients(torch.tensor(1e-3, dtype=torch.float64),
+                                                torch.device("cpu"))[0], sgd_mod
         specs = [sgd_mod.launch_spec(p, g, m, coef, None, 3.0, grad_scale, found_inf, o, None, 0.9, 0.0, 0.01, True,
                                      False, False) for p, g, m, o in zip(params, grads, states, outs)]
     else:

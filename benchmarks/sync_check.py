@@ -334,18 +334,43 @@ def side_stream_check(overlap: bool, device: torch.device) -> str:
 
 def batchnorm_dtype_probe(device: torch.device) -> tuple[bool, str]:
     """What torch's batch_norm does with a bf16 weight beside float32 running statistics on ``device``: attach()
-    raises a ValueError for such a module (ShardedOptimizer._check_norm_statistics) on the reading that the first
-    forward would fail there as on the CPU. (holds, line): a forward that runs means the check is too strict here."""
-    norm = torch.nn.BatchNorm1d(6).to(device)
-    norm.weight.data, norm.bias.data = norm.weight.data.bfloat16(), norm.bias.data.bfloat16()
-    x = torch.randn(8, 6, device=device, dtype=torch.bfloat16)
-    try:
-        norm(x)
-    except RuntimeError as exc:
-        return True, f"BatchNorm with a bf16 weight and float32 statistics on {device.type} raises, as attach() " \
-                     f"assumes: {str(exc).splitlines()[0]}"
-    return False, f"BatchNorm with a bf16 weight and float32 statistics RUNS on {device.type}: attach()'s check " \
-                  "(_check_norm_statistics) is too strict here"
+    raises a ValueError for such a module (ShardedOptimizer._check_norm_statistics) on the reading that training
+    with it fails there as on the CPU. (holds, line). The H200 run of 2026-12-04 found that a training forward with
+    a bf16 input RUNS on CUDA; relaxing the check needs the whole loop to run, so this tries each part: a training
+    forward and backward, an eval forward, with bf16 and with float32 inputs, and whether the statistics stay
+    float32 and move. The line names every part that raised: none raising means the check is too strict there."""
+    raised, ran = [], []
+    for input_dtype in (torch.bfloat16, torch.float32):
+        norm = torch.nn.BatchNorm1d(6).to(device)
+        norm.weight.data, norm.bias.data = norm.weight.data.bfloat16(), norm.bias.data.bfloat16()
+        x = torch.randn(8, 6, device=device, dtype=input_dtype, requires_grad=True)
+        tag = str(input_dtype).removeprefix("torch.")
+        for part in ("train forward", "backward", "eval forward"):
+            try:
+                if part == "train forward":
+                    before = norm.running_mean.clone()
+                    y = norm(x)
+                    if norm.running_mean.dtype != torch.float32 or torch.equal(norm.running_mean, before):
+                        raise RuntimeError("the running statistics did not move in float32")
+                elif part == "backward":
+                    y.float().square().sum().backward()
+                    if norm.weight.grad is None or x.grad is None:
+                        raise RuntimeError("no gradient reached the weight or the input")
+                else:
+                    norm.eval()
+                    norm(x.detach())
+                ran.append(f"{part} ({tag} input)")
+            except RuntimeError as exc:
+                raised.append(f"{part} ({tag} input): {str(exc).splitlines()[0][:120]}")
+                if part == "train forward":
+                    break
+    if raised:
+        return True, (f"BatchNorm with a bf16 weight and float32 statistics on {device.type} fails, as attach() "
+                      f"assumes, in {len(raised)} of the parts: " + "; ".join(raised)
+                      + (f" (ran: {', '.join(ran)})" if ran else ""))
+    return False, (f"BatchNorm with a bf16 weight and float32 statistics RUNS on {device.type} (training forward "
+                   "and backward, eval forward; bf16 and float32 inputs): attach()'s check "
+                   "(_check_norm_statistics) is too strict here")
 
 
 def main() -> int:
