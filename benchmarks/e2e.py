@@ -22,6 +22,14 @@ Reported per configuration: median tokens/s over the steps after the first fifth
 the ratio to ``amp``, the peak memory per rank (CUDA: max allocated; CPU: peak RSS, which includes the interpreter
 and says little), the optimizer's own memory per rank, the mean loss over the last steps, skipped steps; and one
 loss-curve plot of all runs. CPU timings mean nothing for GPUs: the CPU run proves the harness and the baselines work.
+
+``--rounds R`` runs every configuration R times, round-robin, the order reversed every other round (A B C, C B A,
+...), and reports per configuration the median of its runs' tokens/s, and the ratio to ``amp`` as the median of the
+per-round ratios (each configuration against the ``amp`` run of its own round) with their range. Why: at these sizes
+every configuration is host-bound on the H200 machine, and that host's speed drifted by up to +-30 % within one
+run and between runs of one session (2026-12-04: AMP at 302M 83.7k tok/s in one run, 113k in the next, sharded
+without overlap 1.14x of AMP in the first, 0.82x in the second). One run per configuration in a row compares the
+machine's moods as much as the code.
 """
 
 from __future__ import annotations
@@ -62,6 +70,13 @@ MODELS = {
 }
 
 
+#: the example's lr (3e-3) where a model trains stably with it; 302M diverged there in the first steps (loss 2.9 ->
+#: 7-9 by step 5 under every optimizer, torch AMP included), and in that chaos 1-ulp differences grow into losses
+#: 3.03 (AMP) against 3.98 (ShardedAdamW) after 15 steps (H200, 2026-12-04), a column that compared nothing. At
+#: 6e-4 all three runs ended at 2.5605. Given last, so --example-args --lr still wins.
+MODEL_LR = {"302M": 6e-4}
+
+
 def _train_gpt():
     spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
@@ -85,7 +100,8 @@ def run_config(name: str, args, out_dir: str) -> dict:
     example = [EXAMPLE, *CONFIGS[name], "--n-layer", str(n_layer), "--n-head", str(n_head), "--n-embd", str(n_embd),
                "--block-size", str(block), "--batch-size", str(batch), "--grad-accum", str(accum),
                "--steps", str(args.steps), "--warmup", str(max(1, args.steps // 5)), "--no-progress", "--no-save",
-               "--no-plot", "--out-dir", os.path.join(out_dir, name), *args.example_args]
+               "--no-plot", "--out-dir", os.path.join(out_dir, name),
+               *(["--lr", str(MODEL_LR[args.model])] if args.model in MODEL_LR else []), *args.example_args]
     env = None
     if args.nproc == 1:  # torchrun's one worker, without the agent (see the module's docstring)
         cmd = [sys.executable, *example]
@@ -116,6 +132,23 @@ def run_config(name: str, args, out_dir: str) -> dict:
     return row
 
 
+def combine(runs: list[dict], amp_runs: list[dict] | None) -> dict:
+    """One row from a configuration's runs (one per round): the first run's row with tokens/s the median over the
+    rounds, the largest peak memory, and, where ``amp_runs`` (the same rounds of ``amp``) ran too, the per-round
+    ratios to them (``vs_amp_rounds``). The first error, if any run failed."""
+    failed = next((r for r in runs if "error" in r), None)
+    if failed is not None:
+        return failed
+    row = dict(runs[0])
+    row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in runs]
+    row["tokens_per_s"] = statistics.median(row["tokens_per_s_rounds"])
+    row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in runs)
+    row["wall_s"] = sum(r["wall_s"] for r in runs)
+    if amp_runs and all("tokens_per_s" in a for a in amp_runs):
+        row["vs_amp_rounds"] = [r["tokens_per_s"] / a["tokens_per_s"] for r, a in zip(runs, amp_runs)]
+    return row
+
+
 def markdown(rows: list[dict], args) -> str:
     device = next((r["device"] for r in rows if "device" in r), "?")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
@@ -125,14 +158,22 @@ def markdown(rows: list[dict], args) -> str:
     lines = [f"\n## End to end, {args.model} ({params / 1e6:.1f}M parameters), {args.nproc} rank(s), {name}\n",
              f"examples/train_gpt.py, {n_layer} x {n_embd}, {batch} x {block} tokens x {accum} micro-batches per "
              f"rank, {args.steps} steps, same data and seed; torch {torch.__version__}; `python -m benchmarks.e2e "
-             f"--model {args.model} --nproc {args.nproc} --steps {args.steps}`\n",
+             f"--model {args.model} --nproc {args.nproc} --steps {args.steps}"
+             f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}"
+             f"{' --example-args ' + ' '.join(args.example_args) if args.example_args else ''}`"
+             + (f"; {args.rounds} rounds, round-robin: tokens/s the median over the rounds, vs amp the median of "
+                "the per-round ratios (their range in brackets)" if args.rounds > 1 else "") + "\n",
              "| run | tokens/s (median) | vs amp | peak memory / rank | optimizer memory / rank | loss (mean of last "
              "steps) | skipped |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['config']} | - | - | - | - | - | did not run: {r['error']} |")
             continue
-        ratio = f"{r['tokens_per_s'] / amp:.2f}x" if amp else "-"
+        if len(r.get("vs_amp_rounds", ())) > 1:
+            ratios = r["vs_amp_rounds"]
+            ratio = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        else:
+            ratio = f"{r['tokens_per_s'] / amp:.2f}x" if amp else "-"
         lines.append(f"| {r['config']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_memory_bytes'] / 2**30:.2f} GiB "
                      f"| {r['optimizer_bytes'] / 2**30:.3f} GiB | {r['final_loss']:.4f} (last {r['last_steps']}) "
                      f"| {r['skipped']} |")
@@ -150,20 +191,28 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     p.add_argument("--out", default="benchmarks/out/e2e", help="runs, logs, e2e-<model>.json and the loss plot")
     p.add_argument("--markdown", help="append the table to FILE")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, round-robin (see the module's docstring)")
     p.add_argument("--example-args", nargs=argparse.REMAINDER, default=[],
                    help="passed on to examples/train_gpt.py (last on the command line)")
     args = p.parse_args(argv)
     out_dir = os.path.join(args.out, args.model)
     os.makedirs(out_dir, exist_ok=True)
-    rows = []
-    for name in args.configs:
-        try:
-            row = run_config(name, args, out_dir)
-        except subprocess.TimeoutExpired:
-            row = {"config": name, "error": f"timed out after {args.timeout:.0f} s"}
-        rows.append(row)
-        print("  " + ", ".join(f"{k}={v:,.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                               if k != "metrics"), flush=True)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    runs: dict[str, list[dict]] = {name: [] for name in args.configs}
+    for r in range(args.rounds):
+        round_dir = out_dir if args.rounds == 1 else os.path.join(out_dir, f"round{r}")
+        for name in (args.configs if r % 2 == 0 else args.configs[::-1]):
+            try:
+                row = run_config(name, args, round_dir)
+            except subprocess.TimeoutExpired:
+                row = {"config": name, "error": f"timed out after {args.timeout:.0f} s"}
+            runs[name].append(row)
+            print("  " + (f"round {r}: " if args.rounds > 1 else "")
+                  + ", ".join(f"{k}={v:,.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                              if k != "metrics"), flush=True)
+    rows = [combine(runs[name], runs.get("amp")) for name in args.configs]
     with open(os.path.join(args.out, f"e2e-{args.model}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     curves = {r["config"]: r["metrics"] for r in rows if "metrics" in r}

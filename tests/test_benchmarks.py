@@ -4,9 +4,12 @@ import csv
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
+
+import pytest
 
 from benchmarks import run as bench_run
 from benchmarks import step as bench_step
@@ -108,7 +111,7 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch):
 
 def _gpu_check(tmp_path, **knobs):
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "XDIST": "", "OMP_NUM_THREADS": "1",
-           # CPU stage timeouts: generous (the harness is under test, not the speed); the GPU defaults sum to 300 s
+           # CPU stage timeouts: generous (the harness is under test, not the speed); the GPU defaults sum to 370 s
            "T1": "300", "T2": "300", "T3": "300", "T4": "300", "T5": "300", "T6": "300",
            "PROFILE_ARGS": "--n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 2 --grad-accum 1",
            "PROFILE_STEPS": "2", "PROFILE_MODES": "overlap", **knobs}
@@ -133,7 +136,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         tmp_path, TESTS="tests/kernels/test_scale.py::test_deterministic_sum",
         BENCH_ARGS="--sizes 4099 --reps 1 --only scale_", MODELS="tiny",
         STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon", BUCKET_CAPS="25 0.01",
-        E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap")  # (one process, as on the GPU)
+        E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap:2",  # (one process, as on the GPU; two rounds)
+        STAGES="1 2 3 4 5 6")  # (6 is not in the default set any more)
     # (each message carries what it read: this test failed once in a full run, and its output was lost)
     assert " passed" in texts["gpu_check/kernel_tests.log"], texts["gpu_check/kernel_tests.log"][-3000:]
     # stage 2, sync_check: on CPU the detector is off (set_sync_debug_mode is CUDA's), so this keeps its
@@ -152,6 +156,23 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         row = next(line for line in results.splitlines() if line.startswith(f"| {config} |"))
         assert "did not run" not in row, row
     assert "gpu_check/e2e/e2e-tiny-loss.png" in members
+    # two rounds, round-robin, the order reversed in the second; the ratio to amp is the median of the per-round
+    # ratios, recomputed here from each run's own metrics (the median tokens/s after the first fifth of the steps)
+    order = [line.split("config=")[1].split(",")[0] for line in texts["gpu_check/e2e.log"].splitlines()
+             if line.strip().startswith("round ")]
+    assert order == ["amp", "fsdp2", "sharded-overlap", "sharded-overlap", "fsdp2", "amp"], order
+
+    def run_median(r, config):
+        name = {"amp": "amp", "fsdp2": "fsdp2"}.get(config, "tritonshard")
+        text = texts[f"gpu_check/e2e/tiny/round{r}/{config}/{name}/metrics.jsonl"]
+        rows = [json.loads(x) for x in text.splitlines() if x.strip()]
+        return statistics.median(x["tokens_per_s"] for x in rows[max(1, len(rows) // 5):])
+    combined = {row["config"]: row for row in json.loads(texts["gpu_check/e2e/e2e-tiny.json"])}
+    ratios = [run_median(r, "sharded-overlap") / run_median(r, "amp") for r in (0, 1)]
+    assert combined["sharded-overlap"]["vs_amp_rounds"] == pytest.approx(ratios, rel=1e-12), (combined, ratios)
+    assert len(combined["amp"]["tokens_per_s_rounds"]) == 2
+    row = next(line for line in results.splitlines() if line.startswith("| sharded-overlap |"))
+    assert f"({min(ratios):.2f}-{max(ratios):.2f})" in row, row
     # stage 6, the traced iteration (one of its two modes here, for time): its tables in results.md
     assert "## Traced iteration (step 2), --overlap" in results, results
     assert "gpu_check/profile-overlap/tritonshard/profile_step2.json" in members, sorted(members)
