@@ -116,6 +116,11 @@ def main(argv=None) -> None:
                "compile_check_specializations": old.get("compile_check_specializations")}
     if not args.no_compile_check:  # first: a minute, and a failure here should not cost the runs
         figures["compile_check_specializations"] = count_specializations()
+        figures["compile_check_commit"] = figures["commit"]
+    elif "compile_check_commit" in old:
+        figures["compile_check_commit"] = old["compile_check_commit"]
+    if args.only == [] and old.get("commit"):  # the count alone: the runs' figures, and their commit, stand
+        figures["commit"], figures["date"] = old["commit"], old.get("date", figures["date"])
     with tempfile.TemporaryDirectory() as out:
         for name in RUNS if args.only is None else args.only:
             print(f"{name}: {' '.join(RUNS[name][1])}", flush=True)
