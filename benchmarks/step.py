@@ -38,8 +38,16 @@ def gpt_param_shapes(n_layer: int, d: int, vocab: int) -> list[tuple[int, ...]]:
     return shapes + [(d,), (d,)]
 
 
+#: untimed calls before the timed ones: a ShardedOptimizer's step reaches its steady state at the third (the first
+#: launches every kernel through its checked launcher and allocates the state, the second records the bound
+#: launches through Triton's own path, the third replays them; kernels/_launch.py). With one, a 5-rep median could
+#: hold the recording step: on the H200 (2026-12-04) the 125M step read 2.68 ms here and 2.07 in the sweep
+WARMUP = 3
+
+
 def timed(fn, device, reps: int) -> float:
-    fn()
+    for _ in range(WARMUP):
+        fn()
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -55,7 +63,8 @@ def timed(fn, device, reps: int) -> float:
 def timed_host(fn, device, reps: int) -> tuple[float, float]:
     """(host seconds, wall seconds), medians: host = until ``fn`` returns (what the CPU spends launching), wall =
     until the device has finished too. host ~ wall means the GPU waits on Python (host-bound)."""
-    fn()
+    for _ in range(WARMUP):
+        fn()
     host, wall = [], []
     for _ in range(reps):
         if device.type == "cuda":
@@ -93,7 +102,7 @@ def _sweep_row(shapes, device, reps, cap, graphed, name) -> dict:
     grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
     step = sharded_step(opt, params, grads)
     if graphed:
-        step()  # (timed_host warms up once more: the first sight, then the capture, then replays)
+        step()  # (then timed_host's warm-up: the first sight, the capture, replays)
     host, wall = timed_host(step, device, reps)
     return {"impl": name, "bucket_cap_mb": cap, "cuda_graph": graphed, "buckets": len(opt.buckets),
             "host_ms": host * 1e3, "wall_ms": wall * 1e3, "step_ms": wall * 1e3,
