@@ -185,6 +185,45 @@ def test_the_optimizers_plan_path_follows_new_addresses_and_structures(monkeypat
         assert len(launches) == want, f"call {i}: {launches}"
 
 
+def test_a_plan_of_one_aligned_group_follows_new_addresses_through_its_own_table(monkeypatch):
+    """When gradients come back at new addresses (every end-of-backward flush of a 302M GPT on the H200, 2026-12-04),
+    a plan of one aligned group keeps its launch and rewrites its own address table in place. A stale table would
+    flatten the old tensors' values (each call here has new values), a table shared with another plan would point
+    that plan elsewhere, and a misaligned source must not be read through the aligned launch (it takes a launch of
+    its own, as before)."""
+    launches = _record_launches(monkeypatch)
+    sizes = [4099, 1, 640, 13]  # (no empty tensor: then the group is every tensor, in order)
+    layout = Layout(sizes, 1, align=64)
+    offsets = list(layout.offsets)
+    out = randn(layout.padded_numel, 7, torch.bfloat16)
+    cache: dict = {}
+
+    def fresh(seed):
+        return [randn(n, seed + i, torch.float32, scale=3.0).bfloat16() for i, n in enumerate(sizes)]
+    base = fresh(10)
+    misaligned = randn(641, 20, torch.bfloat16)[1:]
+    calls = [base, fresh(30), fresh(40), base[:2] + [misaligned] + base[3:], fresh(50), base]
+    tables = []
+    for i, tensors in enumerate(calls):
+        accumulate = i % 2 == 1
+        ref = out.clone()
+        launches.clear()
+        flatten_module.launch_unchecked(out, tensors, offsets, accumulate, 1.0, cache)
+        flatten_into_ref(ref, tensors, offsets, accumulate=accumulate)
+        assert_bitwise_equal(out, ref, f"call {i}")
+        assert len(launches) == (2 if i == 3 else 1), f"call {i}: {launches}"
+        plan = cache[("plan", accumulate, 1.0)]
+        own = plan[4]
+        if i == 3:
+            assert own is None, "a misaligned source: two groups, no table of the plan's own"
+            continue
+        assert own is not None and own[0].tolist() == [t.data_ptr() for t in tensors], f"call {i}"
+        tables.append((accumulate, own[0]))
+    # calls 0, 2 (accumulate False) share one plan, 1 (True) has its own; 4 and 5 follow a rebuilt or kept one
+    (a0, t0), (a1, t1), (a2, t2) = tables[:3]
+    assert t2 is t0 and t1 is not t0, "new addresses rewrote the plan's own table instead of building another"
+
+
 def test_the_plan_path_follows_the_offsets_when_the_addresses_repeat():
     """The same gradient addresses for other parameters: when the set of parameters that get a gradient changes
     (an unused expert, a branch not taken), the caching allocator hands parameter C's gradient the block parameter

@@ -83,6 +83,7 @@ def main() -> None:
         out["no_clip_triton_dispatch"] = [step(clip=False)]
         _launch.set_bound_launches(True)
         out["transposed"] = _transposed(rec)
+        out["new_addresses"] = _new_addresses(rec)
         out["sgd"] = _other_optimizer(rec, "ShardedSGD", dict(momentum=0.9, weight_decay=1e-2, nesterov=True))
         out["lion"] = _other_optimizer(rec, "ShardedLion", dict(weight_decay=0.1, state_dtype=torch.bfloat16))
         out["adamw_overlap"] = _other_optimizer(rec, "ShardedAdamW", dict(overlap_comm=True,
@@ -143,6 +144,31 @@ def _transposed(rec) -> dict:
         calls, rec.calls = rec.calls, []
         tables.append([args[9].tolist() for name, args in calls if name == "_flatten_kernel"])
     return {"grad_address": g.data_ptr(), "tables": tables}
+
+
+def _new_addresses(rec) -> dict:
+    """Gradients at new addresses every step (the earlier ones kept, so the allocator cannot hand the blocks back):
+    the flatten's plan rewrites its own address table and replays its launch (per step: the launches, how many
+    replayed, the table the flatten read and the addresses it should hold)."""
+    from tritonshard import ShardedAdamW
+    from tritonshard.kernels import _launch
+    torch.manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (4099, 199, 640)]
+    opt = ShardedAdamW(params, lr=1e-3)
+    kept, steps = [], []
+    for _ in range(5):
+        grads = [torch.randn(p.shape).to(torch.bfloat16) for p in params]
+        kept.append(grads)
+        before = _launch.replays
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+        calls, rec.calls = rec.calls, []
+        steps.append({"launches": len(calls), "replays": _launch.replays - before,
+                      "table": [args[9].tolist() for name, args in calls if name == "_flatten_kernel"],
+                      "addresses": [g.data_ptr() for g in grads]})
+    return {"steps": steps}
 
 
 if __name__ == "__main__":

@@ -82,6 +82,18 @@ def test_the_flatten_plan_is_not_reused_for_a_non_contiguous_gradient_at_the_sam
             assert tables == want, f"step {i}: {tables}"
 
 
+def test_gradients_at_new_addresses_replay_the_flatten_through_its_rewritten_table(record):
+    """Every step's gradients at new addresses (the H200's end-of-backward flushes: 0.6-1.1 ms of host time per
+    flush went to rebuilding the plan and Triton's checked launch, 2026-12-04): from the third step on, every launch
+    replays, the flatten's too, and the table it reads holds this step's addresses."""
+    steps = record["new_addresses"]["steps"]
+    for i, s in enumerate(steps):
+        assert s["table"] == [s["addresses"]], f"step {i}: the flatten read {s['table']}, not {s['addresses']}"
+    assert len({tuple(s["addresses"]) for s in steps}) == len(steps), "the gradients' addresses must differ"
+    for i, s in enumerate(steps[2:], start=2):
+        assert s["replays"] == s["launches"], f"step {i}: {s['replays']} of {s['launches']} launches replayed"
+
+
 @pytest.mark.parametrize("name, kernel", [("sgd", "_sgd_kernel"), ("lion", "_lion_kernel"),
                                           ("adamw_overlap", "_adamw_kernel")])
 def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
