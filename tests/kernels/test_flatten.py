@@ -219,9 +219,11 @@ def test_a_plan_of_one_aligned_group_follows_new_addresses_through_its_own_table
             continue
         assert own is not None and own[0].tolist() == [t.data_ptr() for t in tensors], f"call {i}"
         tables.append((accumulate, own[0]))
-    # calls 0, 2 (accumulate False) share one plan, 1 (True) has its own; 4 and 5 follow a rebuilt or kept one
-    (a0, t0), (a1, t1), (a2, t2) = tables[:3]
-    assert t2 is t0 and t1 is not t0, "new addresses rewrote the plan's own table instead of building another"
+    # tables: calls 0, 1, 2, 4, 5 (call 3 has none). Calls 0, 2 and 4 (accumulate False) are one plan, whose table
+    # new addresses rewrite in place; call 5 (True) follows call 3's two-group plan, which had no table to rewrite
+    (_, t0), _, (_, t2), (_, t4), (_, t5) = tables
+    assert t2 is t0 and t4 is t0, "new addresses rewrote the plan's own table instead of building another"
+    assert t5 is not t0
 
 
 def test_the_plan_path_follows_the_offsets_when_the_addresses_repeat():
