@@ -637,6 +637,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._model_params: list = []  # (module, attribute name, parameter), filled by attach()
         self._named_by_model: set = set()
         self._attached: Optional[tuple] = None  # (model, the handles attach() returned), for add_param_group
+        self._root_handles = 0  # how many of those handles are the root hooks (the first ones)
         self._attach_options: dict = {}  # (the attach() keyword arguments it was made with)
         self._broadcast_buffers = False  # attach(broadcast_buffers=): rank 0's buffers before every training forward
         # a DistributedDataParallel around the attached model: the one whose forward this backward follows, where
@@ -2037,6 +2038,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 raise ValueError(f"attach(): the model is attached already, with {self._attach_options}; got "
                                  f"{options} (its hooks are made once: pass the same options)")
             return self._attached[1]
+        # a wrapper around the model attached before (torch.compile's OptimizedModule, PEFT's PeftModel, a user's
+        # nn.Module): its root hooks give way to the wrapper's, which run first and around the whole forward, and
+        # its modules keep their waits. Until session 30 both sets ran: two buffer handshakes and broadcasts per
+        # forward on >1 rank, two waits per module with overlap_comm (the results were the same)
+        wrapped = (self._attached if self._attached is not None and any(m is self._attached[0] for m in model.modules())
+                   else None)
         self._check_norm_statistics(model)
         self._sync_model_buffers(model)
         self._broadcast_buffers = broadcast_buffers
@@ -2050,6 +2057,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if self.overlap_comm:
             handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
             self._defer_gathers = True
+        if wrapped is not None:
+            _, old_handles = wrapped
+            for handle in old_handles[:self._root_handles]:
+                handle.remove()
+            handles += old_handles[self._root_handles:]  # (its modules' waits: the wrapper's forward runs them)
+        self._root_handles = 1 + self.overlap_comm  # (the first handles of _attached's list: see above)
         handles += self._attach_buckets(model, self.buckets)
         self._attached = (model, handles)
         self._attach_options = options
@@ -2076,12 +2089,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             indices = {b.index for b in buckets}
             for module in model.modules():
                 owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
-                                if p in self._bucket_of} & indices)
+                                if p in self._bucket_of} & indices - self._waited_buckets(module))
                 if owned:
                     handles.append(module.register_forward_pre_hook(model_sync.WaitForParamsHook(self, owned)))
         self._set_gather_order([p for _, p in model.named_parameters(remove_duplicate=False)])
         self._guard_modules(model)
         return handles
+
+    def _waited_buckets(self, module: torch.nn.Module) -> set:
+        """The buckets whose gathers a WaitForParamsHook of this optimizer on ``module`` waits for already (made by
+        an attach of a model inside the one attached now, or by add_param_group)."""
+        return {i for h in module._forward_pre_hooks.values()
+                if type(h) is model_sync.WaitForParamsHook and h.optimizer() is self for i in h.bucket_indices}
 
     def _hook_new_modules(self) -> None:
         """overlap_comm + attach, at the model's first forward after a submodule was set in one of its guarded

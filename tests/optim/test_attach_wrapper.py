@@ -1,0 +1,80 @@
+"""attach(wrapper) after attach(model): a wrapper made around an attached model (a user's nn.Module, PEFT's
+PeftModel, torch.compile's OptimizedModule) and attached again. Its hooks take over from the inner model's: one set
+of root hooks per forward (two sets made two buffer handshakes and broadcasts per forward on more than one rank,
+until session 30) and one wait per module with overlap_comm, and the training is bit for bit that of a model
+attached once, through the wrapper."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.helpers import assert_bitwise_equal
+from tritonshard import ShardedAdamW
+from tritonshard.optim import model_sync
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(6, 12), torch.nn.LayerNorm(12), torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
+def _waits(root, opt):
+    return {name: sum(type(h) is model_sync.WaitForParamsHook and h.optimizer() is opt
+                      for h in m._forward_pre_hooks.values()) for name, m in root.named_modules()}
+
+
+def _train(attach_inner_first: bool, overlap: bool):
+    torch.manual_seed(0)
+    model = _Net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=12 * 12 * 2 / 2 ** 20)
+    if attach_inner_first:
+        opt.attach(model)
+    wrapper = _Wrapper(model)
+    opt.attach(wrapper)
+    roots = []
+    before = opt._before_model_forward
+    opt._before_model_forward = lambda module: (roots.append(module), before(module))[1]
+    torch.manual_seed(1)
+    for _ in range(3):
+        with opt.no_sync():
+            wrapper(torch.randn(5, 6)).float().square().mean().backward()
+        wrapper(torch.randn(5, 6)).float().square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return copy.deepcopy(model.state_dict()), roots, _waits(wrapper, opt), wrapper, opt
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_wrapper_attached_after_its_model_runs_one_set_of_hooks_and_trains_as_attached_once(overlap):
+    weights, roots, waits, wrapper, opt = _train(attach_inner_first=True, overlap=overlap)
+    reference, ref_roots, ref_waits, _, _ = _train(attach_inner_first=False, overlap=overlap)
+    assert len(ref_roots) == 6 and all(m is not None for m in ref_roots), "the control: one root pre-hook per forward"
+    assert len(roots) == 6 and all(m is wrapper for m in roots), \
+        f"{len(roots)} root pre-hook runs in 6 forwards (the inner model's set still ran)"
+    assert waits == ref_waits, f"waits per module {waits} (attached once: {ref_waits})"
+    if overlap:
+        assert max(waits.values()) == 1 and sum(waits.values()) == 3, waits  # fc1, norm, fc2
+    for name in reference:
+        assert_bitwise_equal(weights[name], reference[name], name)
+    # the handles attach returned cover every hook of this optimizer still on the model: a later optimizer built
+    # over the same parameters takes over and removes them all
+    ShardedAdamW(wrapper.parameters(), lr=1e-2, overlap_comm=overlap)
+    assert set(_waits(wrapper, opt).values()) <= {0}
+    assert not any(isinstance(h, (model_sync.RootForwardPreHook, model_sync.RootForwardHook)) and h.optimizer() is opt
+                   for m in wrapper.modules() for h in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()])
