@@ -37,13 +37,18 @@ def _waits(root, opt):
                       for h in m._forward_pre_hooks.values()) for name, m in root.named_modules()}
 
 
-def _train(attach_inner_first: bool, overlap: bool):
+WRAPPERS = {"module": _Wrapper,
+            # (the eager backend: what is tested is whose hooks run, which dynamo's tracing does not change)
+            "torch.compile": lambda model: torch.compile(model, backend="eager")}
+
+
+def _train(attach_inner_first: bool, overlap: bool, kind: str):
     torch.manual_seed(0)
     model = _Net()
     opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=12 * 12 * 2 / 2 ** 20)
     if attach_inner_first:
         opt.attach(model)
-    wrapper = _Wrapper(model)
+    wrapper = WRAPPERS[kind](model)
     opt.attach(wrapper)
     roots = []
     before = opt._before_model_forward
@@ -60,10 +65,11 @@ def _train(attach_inner_first: bool, overlap: bool):
     return copy.deepcopy(model.state_dict()), roots, _waits(wrapper, opt), wrapper, opt
 
 
+@pytest.mark.parametrize("kind", sorted(WRAPPERS))
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_wrapper_attached_after_its_model_runs_one_set_of_hooks_and_trains_as_attached_once(overlap):
-    weights, roots, waits, wrapper, opt = _train(attach_inner_first=True, overlap=overlap)
-    reference, ref_roots, ref_waits, _, _ = _train(attach_inner_first=False, overlap=overlap)
+def test_a_wrapper_attached_after_its_model_runs_one_set_of_hooks_and_trains_as_attached_once(overlap, kind):
+    weights, roots, waits, wrapper, opt = _train(attach_inner_first=True, overlap=overlap, kind=kind)
+    reference, ref_roots, ref_waits, _, _ = _train(attach_inner_first=False, overlap=overlap, kind=kind)
     assert len(ref_roots) == 6 and all(m is not None for m in ref_roots), "the control: one root pre-hook per forward"
     assert len(roots) == 6 and all(m is wrapper for m in roots), \
         f"{len(roots)} root pre-hook runs in 6 forwards (the inner model's set still ran)"
