@@ -961,7 +961,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._placeholders.update({p: ShardedGrad(p, self) for p in added})
         self._placeholder_list += [self._placeholders[p] for p in added]
         self._spent_grads.update({p: SpentGrad(p, self) for p in added})
-        self._norm_index: Optional[torch.Tensor] = None  # parameter index of each non-empty piece, on the device
+        # every non-empty piece of the grad shards as a view, and its parameter index on the device (see
+        # _param_grad_norms): made at the first per-parameter norm, again after new buckets
+        self._norm_pieces: Optional[tuple] = None
         for p in added:
             frozen = not p.requires_grad  # (adopted for a gradient it holds: _adopt_unfrozen)
             if frozen:  # torch checks requires_grad only when a hook is registered; the hook stays on the tensor,

@@ -538,31 +538,38 @@ class ModelViewMixin:
             norm = norm * self._clip_coef
         return norm
 
+    def _make_norm_pieces(self) -> tuple:
+        """(a view of every non-empty piece of the grad shards, each piece's parameter index as a device tensor or
+        None): the pieces never change, nor the shards (a Buffer's local shard is permanent), so they are made
+        once, without a slice op and a layout walk per piece and norm (kept from the first eager call; a traced one
+        makes its own)."""
+        views, index = [], []
+        for b in self.buckets:
+            shard = b.grad_buffer.get_local_shard()
+            first = self._param_index[b.params[0]]
+            for piece in b.param_buffer.shard_pieces():
+                if piece.numel:
+                    views.append(shard[piece.shard_start:piece.shard_end])
+                    index.append(first + piece.tensor_index)
+        made = (views, torch.tensor(index, dtype=torch.int64, device=self.device) if index else None)
+        if not torch.compiler.is_compiling():
+            self._norm_pieces = made
+        return made
+
     @torch.no_grad()
     def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         is_inf = norm_type == math.inf
-        values, index = [], []
-        for b in self.buckets:
-            shard = b.grad_buffer.get_local_shard()
-            first = self._param_index[b.params[0]]
-            for piece in b.param_buffer.shard_pieces():
-                if not piece.numel:
-                    continue
-                # each piece's norm in one pass accumulating in fp64 (torch's reduction upcasts as it reads: no
-                # fp64 copy of the piece, as the abs / square / sum ops before session 30 made, ~4 passes of
-                # fp64 temporaries and 5 torch ops per piece), raised to the power once for all pieces below. The
-                # fp64 sums: how a parameter is cut into pieces (by the layout, so by bucket_cap_mb) and summed
-                # over ranks moves them by ~1e-16 relative, below the fp32 rounding of the norm (bucket invariance)
-                values.append(torch.linalg.vector_norm(shard[piece.shard_start:piece.shard_end], norm_type,
-                                                       dtype=torch.float64))
-                index.append(first + piece.tensor_index)
+        views, idx = self._norm_pieces if self._norm_pieces is not None else self._make_norm_pieces()
+        # each piece's norm in one pass accumulating in fp64 (torch's reduction upcasts as it reads: no fp64 copy of
+        # the piece, as the abs / square / sum ops before session 30 made, ~4 passes of fp64 temporaries and 5 torch
+        # ops per piece), raised to the power once for all pieces below. The fp64 sums: how a parameter is cut into
+        # pieces (by the layout, so by bucket_cap_mb) and summed over ranks moves them by ~1e-16 relative, below
+        # the fp32 rounding of the norm (bucket invariance)
+        values = [torch.linalg.vector_norm(v, norm_type, dtype=torch.float64) for v in views]
         acc = torch.zeros(len(self._param_list), dtype=torch.float64, device=self.device)
         if values:
-            if self._norm_index is None:  # the pieces never change: one host-to-device copy, ever
-                self._norm_index = torch.tensor(index, dtype=torch.int64, device=self.device)
-            idx = self._norm_index
             stacked = torch.stack(values)
             if is_inf:
                 acc.scatter_reduce_(0, idx, stacked, reduce="amax")
