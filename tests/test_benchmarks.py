@@ -111,7 +111,7 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch):
 
 def _gpu_check(tmp_path, **knobs):
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "XDIST": "", "OMP_NUM_THREADS": "1",
-           # CPU stage timeouts: generous (the harness is under test, not the speed); the GPU defaults sum to 370 s
+           # CPU stage timeouts: generous (the harness is under test, not the speed); the GPU defaults sum to 410 s
            "T1": "300", "T2": "300", "T3": "300", "T4": "300", "T5": "300", "T6": "300",
            "PROFILE_ARGS": "--n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 2 --grad-accum 1",
            "PROFILE_STEPS": "2", "PROFILE_MODES": "overlap", **knobs}
