@@ -285,8 +285,11 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
 
 
 def _stream_key(device: torch.device):
-    """The raw handle of ``device``'s current stream (None off CUDA: the kernels run in order there)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    """The raw handle of ``device``'s current stream, read as ShardedOptimizer reads it (no Stream object made);
+    None off CUDA: the kernels run in order there."""
+    if device.type != "cuda":
+        return None
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _retarget(own_table, ptrs: tuple, out: torch.Tensor) -> bool:

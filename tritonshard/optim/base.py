@@ -2114,8 +2114,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._new_modules = False
         model, handles = self._attached
         for module in model.modules():
-            if any(type(h) is model_sync.WaitForParamsHook and h.optimizer() is self
-                   for h in module._forward_pre_hooks.values()):
+            if self._waited_buckets(module):
                 continue  # (hooked by attach or add_param_group)
             owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
                             if p in self._bucket_of})
