@@ -1,6 +1,6 @@
 """Host time of an optimizer step on the GPU code path, measured on a CPU: microseconds per bucket and per tensor.
 
-    python -m benchmarks.host_overhead [--buckets 16 64] [--tensors-per-bucket 2] [--reps 20]
+    python -m benchmarks.host_overhead [--buckets 16 64] [--tensors-per-bucket 2] [--reps 20] [--params 292]
 
 A step on a GPU is host-bound when Python takes longer to launch its kernels and collectives than the GPU takes
 to run them (issue 20: ~270 us of host time per bucket on an H200 made a 1B step 34.7 ms where its kernels needed
@@ -13,13 +13,17 @@ What it reports: the step (clip_grad_norm_ + step + zero_grad, gradients set as 
 step flattens), its minimum over the repetitions, timed at two bucket counts with the same tensors per bucket; the slope is the host cost per bucket
 (the per-step constant cancels), divided further per tensor. Also the same slope for gloo's reduce-scatter +
 all-gather alone, which a CUDA run replaces by NCCL's (~60 us each on the H200, PLATFORM.md), so it is reported
-apart. Needs TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
+apart. Then the host time per *parameter* the optimizer adds to a training iteration (its backward hooks, the
+end-of-backward flush, the step's per-parameter work), by phase, with and without ``overlap_comm``: end to end on
+a GPU every configuration was host-bound (issue 20), and the 302M GPT of the example has 292 parameters, each
+passing through the hooks in every backward. Needs TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -98,6 +102,72 @@ def _measure_flatten(num_tensors: int, numel: int, reps: int) -> tuple[float, fl
     return min(repeating) / num_tensors, min(fresh) / num_tensors
 
 
+class _PerParamLoop:
+    """One of :func:`_measure_per_param`'s loops: ``num_params`` 16-element bf16 parameters, each used once in a
+    trivial forward, trained in steps of two micro-batches (the first in ``no_sync()``), with no optimizer
+    (``mode="bare"``: ``param.grad = None`` after the step) or a ShardedAdamW with or without ``overlap_comm``."""
+
+    def __init__(self, mode: str, num_params: int):
+        import tritonshard
+        torch.manual_seed(0)
+        self.params = [torch.nn.Parameter(torch.randn(16, dtype=torch.bfloat16)) for _ in range(num_params)]
+        self.opt = None if mode == "bare" else tritonshard.ShardedAdamW(
+            self.params, lr=1e-3, overlap_comm=mode == "overlap_comm")
+        self.x = torch.randn(16, dtype=torch.bfloat16)
+
+    def _loss(self):
+        return torch.stack([(p * self.x).sum() for p in self.params]).sum()
+
+    def iteration(self) -> dict:
+        """Seconds of this iteration's phases: ``backward (no_sync)``, ``last backward``, ``clip + step +
+        zero_grad`` (each without the forward that precedes it)."""
+        opt = self.opt
+        loss = self._loss()
+        t0 = time.perf_counter()
+        if opt is None:
+            loss.backward()
+        else:
+            with opt.no_sync():
+                loss.backward()
+        t1 = time.perf_counter()
+        loss = self._loss()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        if opt is None:
+            for p in self.params:
+                p.grad = None
+        else:
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        t4 = time.perf_counter()
+        return {"backward (no_sync)": t1 - t0, "last backward": t3 - t2, "clip + step + zero_grad": t4 - t3}
+
+
+def _measure_per_param(num_params: int, rounds: int) -> dict:
+    """Host microseconds per parameter that the optimizer adds to a training iteration, by phase, without and with
+    ``overlap_comm``: each loop's time minus the same loop's without an optimizer (the autograd graph's own cost),
+    over the number of parameters. The loops take turns, one iteration each per round, and each phase's minimum
+    over the rounds is kept (the VM's speed drifts by tens of percent within a minute here: only loops measured
+    side by side compare). All parameters in one bucket: the per-bucket cost is the step measurement's."""
+    loops = {mode: _PerParamLoop(mode, num_params) for mode in ("bare", "no overlap_comm", "overlap_comm")}
+    best: dict = {mode: {} for mode in loops}
+    for r in range(rounds + 3):
+        for mode, loop in loops.items():
+            phases = loop.iteration()
+            if r >= 3:  # (three rounds to warm up: compilation, the launch plans, the caching allocator)
+                for k, v in phases.items():
+                    best[mode][k] = min(best[mode].get(k, math.inf), v)
+    out = {}
+    for mode in ("no overlap_comm", "overlap_comm"):
+        row = {k: (v - best["bare"][k]) * 1e6 / num_params for k, v in best[mode].items()}
+        row["iteration (2 micro-batches)"] = sum(row.values())
+        out[mode] = row
+    out["bare_us"] = {k: v * 1e6 for k, v in best["bare"].items()}
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--buckets", type=int, nargs=2, default=[16, 128], help="two bucket counts (the slope's ends)")
@@ -113,6 +183,9 @@ def main(argv=None) -> dict:
     p.add_argument("--no-coalesce", action="store_true",
                    help="one reduce-scatter and one all-gather call per bucket, as before issue 20.3's coalescing")
     p.add_argument("--flatten-tensors", type=int, default=4096, help="tensors of the flatten measurement")
+    p.add_argument("--params", type=int, default=292,
+                   help="parameters of the per-parameter measurement (292: the example's 302M GPT; 0: skip it)")
+    p.add_argument("--param-rounds", type=int, default=60, help="rounds of the per-parameter measurement")
     p.add_argument("--out", help="write the row as JSON to this file")
     args = p.parse_args(argv)
 
@@ -144,6 +217,7 @@ def main(argv=None) -> dict:
                 counts.append(dry.launches - before)
             launches_at_lo = counts[1] - counts[0]
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
+            per_param = _measure_per_param(args.params, args.param_rounds) if args.params else None
     finally:
         driver._active = previous
         if own_group:
@@ -160,6 +234,7 @@ def main(argv=None) -> dict:
         "launches_per_step_at_lo": launches_at_lo,
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
+        "per_param_us": per_param, "params": args.params,
         "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce and not args.overlap,
         "overlap_comm": args.overlap,
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
@@ -175,6 +250,12 @@ def main(argv=None) -> dict:
           f"without them {row['host_us_per_bucket_without_gloo']:.0f} us")
     print(f"  flatten of {args.flatten_tensors} gradients: {row['flatten_host_us_per_tensor_repeating']:.2f} us per "
           f"tensor at repeating addresses, {row['flatten_host_us_per_tensor_fresh']:.2f} us at new ones")
+    if per_param:
+        print(f"  per parameter, what the optimizer adds to an iteration of two micro-batches ({args.params} "
+              f"parameters in one bucket, minus the same loop without an optimizer; minimum of {args.param_rounds} "
+              "rounds):")
+        for mode in ("no overlap_comm", "overlap_comm"):
+            print(f"    {mode:16s} " + ", ".join(f"{k} {v:.1f} us" for k, v in per_param[mode].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import signal
 import statistics
@@ -203,13 +204,21 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "host.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--buckets", "2", "6", "--reps", "3",
-                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           "--params", "12", "--param-rounds", "2", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads(out.read_text())
     assert row["buckets"] == [2, 6] and row["bound_launches"] is True
     # for all buckets at once (issue 20.3): one flatten, one norm pass, one update (segmented), one finalize
     assert row["launches_per_step_at_lo"] == 4
     assert "per bucket:" in proc.stdout
+    # the per-parameter figures: every phase of both modes, and the iteration their sum
+    for mode in ("no overlap_comm", "overlap_comm"):
+        phases = row["per_param_us"][mode]
+        assert set(phases) == {"backward (no_sync)", "last backward", "clip + step + zero_grad",
+                               "iteration (2 micro-batches)"}, phases
+        assert math.isclose(phases["iteration (2 micro-batches)"],
+                            sum(v for k, v in phases.items() if not k.startswith("iteration")))
 
 
 def test_train_summary(tmp_path):

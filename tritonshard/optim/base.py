@@ -238,6 +238,12 @@ def kernels():
 
 
 _GRAD = operator.attrgetter("grad")
+#: Reading or setting an attribute of a laid-out parameter (a WatchedParameter, a Parameter subclass) costs ~0.2-0.3
+#: us more than of a plain one: torch looks for a __torch_function__ override on each. The per-parameter loops of
+#: the flush, the step and zero_grad read ``param.grad``/``dtype``/``device`` and set ``param.grad`` (through
+#: set_grad) inside this context, which skips that lookup; they run no torch op in it (an op on a placeholder needs
+#: its __torch_function__, ShardedGrad's). 148 parameters: ~0.7 -> ~0.2 us per read/set on this CPU.
+_PLAIN_ATTRS = torch._C.DisableTorchFunctionSubclass
 _FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 
@@ -961,6 +967,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._placeholders.update({p: ShardedGrad(p, self) for p in added})
         self._placeholder_list += [self._placeholders[p] for p in added]
         self._spent_grads.update({p: SpentGrad(p, self) for p in added})
+        for b in new:
+            b.grad_placeholders = [self._placeholders[p] for p in b.params]
+            b.spent_markers = [self._spent_grads[p] for p in b.params]
+            b.all_placed = dict.fromkeys(b.params, True)
         # every non-empty piece of the grad shards as a view, and its parameter index on the device (see
         # _param_grad_norms): made at the first per-parameter norm, again after new buckets
         self._norm_pieces: Optional[tuple] = None
@@ -969,15 +979,19 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if frozen:  # torch checks requires_grad only when a hook is registered; the hook stays on the tensor,
                 p.requires_grad_(True)  # for when it is unfrozen
             try:
-                self._hooks.append(p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)))
+                if self.overlap_comm:  # (the bucket's flush needs the accumulated gradient: after accumulation)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)))
                 # the placeholder goes in a pre-hook of the parameter's AccumulateGrad node, which runs only where
                 # a backward accumulates into param.grad: a tensor hook runs in torch.autograd.grad(loss, params)
                 # too, which leaves param.grad as it is (until session 29 that removed the placeholder, so torch's
                 # clip after such a call found no gradients and returned 0, silently). The node lives while a
                 # reference holds it, and its hooks with it: the optimizer holds it, as DDP's reducer does.
+                # Without overlap_comm it is the only hook: it notes the arrival too (nothing reads the gradient
+                # before the end of the backward, and the pre-hook runs where the post-accumulate one would).
                 accumulator = model_sync.grad_accumulator(p)
                 self._grad_accumulators.append(accumulator)
-                self._hooks.append(accumulator.register_prehook(model_sync.ClearPlaceholderHook(self, p)))
+                self._hooks.append(accumulator.register_prehook(
+                    model_sync.ClearPlaceholderHook(self, p, arriving=not self.overlap_comm)))
             finally:
                 if frozen:
                     p.requires_grad_(False)
@@ -1206,6 +1220,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             for b in self.buckets:
                 b.ready.clear()
 
+    def _grad_arriving(self, param: torch.Tensor) -> None:
+        """Without ``overlap_comm``: a gradient is about to be accumulated into ``param.grad`` (the AccumulateGrad
+        pre-hook, the optimizer's only hook on the parameter then): the placeholder out, the arrival noted."""
+        self._take_placeholder(param)
+        self._on_grad_ready(param)
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self._queue_end_of_backward()
         self._grads_this_backward = True
@@ -1361,14 +1381,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # markers: where some param.grad may still hold its spent marker (SpentGrad), which stands for no gradient
         # of this backward (by identity: the listing may be older than the loop's last clear or assignment)
         markers = self._spent_grads if self._spent else None
-        if placed or markers is not None:
-            if placed:
-                self._take_back_cleared(b)
-            pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets)
-                       if (g := p.grad) is not None and p not in placed
-                       and (markers is None or g is not markers[p])]
-        else:
-            pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets) if (g := p.grad) is not None]
+        if placed:
+            self._take_back_cleared(b)
+            if len(placed) == len(b.params):  # (each param.grad is its placeholder, checked just now: every
+                return None  # gradient is in the buffer already)
+        with _PLAIN_ATTRS():
+            if placed or markers is not None:
+                pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets)
+                           if (g := p.grad) is not None and p not in placed
+                           and (markers is None or g is not markers[p])]
+            else:
+                pending = [(p, g, off) for p, off in zip(b.params, b.grad_buffer.offsets)
+                           if (g := p.grad) is not None]
         if not pending:
             return None
         sparse = next((p for p, g, _ in pending if g.layout != torch.strided), None)
@@ -1428,14 +1452,27 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             for p in b.params:
                 p.grad = None
         else:  # param.grad says "there is a gradient, in tritonshard's buffer" (see ShardedGrad)
-            placed, placeholders = b.placed, self._placeholders
-            param_dtype, device = self.param_dtype, self.device
-            for p, _, _ in pending:
-                if p.dtype == param_dtype and p.device == device:
-                    set_grad(p, placeholders[p])
-                    placed[p] = True
-                else:  # converted or moved since construction: step() raises, naming it (sync_from_model)
-                    set_grad(p, None)
+            placed, every = b.placed, len(pending) == len(b.params)
+            if every:  # every parameter of the bucket, in its order (the usual flush)
+                pairs = zip(b.params, b.grad_placeholders)
+            else:
+                placeholders = self._placeholders
+                pairs = ((p, placeholders[p]) for p, _, _ in pending)
+            refused = []
+            with _PLAIN_ATTRS():
+                for p, placeholder in pairs:
+                    try:  # (torch's setter checks the dtype, device and shape against the parameter's)
+                        set_grad(p, placeholder)
+                    except RuntimeError:  # converted, moved or resized since construction: step() raises, naming
+                        set_grad(p, None)  # it (sync_from_model)
+                        refused.append(p)
+                    else:
+                        if not every:
+                            placed[p] = True
+            if every:  # (a dict's update from a dict copies its keys' hashes: no Tensor.__hash__ per parameter)
+                placed.update(b.all_placed)
+                for p in refused:
+                    del placed[p]
         b.has_grads = True
         if self._zeroed:  # (a backward's gradient is placed now: the middle of a step, whatever was zeroed)
             self._zeroed.clear()
@@ -1453,6 +1490,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if self._flags.compiled_unfinished:
             self._finish_compiled_step()
         grad = param.grad
+        if grad is None:  # (the first backward after zero_grad())
+            return
         if grad is self._placeholders.get(param):
             set_grad(param, None)
             b = self._bucket_of[param][0]
@@ -1467,8 +1506,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _take_back_cleared(self, b: _Bucket) -> None:
         """torch semantics for code that cleared or replaced ``param.grad`` after we took the gradient
         (``model.zero_grad()``, ``p.grad = None``, ``p.grad = t``): the gradient in the buffer is discarded."""
-        for p in [p for p in b.placed if p.grad is not self._placeholders[p]]:
-            b.placed.pop(p)
+        placed = b.placed
+        with _PLAIN_ATTRS():
+            if len(placed) == len(b.params):  # (every one: the lists made for that, no look-ups)
+                cleared = [p for p, placeholder in zip(b.params, b.grad_placeholders) if p.grad is not placeholder]
+            else:
+                placeholders = self._placeholders
+                cleared = [p for p in placed if p.grad is not placeholders[p]]
+        for p in cleared:
+            placed.pop(p)
             self._discard_grad(p, keep_placeholder=False)
 
     def _discard_grad(self, param: torch.Tensor, keep_placeholder: bool = True) -> None:
@@ -1947,9 +1993,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if not compiling:  # step() and zero_grad() consume the gradients (see SpentGrad for step()'s markers)
                 if spent and b.placed:
                     self._spent_unlisted = True
-                for p in b.placed:
-                    if p.grad is placeholders[p]:
-                        set_grad(p, markers[p] if markers is not None else None)
+                with _PLAIN_ATTRS():
+                    if len(b.placed) == len(b.params):  # (every one: walk the lists made for that, no look-ups)
+                        for p, placeholder, marker in zip(b.params, b.grad_placeholders,
+                                                          b.spent_markers if spent else itertools.repeat(None)):
+                            if p.grad is placeholder:
+                                set_grad(p, marker)
+                    else:
+                        for p in b.placed:
+                            if p.grad is placeholders[p]:
+                                set_grad(p, markers[p] if markers is not None else None)
                 b.placed.clear()
             if b.no_grad:
                 b.no_grad = {}
@@ -2895,14 +2948,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if not set_to_none:  # (before the reset takes the placeholders away)
             had = {p: True for b in self.buckets for p in b.params if isinstance(p.grad, ShardedGrad)}
         self._reset_step_state()  # placeholders first: they hold no storage to zero
-        for g in self.param_groups:
-            for p in g["params"]:
-                grad = p.grad
-                if grad is not None:
-                    if set_to_none or type(grad) is SpentGrad:  # (the buffers are zero-filled below)
-                        set_grad(p, None)
-                    else:
-                        grad.zero_()
+        to_zero = []
+        with _PLAIN_ATTRS():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    grad = p.grad
+                    if grad is not None:
+                        if set_to_none or type(grad) is SpentGrad:  # (the buffers are zero-filled below)
+                            set_grad(p, None)
+                        else:
+                            to_zero.append(grad)
+        for grad in to_zero:  # (outside: a torch op, which a subclass' own __torch_function__ may handle)
+            grad.zero_()
         self._spent_unlisted, self._spent, self._stale = False, {}, {}
         if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
             for b in self.buckets:  # (a gradient set by hand is still in param.grad, zeroed there: the next flush

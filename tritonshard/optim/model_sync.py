@@ -54,7 +54,8 @@ class GradReadyHook(_OptimizerRef):
     """Post-accumulate-grad hook on a parameter: its gradient of this backward is complete."""
 
     def __call__(self, param):
-        opt = self.optimizer()
+        ref = self._ref
+        opt = ref() if ref is not None else None
         if opt is not None:
             opt._on_grad_ready(param)
 
@@ -70,19 +71,33 @@ class ClearPlaceholderHook(_OptimizerRef):
     """Pre-hook of a parameter's AccumulateGrad node, run before autograd accumulates a new gradient into
     ``param.grad`` (and only then: not in ``torch.autograd.grad``): a :class:`ShardedGrad` there (the previous
     micro-batch's gradient, already in the grad buffer) is removed, so autograd stores the new gradient instead of
-    accumulating into a placeholder."""
+    accumulating into a placeholder.
 
-    def __init__(self, optimizer, param):
+    ``arriving``: the optimizer's only hook on the parameter (without ``overlap_comm``, where nothing waits for
+    the accumulated gradient before the end of the backward): it also notes the gradient's arrival
+    (``ShardedOptimizer._grad_arriving``), which a :class:`GradReadyHook` does after the accumulation otherwise.
+    One hook instead of two saves ~1 us of host time per parameter and backward (the C++ -> Python call)."""
+
+    _arriving = False  # (an instance pickled before the attribute existed)
+
+    def __init__(self, optimizer, param, arriving: bool = False):
         super().__init__(optimizer)
         self._param = weakref.ref(param)
+        self._arriving = arriving
 
     def __getstate__(self):
-        return {"_ref": None, "_param": None}
+        return {"_ref": None, "_param": None, "_arriving": self._arriving}
 
     def __call__(self, grad_outputs):
-        opt, param = self.optimizer(), self._param() if self._param is not None else None
+        # (per parameter and backward: the weak references read inline, not through optimizer())
+        ref, param_ref = self._ref, self._param
+        opt = ref() if ref is not None else None
+        param = param_ref() if param_ref is not None else None
         if opt is not None and param is not None:
-            opt._take_placeholder(param)
+            if self._arriving:
+                opt._grad_arriving(param)
+            else:
+                opt._take_placeholder(param)
         return None
 
 

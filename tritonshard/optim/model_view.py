@@ -25,6 +25,7 @@ from .bucket import DATA_READS, _Bucket, alone, watch
 
 _DATA_PTR = torch.Tensor.data_ptr
 _VERSION = operator.attrgetter("_version")
+_PLAIN_ATTRS = torch._C.DisableTorchFunctionSubclass  # (see base._PLAIN_ATTRS)
 
 __all__ = ["ModelViewMixin"]
 
@@ -301,7 +302,8 @@ class ModelViewMixin:
         gradient by hand, has one (its placeholder is placed) and is updated with it, as torch.optim does."""
         if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
             return []
-        return [p for p in self._param_list if not p.requires_grad and p not in self._bucket_of[p][0].placed]
+        with _PLAIN_ATTRS():
+            return [p for p in self._param_list if not p.requires_grad and p not in self._bucket_of[p][0].placed]
 
     def _step_settings(self) -> tuple:
         """(digest, description) of the hyper-parameters this step updates with (every trained group's values of
