@@ -9,7 +9,7 @@ import torch
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return type(x) is float or (isinstance(x, numbers.Real) and not isinstance(x, bool))  # (float: no ABC check)
 
 
 # (lr and the checked minimums: finiteness as comparisons with inf, not math.isfinite, and the message formatted only
@@ -33,10 +33,12 @@ def check_lr(lr, where: str) -> None:
 
 
 def check_betas(betas, where: str) -> None:
-    require(isinstance(betas, (tuple, list)) and len(betas) == 2, f"betas must be a pair (beta1, beta2), got "
-            f"{betas!r}", where)
+    # (each step checks every group: the messages are formatted only for a value that fails)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{where}")
     for i, b in enumerate(betas):
-        require(_is_number(b) and 0.0 <= b < 1.0, f"betas[{i}] must be in [0, 1), got {b!r}", where)
+        if not (_is_number(b) and 0.0 <= b < 1.0):
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}{where}")
 
 
 def check_min(name: str, value, where: str, lo: float = 0.0, strict: bool = False) -> None:
