@@ -1453,6 +1453,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 p.grad = None
         else:  # param.grad says "there is a gradient, in tritonshard's buffer" (see ShardedGrad)
             placed, every = b.placed, len(pending) == len(b.params)
+            param_dtype, device = self.param_dtype, self.device
             if every:  # every parameter of the bucket, in its order (the usual flush)
                 pairs = zip(b.params, b.grad_placeholders)
             else:
@@ -1463,9 +1464,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 for p, placeholder in pairs:
                     try:  # (torch's setter checks the dtype, device and shape against the parameter's)
                         set_grad(p, placeholder)
-                    except RuntimeError:  # converted, moved or resized since construction: step() raises, naming
-                        set_grad(p, None)  # it (sync_from_model)
-                        refused.append(p)
+                    except RuntimeError:
+                        if p.dtype == param_dtype and p.device == device and p.shape == placeholder.shape:
+                            raise  # (not one of the three: torch's error is the one to see)
+                        set_grad(p, None)  # converted, moved or resized since construction: step() raises, naming
+                        refused.append(p)  # it (sync_from_model)
                     else:
                         if not every:
                             placed[p] = True
