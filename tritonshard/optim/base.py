@@ -661,6 +661,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
         self._placeholders: dict = {}
         self._placeholder_list: list = []  # (in _param_list's order)
+        self._param_buckets: list = []  # each parameter's bucket (in _param_list's order)
         # param.grad after step() until cleared (model_sync.SpentGrad): each parameter's marker; whether step() left
         # markers that are not listed yet (the listing, _list_spent, is needed only where the loop did not call
         # opt.zero_grad()); the parameters listed holding theirs; those whose marker a backward replaced (torch.optim
@@ -966,6 +967,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._param_versions += [p._version for p in added]
         self._placeholders.update({p: ShardedGrad(p, self) for p in added})
         self._placeholder_list += [self._placeholders[p] for p in added]
+        self._param_buckets = [self._bucket_of[p][0] for p in self._param_list]  # (in _param_list's order)
         self._spent_grads.update({p: SpentGrad(p, self) for p in added})
         for b in new:
             b.grad_placeholders = [self._placeholders[p] for p in b.params]
@@ -990,8 +992,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 # before the end of the backward, and the pre-hook runs where the post-accumulate one would).
                 accumulator = model_sync.grad_accumulator(p)
                 self._grad_accumulators.append(accumulator)
-                self._hooks.append(accumulator.register_prehook(
-                    model_sync.ClearPlaceholderHook(self, p, arriving=not self.overlap_comm)))
+                self._hooks.append(accumulator.register_prehook(model_sync.ClearPlaceholderHook(
+                    self, p, self._param_index[p], arriving=not self.overlap_comm)))
             finally:
                 if frozen:
                     p.requires_grad_(False)
@@ -1220,10 +1222,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             for b in self.buckets:
                 b.ready.clear()
 
-    def _grad_arriving(self, param: torch.Tensor) -> None:
+    def _grad_arriving(self, param: torch.Tensor, index: int) -> None:
         """Without ``overlap_comm``: a gradient is about to be accumulated into ``param.grad`` (the AccumulateGrad
         pre-hook, the optimizer's only hook on the parameter then): the placeholder out, the arrival noted."""
-        self._take_placeholder(param)
+        self._take_placeholder(param, index)
         self._on_grad_ready(param)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -1487,17 +1489,18 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             torch.cuda.current_stream(self.device).wait_event(self._grads_consumed_event)
             self._grads_consumed_event = None
 
-    def _take_placeholder(self, param: torch.Tensor) -> None:
-        """A new gradient for ``param`` is about to be accumulated: remove the placeholder, so autograd stores it
-        (the earlier gradients are in the grad buffer, which the next flush accumulates onto)."""
+    def _take_placeholder(self, param: torch.Tensor, index: int) -> None:
+        """A new gradient for ``param`` (``_param_list[index]``) is about to be accumulated: remove the placeholder,
+        so autograd stores it (the earlier gradients are in the grad buffer, which the next flush accumulates
+        onto). Per parameter and backward: its placeholder and bucket by index, not looked up by the tensor."""
         if self._flags.compiled_unfinished:
             self._finish_compiled_step()
         grad = param.grad
         if grad is None:  # (the first backward after zero_grad())
             return
-        if grad is self._placeholders.get(param):
+        if grad is self._placeholder_list[index]:
             set_grad(param, None)
-            b = self._bucket_of[param][0]
+            b = self._param_buckets[index]
             b.placed.pop(param, None)
             if b.rs_launched:  # accumulating onto a launched reduction: an error at the flush (_take_pending)
                 self._taken_after_launch = True

@@ -80,13 +80,14 @@ class ClearPlaceholderHook(_OptimizerRef):
 
     _arriving = False  # (an instance pickled before the attribute existed)
 
-    def __init__(self, optimizer, param, arriving: bool = False):
+    def __init__(self, optimizer, param, index: int, arriving: bool = False):
         super().__init__(optimizer)
         self._param = weakref.ref(param)
+        self._index = index  # the parameter's position in the optimizer's _param_list
         self._arriving = arriving
 
     def __getstate__(self):
-        return {"_ref": None, "_param": None, "_arriving": self._arriving}
+        return {"_ref": None, "_param": None, "_index": self._index, "_arriving": self._arriving}
 
     def __call__(self, grad_outputs):
         # (per parameter and backward: the weak references read inline, not through optimizer())
@@ -95,9 +96,9 @@ class ClearPlaceholderHook(_OptimizerRef):
         param = param_ref() if param_ref is not None else None
         if opt is not None and param is not None:
             if self._arriving:
-                opt._grad_arriving(param)
+                opt._grad_arriving(param, self._index)
             else:
-                opt._take_placeholder(param)
+                opt._take_placeholder(param, self._index)
         return None
 
 
