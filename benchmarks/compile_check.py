@@ -15,6 +15,8 @@ cubin) and the widths of its global loads and stores (from the PTX), and fails w
 
 * a launch does not compile;
 * a kernel spills registers to local memory;
+* AdamW's coefficients kernel (float64 scalars, compared bit for bit with torch's ops) contains a fused
+  multiply-add or an approximate division or square root, or lacks the correctly rounded ones;
 * a streaming kernel has no 16-byte global load, or no 16-byte global store, each direction on its own (exempt:
   the one-program finalize of ``scale_``, flatten's ALIGNED=False path, element-wise by design, and the stores of
   the read-only ``sum_sq_nonfinite`` pass, which writes one partial per program). A kernel with 16-byte stores and
@@ -72,9 +74,13 @@ KERNELS = {
     "adamw": adamw_mod._adamw_kernel,
     "sgd": sgd_mod._sgd_kernel,
     "lion": lion_mod._lion_kernel,
+    "adamw_coefficients": adamw_mod._coefficients_kernel,
 }
-# one program reducing a few partials: neither streaming nor worth vectorizing
-NOT_STREAMING = {"scale_finalize"}
+# one program reducing a few partials, or computing three scalars: neither streaming nor worth vectorizing
+NOT_STREAMING = {"scale_finalize", "adamw_coefficients"}
+#: kernels whose float64 arithmetic must round each operation as torch's ops do (their results are compared bit
+#: for bit with them): no fused multiply-add, no approximate division or square root in their PTX
+IEEE_F64 = {"adamw_coefficients"}
 
 # ------------------------------------------------------------------------------------------------ dry-run driver
 
@@ -207,6 +213,14 @@ def _segmented_update(which: str, n: int) -> None:
     kernel[grid](*args, **kwargs)
 
 
+def _coefficients(weight_decay: float) -> None:
+    """ShardedAdamW's per-step coefficients launch (kernels.adamw.adamw_coefficients_launch)."""
+    pows = torch.empty(2, dtype=torch.float64)
+    adamw_mod.adamw_coefficients_launch(torch.empty(3), (torch.empty((), dtype=torch.float64), pows, pows.unbind()),
+                                        torch.tensor(1e-3, dtype=torch.float64), torch.tensor(3.0), 0.9, 0.999,
+                                        weight_decay, {})
+
+
 def cases() -> list[tuple[str, Callable[[], None]]]:
     """Every branch of every launcher's constexpr arguments, each as (name, call)."""
     n = 8192 + 64  # full blocks and a tail; a multiple of 16 like every Buffer shard
@@ -266,6 +280,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     for which in ("adamw", "sgd", "lion"):
         out.append((f"{which} segmented (MULTI: one launch over several buckets' shards, as ShardedOptimizer "
                     "steps without overlap_comm)", lambda which=which: _segmented_update(which, n)))
+    for weight_decay in (0.0, 0.1):  # (its bits: 0 is an int32 argument, 0.1's an int64: two specializations)
+        out.append((f"adamw coefficients, weight_decay={weight_decay}", lambda wd=weight_decay: _coefficients(wd)))
     out.append(("adamw beta1=0.3 (lerp from the end)", lambda: adamw_step_(
         *_update_tensors(n)[:4], lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)))
     out.append(("sgd no momentum, no weight decay", lambda: sgd_step_(
@@ -340,11 +356,16 @@ def _constexprs(compiled) -> dict:
 
 
 def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes: list[int],
-             store_bytes: list[int]) -> list[str]:
+             store_bytes: list[int], ptx: str = "") -> list[str]:
     """What is wrong with one compiled specialization (the rules in the module docstring)."""
     found = []
     if local_bytes:
         found.append(f"spills {local_bytes} bytes to local memory")
+    if kernel in IEEE_F64:
+        if re.search(r"\bfma\.|\.approx\b", ptx):
+            found.append("a fused multiply-add or an approximate operation in float64 math compared bit for bit")
+        if "div.rn.f64" not in ptx or "sqrt.rn.f64" not in ptx:
+            found.append("no correctly rounded float64 division or square root")
     if kernel in NOT_STREAMING or constexprs.get("ALIGNED") == "False":
         return found
     if 16 not in load_bytes:
@@ -379,7 +400,8 @@ def inspect_kernels() -> list[Compiled]:
                 results.append(Compiled(kname, constexprs, warps, usage.get("REG"),
                                         usage.get("LOCAL"), compiled.metadata.shared, access["ld"], access["st"],
                                         compiled.asm["ttgir"].count("ttg.convert_layout"), count, per_element,
-                                        problems(kname, constexprs, usage.get("LOCAL"), access["ld"], access["st"])))
+                                        problems(kname, constexprs, usage.get("LOCAL"), access["ld"], access["st"],
+                                                 ptx)))
     return results
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The project's GPU check: ONE device call of at most 7 minutes on a cold machine (torch 2.11 and its Triton
 # there, no package registry, 16 CPU cores, an empty Triton cache). Every stage runs under its own timeout, and the
-# timeouts add up to 410 s, so the call ends in time even when a stage hangs; a stage that times out or fails is
+# timeouts add up to 440 s, so the call ends in time even when a stage hangs; a stage that times out or fails is
 # reported and the next one still runs. A task's device time is 15 minutes, and each start and give-back cost ~90 s
 # of it (2026-12-04), so one check leaves time for one rerun of a stage, not of the whole.
 #
-#   device run:  OUT=$OUT bash benchmarks/gpu_check.sh          (timeout_s 460 leaves room for the packing)
+#   device run:  OUT=$OUT bash benchmarks/gpu_check.sh          (timeout_s 490 leaves room for the packing)
 #
 # The stages (budget, in seconds):
 #   1. the COMPILED kernels against the PyTorch references: pytest -n 16 tests/kernels (26-35 s measured on an
@@ -24,6 +24,9 @@
 #      to +-30 % on that machine and every configuration is host-bound there: one run each compared the
 #      machine's moods; see benchmarks/e2e.py; 12 runs of 14-19 s each on the H200). FSDP2, ShardedMuon and
 #      cuda_graph=True: add them to E2E_RUNS                                                                  240
+#   host. the host time of the GPU code path on this machine's own CPU (benchmarks.host_overhead: the dry-run
+#      driver, nothing launched; per bucket and per parameter): what the development machine measures between
+#      GPU runs, measured here once, so its figures can be read as this host's (session 31)                   30
 #   6. (not in the default set since 2026-12-04, when it answered its question) one traced training iteration
 #      (torch.profiler, host and device timelines) of the example at 302M, with and without overlap_comm +
 #      attach; PROFILE_ARGS="... --profile-with-stack" adds the Python functions. The chrome traces are
@@ -39,7 +42,8 @@
 # benchmarks.run arguments), MODELS (benchmarks.step models), STEP_ARGS (extra benchmarks.step arguments),
 # BUCKET_CAPS (the sweep), E2E_RUNS ("model:nproc:steps:configs[:rounds]" items, configs comma-separated), TRAIN_STEPS,
 # TRAIN_ARGS, PROFILE_ARGS (the traced model), PROFILE_STEPS (the traced step, the last), PROFILE_MODES (overlap
-# no-overlap), STAGES (which of 1 2 3 4 5 6 train to run), T1..T6, TTRAIN (the stage timeouts).
+# no-overlap), HOST_ARGS (benchmarks.host_overhead arguments), STAGES (which of 1 2 3 4 5 host 6 train to run),
+# T1..T6, THOST, TTRAIN (the stage timeouts).
 # Where a machine lacks pytest/hypothesis: pip install --target .gpu_deps pytest hypothesis, and carry .gpu_deps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,8 +65,9 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 PROFILE_ARGS=${PROFILE_ARGS:---n-layer 24 --n-head 16 --n-embd 1024 --block-size 256 --batch-size 16 --grad-accum 2}
 PROFILE_STEPS=${PROFILE_STEPS:-6}
 PROFILE_MODES=${PROFILE_MODES:-overlap no-overlap}
-STAGES=" ${STAGES:-1 2 3 4 5} "
-T1=${T1:-45} T2=${T2:-40} T3=${T3:-35} T4=${T4:-50} T5=${T5:-240} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
+HOST_ARGS=${HOST_ARGS:---reps 10 --param-rounds 30}
+STAGES=" ${STAGES:-1 2 3 4 5 host} "
+T1=${T1:-45} T2=${T2:-40} T3=${T3:-35} T4=${T4:-50} T5=${T5:-240} THOST=${THOST:-30} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 status=0
 note() { echo "$1" | tee -a "$OUT/results.md"; }
@@ -118,6 +123,15 @@ if stage 5; then
     ran "5 ($model)" $?
   done
   tail -n 20 "$WORK/e2e.log"
+fi
+if stage host; then
+  echo "== host. the host time of the GPU code path on this machine's CPU (dry-run driver; timeout ${THOST}s)"
+  env -u TRITON_INTERPRET timeout "$THOST" $PY -m benchmarks.host_overhead --out "$WORK/host_overhead.json" \
+    $HOST_ARGS > "$WORK/host_overhead.log" 2>&1
+  ran host $?
+  tail -n 8 "$WORK/host_overhead.log"
+  { echo; echo "## Host time of the GPU code path on this machine's CPU (benchmarks.host_overhead, dry-run driver)"
+    echo; echo '```'; tail -n 8 "$WORK/host_overhead.log"; echo '```'; } >> "$OUT/results.md"
 fi
 if stage 6; then
   echo "== 6. one traced iteration, with and without overlap_comm (timeout ${T6}s for both)"

@@ -138,7 +138,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
         BENCH_ARGS="--sizes 4099 --reps 1 --only scale_", MODELS="tiny",
         STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon", BUCKET_CAPS="25 0.01",
         E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap:2",  # (one process, as on the GPU; two rounds)
-        STAGES="1 2 3 4 5 6")  # (6 is not in the default set any more)
+        HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2",
+        STAGES="1 2 3 4 5 host 6")  # (6 is not in the default set any more)
     # (each message carries what it read: this test failed once in a full run, and its output was lost)
     assert " passed" in texts["gpu_check/kernel_tests.log"], texts["gpu_check/kernel_tests.log"][-3000:]
     # stage 2, sync_check: on CPU the detector is off (set_sync_debug_mode is CUDA's), so this keeps its
@@ -153,6 +154,9 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert "| kernel |" in results and "## Optimizer step, tiny" in results, results
     assert "| 0.01 |" in results and "host us / bucket" in results, "the bucket_cap_mb sweep:\n" + results
     assert "## End to end, tiny" in results, results
+    # stage host: the dry-run host measurement, both its figures in results.md
+    host = results.split("## Host time of the GPU code path")[1]
+    assert "per bucket:" in host and "no overlap_comm" in host and "iteration (2 micro-batches)" in host, host
     for config in ("amp", "fsdp2", "sharded-overlap"):
         row = next(line for line in results.splitlines() if line.startswith(f"| {config} |"))
         assert "did not run" not in row, row
@@ -209,8 +213,9 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads(out.read_text())
     assert row["buckets"] == [2, 6] and row["bound_launches"] is True
-    # for all buckets at once (issue 20.3): one flatten, one norm pass, one update (segmented), one finalize
-    assert row["launches_per_step_at_lo"] == 4
+    # for all buckets at once (issue 20.3): one flatten, one norm pass, one update (segmented), one finalize; and
+    # AdamW's coefficients (session 31)
+    assert row["launches_per_step_at_lo"] == 5
     assert "per bucket:" in proc.stdout
     # the per-parameter figures: every phase of both modes, and the iteration their sum
     for mode in ("no overlap_comm", "overlap_comm"):

@@ -104,3 +104,15 @@ def test_ptx_instructions_are_counted():
     }
     """
     assert compile_check.ptx_instruction_count(ptx) == 5
+
+
+def test_the_coefficients_kernel_rule_sees_a_fused_multiply_add():
+    """AdamW's coefficients kernel must round each float64 op as torch's ops do (its results are compared bit for
+    bit with them): the check flags a fused multiply-add or an approximate op in its PTX, and the absence of the
+    correctly rounded division and square root (the compiled kernel passes: the full check above)."""
+    ok = "div.rn.f64 %rd1, %rd2, %rd3;\nsqrt.rn.f64 %rd4, %rd5;\nsub.rn.f64 %rd6, %rd7, %rd8;"
+    assert compile_check.problems("adamw_coefficients", {}, 0, [8], [4], ok) == []
+    fused = ok + "\nfma.rn.f64 %rd9, %rd1, %rd2, %rd3;"
+    assert any("fused multiply-add" in p for p in compile_check.problems("adamw_coefficients", {}, 0, [8], [4], fused))
+    approximate = "div.rn.f64 %rd1, %rd2, %rd3;\nsqrt.approx.f64 %rd4, %rd5;"
+    assert len(compile_check.problems("adamw_coefficients", {}, 0, [8], [4], approximate)) == 2

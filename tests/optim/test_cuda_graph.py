@@ -44,9 +44,15 @@ def test_graphed_steps_across_an_unfreeze_give_the_eager_bits(emulated):
 
 
 def test_a_number_a_graph_would_freeze_fails_the_emulated_replay(emulated, monkeypatch):
-    """The check can fail: with the lr handed to the coefficients as a number (a fill_ with this step's value, which
-    a real graph would replay with the captured step's), the first replay after the lr moved raises."""
-    monkeypatch.setattr(ShardedOptimizer, "_lr_source", lambda self, group, gi: float(group["lr"]))
+    """The check can fail: with the lr written into its tensor inside the captured phase (a fill_ with this step's
+    value, which a real graph would replay with the captured step's; _write_lrs writes it before the phase), the
+    first replay after the lr moved raises. (The coefficients kernel reads that tensor; until session 31 the
+    coefficients were torch ops, and this test handed them the lr as a number through _lr_source.)"""
+    def lr_filled_inside(self, group, group_index):
+        t = self._persistent_tensor(("lr", group_index),
+                                    lambda: torch.empty((), dtype=torch.float64, device=self.device))
+        return t.fill_(float(group["lr"]))
+    monkeypatch.setattr(ShardedOptimizer, "_lr_tensor", lr_filled_inside)
     with pytest.raises(AssertionError, match="replay op .* differently from its capture"):
         _check("ShardedAdamW")
 

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import _launch
-from ..kernels.adamw import adamw_coefficients, adamw_coefficients_into
+from ..kernels._dispatch import compiled_path, interpreter_enabled
+from ..kernels.adamw import adamw_coefficients, adamw_coefficients_into, adamw_coefficients_launch
 from ..kernels.adamw import SEGMENTS as ADAMW_SEGMENTS
 from ..kernels.adamw import launch_spec as adamw_launch_spec
 from ._hparams import check_betas, check_lr, check_min
@@ -104,6 +105,20 @@ def adamw_update_slice(bucket: _Bucket, group: dict, sl: slice, step: torch.Tens
                           remainders=remainders, **kwargs)
 
 
+def _coefficients_kernel_runs(device: torch.device) -> bool:
+    """Whether a bound update's coefficients come from one kernel launch (kernels.adamw.adamw_coefficients_launch:
+    4 small ops and a launch per param group and step, instead of 13 float64 ops): where the Triton kernels run
+    (compiled, or the interpreter, where the CPU tests run them), outside torch.compile (which records the torch
+    ops). The same bits either way."""
+    return (compiled_path(device) or interpreter_enabled()) and not torch.compiler.is_compiling()
+
+
+def _kernel_scratch(device: torch.device) -> tuple:
+    """adamw_coefficients_launch's float64 scratch: the step, the two powers and their 0-d views."""
+    pows = torch.empty(2, dtype=torch.float64, device=device)
+    return torch.empty((), dtype=torch.float64, device=device), pows, tuple(pows.unbind())
+
+
 def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor,
                  maximize: bool = False) -> tuple:
     """(launch spec or None, checked launch) of one bucket's AdamW update: the spec (kernel, grid, args, kwargs)
@@ -124,6 +139,12 @@ def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
                                      lambda: torch.empty(3, dtype=torch.float32, device=opt.device))
         if isinstance(lr, torch.Tensor):
             return out.copy_(coef)
+        if _coefficients_kernel_runs(opt.device):  # (the lr in its float64 device tensor, 1 fill; see there)
+            scratch, launches = opt._persistent_tensor(("adamw kernel scratch", counter), lambda: (
+                _kernel_scratch(opt.device), {}))
+            adamw_coefficients_launch(out, scratch, opt._lr_tensor(group, gi), bucket.step, beta1, beta2,
+                                      group["weight_decay"], launches)
+            return out
         views, scratch = opt._persistent_tensor(("adamw views", counter), lambda: (
             tuple(out.unbind()), tuple(torch.empty((), dtype=torch.float64, device=opt.device) for _ in range(3))))
         adamw_coefficients_into(views, scratch, opt._lr_source(group, gi), bucket.step, beta1, beta2,
