@@ -15,6 +15,8 @@ Semantics are ``torch.optim.AdamW`` (``foreach=False``), in its order of operati
 (``1 - lr*wd``, ``lr / bc1``, ``sqrt(bc2)``) are computed once per call in float64, on the host for Python numbers
 and with a few 0-d device ops when ``lr`` or ``step`` is a tensor, so a changing lr or step needs neither a
 recompile nor a host sync; doing them in fp32 inside the kernel would lose ~1e-5 relative on ``1 - 0.999^1``.
+ShardedAdamW computes them once per param group and step with :func:`adamw_coefficients_launch` (the two powers
+in torch, the rest in one float64 program, the same bits) where the Triton kernels run.
 
 FMA contraction is on, explicitly (Triton 3.10 turns its default off): on a GPU ``a + b * c`` rounds once, so the
 kernel may differ from the reference by a few fp32 ulps per step (the tests' tolerance says how many); the same
