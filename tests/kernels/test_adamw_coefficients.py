@@ -54,3 +54,24 @@ def test_the_kernel_gives_the_torch_ops_bits(seed):
     assert decay == float(torch.tensor(1.0 - lr * weight_decay, dtype=torch.float32))
     assert step_size == pytest.approx(lr / (1.0 - beta1 ** step), rel=1e-7)
     assert bc2_sqrt == pytest.approx((1.0 - beta2 ** step) ** 0.5, rel=1e-7)
+
+
+def test_a_step_count_of_zero_gives_torchs_infinity_without_a_warning():
+    """Every step so far skipped (an inf found, the count not advanced): 1 - beta1^0 = 0, and torch's reciprocal
+    gives inf (the masked update never uses it). The kernel gives the same bits; under the interpreter numpy would
+    warn about the division where a GPU divides silently, and the launcher keeps it quiet."""
+    import warnings
+    step_t = torch.tensor(0.0, device=DEVICE)
+    pows = torch.empty(2, dtype=torch.float64, device=DEVICE)
+    out = torch.empty(3, device=DEVICE)
+    want = torch.empty(3, device=DEVICE)
+    ref_scratch = tuple(torch.empty((), dtype=torch.float64, device=DEVICE) for _ in range(3))
+    for lr in (1e-3, 0.0):  # (inf * lr: inf, or nan for an lr of 0)
+        adamw_coefficients_into(tuple(want.unbind()), ref_scratch, lr, step_t, 0.9, 0.999, 0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            adamw_coefficients_launch(out, (torch.empty((), dtype=torch.float64, device=DEVICE), pows, pows.unbind()),
+                                      torch.tensor(lr, dtype=torch.float64, device=DEVICE), step_t, 0.9, 0.999, 0.1,
+                                      {})
+        assert want[2] == 0 and not torch.isfinite(want[1]), want  # (the case described above)
+        assert_bitwise_equal(out, want, f"coefficients at step 0, lr {lr}")

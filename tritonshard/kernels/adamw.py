@@ -38,7 +38,7 @@ import triton.language as tl
 from ._common import (check_no_tensor, check_rounding, check_scalar, fill_one_minus_product, host_seed,
                       keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor, validate_update)
 from . import _launch
-from ._dispatch import Backend, select_backend, traced
+from ._dispatch import Backend, interpreter_enabled, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
                           stochastic_bits, store_param, store_state, update_mask)
 
@@ -173,6 +173,13 @@ def adamw_coefficients_launch(out: torch.Tensor, scratch: tuple, lr: torch.Tenso
 def adamw_coefficients_kernel(spec: tuple, launches: dict) -> None:
     """The launch of :func:`adamw_coefficients_launch`, bound (in a kernel's profiler range, as every launcher)."""
     kernel, grid, args, kwargs = spec
+    if interpreter_enabled():
+        # a step count of 0 (every step so far skipped for an inf) divides by 1 - beta1^0 = 0: inf, as torch's
+        # reciprocal gives and a GPU computes without a word (the update is masked then); numpy would warn
+        import numpy
+        with numpy.errstate(divide="ignore", invalid="ignore"):
+            _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
+        return
     _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
 
 
