@@ -28,6 +28,7 @@ holds for the SGD and Lion kernels.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 
@@ -173,14 +174,16 @@ def adamw_coefficients_launch(out: torch.Tensor, scratch: tuple, lr: torch.Tenso
 def adamw_coefficients_kernel(spec: tuple, launches: dict) -> None:
     """The launch of :func:`adamw_coefficients_launch`, bound (in a kernel's profiler range, as every launcher)."""
     kernel, grid, args, kwargs = spec
-    if interpreter_enabled():
-        # a step count of 0 (every step so far skipped for an inf) divides by 1 - beta1^0 = 0: inf, as torch's
-        # reciprocal gives and a GPU computes without a word (the update is masked then); numpy would warn
-        import numpy
-        with numpy.errstate(divide="ignore", invalid="ignore"):
-            _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
-        return
-    _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
+    # a step count of 0 (every step so far skipped for an inf) divides by 1 - beta1^0 = 0: inf, as torch's
+    # reciprocal gives and a GPU computes without a word (the update is masked then); the interpreter's numpy would
+    # warn
+    with _quiet_numpy() if interpreter_enabled() else contextlib.nullcontext():
+        _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
+
+
+def _quiet_numpy():
+    import numpy  # (the interpreter's, imported only where it runs)
+    return numpy.errstate(divide="ignore", invalid="ignore")
 
 
 def _check_coefficients(coefficients, device) -> None:

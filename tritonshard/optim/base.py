@@ -115,6 +115,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
 from . import graphs as _graphs
 from . import model_sync
 from .bucket import HOLDERS_GONE, _Bucket, set_grad, split_into_buckets, trace as _trace
+from .bucket import plain_attrs as _PLAIN_ATTRS
 from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin, _names
 from .param_steps import ParamStepsMixin
@@ -238,12 +239,6 @@ def kernels():
 
 
 _GRAD = operator.attrgetter("grad")
-#: Reading or setting an attribute of a laid-out parameter (a WatchedParameter, a Parameter subclass) costs ~0.2-0.3
-#: us more than of a plain one: torch looks for a __torch_function__ override on each. The per-parameter loops of
-#: the flush, the step and zero_grad read ``param.grad``/``dtype``/``device`` and set ``param.grad`` (through
-#: set_grad) inside this context, which skips that lookup; they run no torch op in it (an op on a placeholder needs
-#: its __torch_function__, ShardedGrad's). 148 parameters: ~0.7 -> ~0.2 us per read/set on this CPU.
-_PLAIN_ATTRS = torch._C.DisableTorchFunctionSubclass
 _FLAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels.flatten_into reads
 
 

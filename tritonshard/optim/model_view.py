@@ -22,10 +22,10 @@ import torch.distributed as dist
 from .. import comm
 from . import model_sync
 from .bucket import DATA_READS, _Bucket, alone, watch
+from .bucket import plain_attrs as _PLAIN_ATTRS
 
 _DATA_PTR = torch.Tensor.data_ptr
 _VERSION = operator.attrgetter("_version")
-_PLAIN_ATTRS = torch._C.DisableTorchFunctionSubclass  # (see base._PLAIN_ATTRS)
 
 __all__ = ["ModelViewMixin"]
 
