@@ -104,7 +104,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..buffer import DEFAULT_ALIGN
+from ..buffer import COMPLETED, DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import _launch
 from ..kernels import ops as _op_kernels
@@ -597,7 +597,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._persistent: dict = {}
         # collectives straight through comm (no per-call group checks) on the hot path: the Buffers checked the
         # group and the layout across ranks when they were built
-        self._direct_collectives = comm.is_initialized()
+        self._direct_collectives = comm.is_initialized() and self.world_size > 1
+        # A shard group of one rank (one GPU under torchrun, or no process group): the reduce-scatter and the
+        # all-gather are the identity on the buffers (the local shard is the whole buffer), so none is issued and
+        # each bucket's handle is a completed one. Until session 32 a 1-rank NCCL group got every call: on the H200
+        # ~50 us of host time each, one reduce-scatter and one all-gather per bucket and step with overlap_comm
+        self._solo = self.world_size == 1
         #: ... straight through the ProcessGroup's methods (comm.reduce_scatter_async: not even torch's wrapper)
         self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
         self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
@@ -1663,7 +1668,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 direct = self._direct_collectives and not self._ordered and self._hot_path()
             self._zero_if_no_grads(b)
             with _trace("tritonshard.reduce_scatter[bucket {}]", b.index):
-                if direct:
+                if self._solo:
+                    b.rs_work = COMPLETED
+                elif direct:
                     # the hot path: the group was checked when the Buffer was built (layout check included)
                     b.rs_work = comm.reduce_scatter_async(b.grad_buffer.get_local_shard(), b.grad_buffer.get_data(),
                                                           self._pg)
@@ -2797,6 +2804,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _all_gather(self, b: _Bucket, direct: bool):
         """Launch ``b``'s param all-gather; returns its work handle. ``direct``: on the hot path, straight through
         the ProcessGroup method (the Buffer checked the group and the layout when it was built)."""
+        if self._solo:
+            return COMPLETED
         if direct:
             return comm.all_gather_async(b.param_buffer.get_data(), b.param_buffer.get_local_shard(), self._pg)
         return b.param_buffer.all_gather(async_op=True)
