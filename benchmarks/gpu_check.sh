@@ -65,7 +65,7 @@ TRAIN_ARGS=${TRAIN_ARGS:-}
 PROFILE_ARGS=${PROFILE_ARGS:---n-layer 24 --n-head 16 --n-embd 1024 --block-size 256 --batch-size 16 --grad-accum 2}
 PROFILE_STEPS=${PROFILE_STEPS:-6}
 PROFILE_MODES=${PROFILE_MODES:-overlap no-overlap}
-HOST_ARGS=${HOST_ARGS:---reps 10 --param-rounds 30}
+HOST_ARGS=${HOST_ARGS:---reps 10 --param-rounds 30 --model-rounds 20}
 STAGES=" ${STAGES:-1 2 3 4 5 host} "
 T1=${T1:-45} T2=${T2:-40} T3=${T3:-35} T4=${T4:-50} T5=${T5:-240} THOST=${THOST:-40} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
 stage() { [[ "$STAGES" == *" $1 "* ]]; }

@@ -1,13 +1,15 @@
 """Host time of an optimizer step on the GPU code path, measured on a CPU: microseconds per bucket and per tensor.
 
     python -m benchmarks.host_overhead [--buckets 16 64] [--tensors-per-bucket 2] [--reps 20] [--params 292]
+                                       [--model-rounds 20]
 
 A step on a GPU is host-bound when Python takes longer to launch its kernels and collectives than the GPU takes
 to run them (issue 20: ~270 us of host time per bucket on an H200 made a 1B step 34.7 ms where its kernels needed
 12.5 ms). That host time does not need a GPU to be measured: this runs the real GPU path (``Backend.TRITON``:
 Triton's own dispatch, the launchers, the optimizer's bookkeeping) through ``benchmarks.compile_check``'s dry-run
-driver, which compiles each specialization once for sm_90 and then launches nothing, in a 1-rank gloo group (so
-the collectives are real calls, gloo's on CPU tensors).
+driver, which compiles each specialization once for sm_90 and then launches nothing, in a 1-rank gloo group. A
+group of one rank issues no collective since session 32 (they are the identity there); before, they were real calls
+here, gloo's on CPU tensors.
 
 What it reports: the step (clip_grad_norm_ + step + zero_grad, gradients set as ``param.grad`` by hand, which the
 step flattens), its minimum over the repetitions, timed at two bucket counts with the same tensors per bucket; the slope is the host cost per bucket
@@ -16,12 +18,16 @@ all-gather alone, which a CUDA run replaces by NCCL's (~60 us each on the H200, 
 apart. Then the host time per *parameter* the optimizer adds to a training iteration (its backward hooks, the
 end-of-backward flush, the step's per-parameter work), by phase, with and without ``overlap_comm``: end to end on
 a GPU every configuration was host-bound (issue 20), and the 302M GPT of the example has 292 parameters, each
-passing through the hooks in every backward. Needs TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
+passing through the hooks in every backward. Last, the example's own iteration (its GPT at the 302M layout: 24
+layers, 292 parameters, 26 buckets, but 32 wide), phase by phase, with and without ``overlap_comm`` + ``attach``:
+what is per bucket and per module there (the forward pre-hooks, the flushes in the backward hooks). Needs
+TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -168,6 +174,78 @@ def _measure_per_param(num_params: int, rounds: int) -> dict:
     return out
 
 
+class _ModelLoop:
+    """One of :func:`_measure_model_iteration`'s loops: the example's GPT (``examples/train_gpt.py``) at 24 layers,
+    as its 302M model (292 parameters), but 32 wide, 8 tokens: its own compute is small on a CPU. Trained as the
+    example trains it (two micro-batches, the first in ``no_sync()``, clip, step, zero_grad), by torch alone
+    (``mode="bare"``: torch's clip_grad_norm_, no step) or by a ShardedAdamW over the example's two param groups
+    with one block's matrices per bucket, as 25 MB buckets hold them at 302M (26 buckets), without
+    ``overlap_comm`` or with it and ``attach`` (the example's two configurations)."""
+
+    def __init__(self, mode: str, n_layer: int = 24, width: int = 32):
+        import tritonshard
+        from examples.train_gpt import GPT, GPTConfig, param_groups
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(block_size=8, n_layer=n_layer, n_head=4, n_embd=width))
+        self.opt = None
+        if mode == "bare":
+            self.model.to(torch.bfloat16)
+        else:
+            overlap = mode == "overlap_comm + attach"
+            self.opt = tritonshard.ShardedAdamW(param_groups(self.model, 0.1), lr=1e-3, betas=(0.9, 0.95),
+                                                bucket_cap_mb=12 * width * width * 2 * 1.05 / 2 ** 20,
+                                                overlap_comm=overlap)
+            if overlap:
+                self.opt.attach(self.model)
+        vocab = self.model.cfg.vocab_size
+        self.x, self.y = torch.randint(0, vocab, (1, 8)), torch.randint(0, vocab, (1, 8))
+
+    def iteration(self) -> dict:
+        model, opt, phases = self.model, self.opt, {}
+        for micro in range(2):
+            with opt.no_sync() if opt is not None and micro == 0 else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                loss = model(self.x, self.y) / 2
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+            phases[f"forward {micro + 1}"], phases[f"backward {micro + 1}"] = t1 - t0, t2 - t1
+        t0 = time.perf_counter()
+        if opt is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for p in model.parameters():
+                p.grad = None
+        else:
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        phases["clip + step + zero_grad"] = time.perf_counter() - t0
+        return phases
+
+
+def _measure_model_iteration(rounds: int) -> dict:
+    """Host milliseconds the optimizer adds to each phase of the example's iteration (:class:`_ModelLoop`), without
+    and with ``overlap_comm`` + ``attach``: each loop's minimum minus torch's alone, the loops taking turns (see
+    :func:`_measure_per_param`). On the H200 the 302M example is host-bound in every configuration, and with
+    overlap it ran ~25 % slower than without (2026-12-04, session 32): per bucket and per module, which the
+    one-bucket per-parameter measurement does not see."""
+    loops = {mode: _ModelLoop(mode) for mode in ("bare", "no overlap_comm", "overlap_comm + attach")}
+    best: dict = {mode: {} for mode in loops}
+    for r in range(rounds + 3):
+        for mode, loop in loops.items():
+            phases = loop.iteration()
+            if r >= 3:
+                for k, v in phases.items():
+                    best[mode][k] = min(best[mode].get(k, math.inf), v)
+    out = {"buckets": len(loops["no overlap_comm"].opt.buckets)}
+    for mode in ("no overlap_comm", "overlap_comm + attach"):
+        row = {k: (v - best["bare"][k]) * 1e3 for k, v in best[mode].items()}
+        row["iteration"] = sum(row.values())
+        out[mode] = row
+    out["bare_ms"] = {k: v * 1e3 for k, v in best["bare"].items()}
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--buckets", type=int, nargs=2, default=[16, 128], help="two bucket counts (the slope's ends)")
@@ -186,6 +264,8 @@ def main(argv=None) -> dict:
     p.add_argument("--params", type=int, default=292,
                    help="parameters of the per-parameter measurement (292: the example's 302M GPT; 0: skip it)")
     p.add_argument("--param-rounds", type=int, default=60, help="rounds of the per-parameter measurement")
+    p.add_argument("--model-rounds", type=int, default=20,
+                   help="rounds of the example's iteration at its 302M layout (0: skip it)")
     p.add_argument("--out", help="write the row as JSON to this file")
     args = p.parse_args(argv)
 
@@ -218,6 +298,7 @@ def main(argv=None) -> dict:
             launches_at_lo = counts[1] - counts[0]
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
             per_param = _measure_per_param(args.params, args.param_rounds) if args.params else None
+            model_iteration = _measure_model_iteration(args.model_rounds) if args.model_rounds else None
     finally:
         driver._active = previous
         if own_group:
@@ -230,11 +311,12 @@ def main(argv=None) -> dict:
         "host_us_per_bucket": per_bucket * 1e6,
         "host_us_per_tensor": per_bucket * 1e6 / args.tensors_per_bucket,
         "gloo_collectives_us_per_bucket": comm_per_bucket * 1e6,
-        "host_us_per_bucket_without_gloo": (per_bucket - comm_per_bucket) * 1e6,
+        # (a group of one rank issues no collective since session 32: the step's slope has none in it)
+        "host_us_per_bucket_without_gloo": per_bucket * 1e6,
         "launches_per_step_at_lo": launches_at_lo,
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
-        "per_param_us": per_param, "params": args.params,
+        "per_param_us": per_param, "params": args.params, "model_iteration_ms": model_iteration,
         "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce and not args.overlap,
         "overlap_comm": args.overlap,
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
@@ -245,9 +327,9 @@ def main(argv=None) -> dict:
           f"{'; overlap_comm' if args.overlap else ''}):")
     print(f"  {lo} buckets: {step_lo * 1e3:.2f} ms, {hi} buckets: {step_hi * 1e3:.2f} ms "
           f"({args.tensors_per_bucket} tensors of {args.numel} per bucket)")
-    print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), of which "
-          f"gloo's reduce-scatter + all-gather {row['gloo_collectives_us_per_bucket']:.0f} us; "
-          f"without them {row['host_us_per_bucket_without_gloo']:.0f} us")
+    print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), no "
+          f"collective in it (a 1-rank group issues none); on more ranks their calls add to it: gloo's "
+          f"reduce-scatter + all-gather here {row['gloo_collectives_us_per_bucket']:.0f} us per bucket")
     print(f"  flatten of {args.flatten_tensors} gradients: {row['flatten_host_us_per_tensor_repeating']:.2f} us per "
           f"tensor at repeating addresses, {row['flatten_host_us_per_tensor_fresh']:.2f} us at new ones")
     if per_param:
@@ -256,6 +338,12 @@ def main(argv=None) -> dict:
               "rounds):")
         for mode in ("no overlap_comm", "overlap_comm"):
             print(f"    {mode:16s} " + ", ".join(f"{k} {v:.1f} us" for k, v in per_param[mode].items()))
+    if model_iteration:
+        print(f"  the example's iteration at its 302M layout (24 layers, 292 parameters, "
+              f"{model_iteration['buckets']} buckets; 32 wide), ms the optimizer adds to each phase (minus torch "
+              f"alone: {sum(model_iteration['bare_ms'].values()):.1f} ms; minimum of {args.model_rounds} rounds):")
+        for mode in ("no overlap_comm", "overlap_comm + attach"):
+            print(f"    {mode:22s} " + ", ".join(f"{k} {v:.2f}" for k, v in model_iteration[mode].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)

@@ -208,7 +208,7 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "host.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--buckets", "2", "6", "--reps", "3",
-                           "--params", "12", "--param-rounds", "2", "--out", str(out)],
+                           "--params", "12", "--param-rounds", "2", "--model-rounds", "1", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads(out.read_text())
@@ -224,6 +224,15 @@ def test_host_overhead_benchmark_smoke(tmp_path):
                                "iteration (2 micro-batches)"}, phases
         assert math.isclose(phases["iteration (2 micro-batches)"],
                             sum(v for k, v in phases.items() if not k.startswith("iteration")))
+    # the example's iteration at its 302M layout: one block's matrices per bucket (24), the embeddings', and the
+    # no-decay group's; every phase of both modes
+    model = row["model_iteration_ms"]
+    assert model["buckets"] == 26
+    for mode in ("no overlap_comm", "overlap_comm + attach"):
+        phases = model[mode]
+        assert set(phases) == {"forward 1", "backward 1", "forward 2", "backward 2", "clip + step + zero_grad",
+                               "iteration"}, phases
+        assert math.isclose(phases["iteration"], sum(v for k, v in phases.items() if k != "iteration"))
 
 
 def test_train_summary(tmp_path):
