@@ -18,15 +18,17 @@
 #   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                35
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and
-#      400 MB                                                                                                50
+#      400 MB; and the default step kernel by kernel (--kernels, torch.profiler's device time: the 1B step is
+#      device-bound and 0.5 ms over its target, session 32)                                                  60
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP and ShardedAdamW
 #      with and without overlap, at 85M and 302M, two rounds each, round-robin (the host's speed drifts by up
 #      to +-30 % on that machine and every configuration is host-bound there: one run each compared the
 #      machine's moods; see benchmarks/e2e.py; 12 runs of 14-19 s each on the H200). FSDP2, ShardedMuon and
-#      cuda_graph=True: add them to E2E_RUNS                                                                  240
+#      cuda_graph=True: add them to E2E_RUNS                                                                  230
 #   host. the host time of the GPU code path on this machine's own CPU (benchmarks.host_overhead: the dry-run
-#      driver, nothing launched; per bucket and per parameter): what the development machine measures between
-#      GPU runs, measured here once, so its figures can be read as this host's (session 31; ~7 s warm)    40
+#      driver, nothing launched; per bucket, per parameter, and the example's iteration at its 302M layout):
+#      what the development machine measures between GPU runs, measured here, so that its figures can be read
+#      as this host's (session 31; ~12 s warm with the example's iteration, session 32)                       40
 #   6. (not in the default set since 2026-12-04, when it answered its question) one traced training iteration
 #      (torch.profiler, host and device timelines) of the example at 302M, with and without overlap_comm +
 #      attach; PROFILE_ARGS="... --profile-with-stack" adds the Python functions. The chrome traces are
@@ -57,7 +59,7 @@ TESTS=${TESTS:-tests/kernels}
 XDIST=${XDIST-16}
 BENCH_ARGS=${BENCH_ARGS:---sizes 4194304,67108864 --reps 5}
 MODELS=${MODELS:-125M 1B}
-STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400}
+STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels}
 BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
 E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,sharded,sharded-overlap:2 302M:1:15:amp,sharded,sharded-overlap:2}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
@@ -67,7 +69,7 @@ PROFILE_STEPS=${PROFILE_STEPS:-6}
 PROFILE_MODES=${PROFILE_MODES:-overlap no-overlap}
 HOST_ARGS=${HOST_ARGS:---reps 10 --param-rounds 30 --model-rounds 20}
 STAGES=" ${STAGES:-1 2 3 4 5 host} "
-T1=${T1:-45} T2=${T2:-40} T3=${T3:-35} T4=${T4:-50} T5=${T5:-240} THOST=${THOST:-40} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
+T1=${T1:-45} T2=${T2:-40} T3=${T3:-35} T4=${T4:-60} T5=${T5:-230} THOST=${THOST:-40} T6=${T6:-40} TTRAIN=${TTRAIN:-120}
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
 status=0
 note() { echo "$1" | tee -a "$OUT/results.md"; }

@@ -110,6 +110,47 @@ def _sweep_row(shapes, device, reps, cap, graphed, name) -> dict:
             "graph_replays": opt._graphs.replays if graphed else 0}
 
 
+def kernel_breakdown(shapes, device, reps: int) -> dict:
+    """Where one ShardedAdamW step's time goes, kernel by kernel (default ``bucket_cap_mb``): ``reps`` steps under
+    torch.profiler, each kernel's device time per step (its launches summed), its launches per step, and its share
+    of the device's busy time. On the H200 the 1B step is device-bound (13.5 ms wall, ~3.8 ms host; 2026-12-04)
+    while its update alone needs ~9.1 ms at the copy bandwidth: this says which kernel takes the rest. Off CUDA the
+    same table from the host ranges of the kernel launchers (``tritonshard.kernel.*``): the harness's smoke, not a
+    measurement."""
+    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+    step = sharded_step(opt, params, grads)
+    for _ in range(WARMUP):
+        step()
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(reps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict = {}
+    for e in prof.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            name = e.name
+        elif e.name.startswith("tritonshard.kernel."):
+            name = e.name.removeprefix("tritonshard.kernel.")
+        else:
+            continue
+        us, calls = totals.get(name, (0.0, 0))
+        totals[name] = (us + (e.time_range.end - e.time_range.start), calls + 1)
+    busy = sum(us for us, _ in totals.values()) or 1.0
+    kernels = [{"kernel": name, "ms_per_step": us / reps / 1e3, "launches_per_step": calls / reps,
+                "share": us / busy} for name, (us, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
+    return {"impl": "ShardedAdamW per kernel", "kernels": kernels, "busy_ms_per_step": busy / reps / 1e3,
+            "buckets": len(opt.buckets), "timeline": "device" if cuda else "host (launcher ranges)"}
+
+
 def peak_bytes(device) -> int:
     # the no-argument forms, on the current device (main() made `device` current): given a device, these calls
     # raised "Invalid device argument" on the H200 with torch 2.11 (2026-11-30)
@@ -260,6 +301,8 @@ def main(argv=None):
                    help="also sweep ShardedAdamW's bucket_cap_mb over these values (host and wall ms per step)")
     p.add_argument("--graph-caps", type=float, nargs="*", default=[],
                    help="and at these bucket_cap_mb values with cuda_graph=True (CUDA only)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also ShardedAdamW's step kernel by kernel (torch.profiler: device ms per step on CUDA)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ours", "torch", "fsdp2", "muon", "torch_muon"],
                    help="implementations to leave out (a GPU check short of time)")
     args = p.parse_args(argv)
@@ -300,6 +343,18 @@ def main(argv=None):
             print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
         rows += sweep
+    if args.kernels:
+        try:
+            breakdown = kernel_breakdown(shapes, device, min(args.reps, 5))
+        except Exception as exc:  # noqa: BLE001 -- the row says why
+            breakdown = {"impl": "ShardedAdamW per kernel", "error": f"{type(exc).__name__}: {exc}"}
+        breakdown.update(model=args.model, params=n, device=str(device))
+        for k in breakdown.get("kernels", ()):
+            print(f"  kernel {k['kernel'][:70]}: {k['ms_per_step']:.3f} ms per step, {k['launches_per_step']:g} "
+                  f"launches, {100 * k['share']:.1f} %", flush=True)
+        if "error" in breakdown:
+            print(f"  kernel breakdown did not run: {breakdown['error']}", flush=True)
+        rows.append(breakdown)
     if own_group:
         comm.destroy_process_group()  # (a collection first: see there)
     os.makedirs(args.out, exist_ok=True)
@@ -316,8 +371,9 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
     lines = [f"\n## Optimizer step, {model} ({n / 1e6:.1f}M parameters), {name}, torch {torch.__version__}\n",
              "| implementation | step ms | peak memory GiB | optimizer state B/param | note |", "|---|---|---|---|---|"]
     sweep = [r for r in rows if "bucket_cap_mb" in r]
+    breakdowns = [r for r in rows if r.get("impl") == "ShardedAdamW per kernel"]
     for r in rows:
-        if r in sweep:
+        if r in sweep or r in breakdowns:
             continue
         if "error" in r:
             lines.append(f"| {r['impl']} | - | - | - | did not run: {r['error']} |")
@@ -333,6 +389,15 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
         lines += [f"| {r['bucket_cap_mb']:g} | {'yes (%d replays)' % r['graph_replays'] if r['cuda_graph'] else 'no'} "
                   f"| {r['buckets']} | {r['host_ms']:.2f} | {r['wall_ms']:.2f} | {r['host_us_per_bucket']:.0f} |"
                   for r in sweep]
+    for r in breakdowns:
+        if "error" in r:
+            lines += ["", f"ShardedAdamW kernel by kernel: did not run: {r['error']}"]
+            continue
+        lines += ["", f"ShardedAdamW's step kernel by kernel ({model}, {r['buckets']} buckets; torch.profiler, "
+                  f"{r['timeline']} time; busy {r['busy_ms_per_step']:.2f} ms per step):", "",
+                  "| kernel | ms per step | launches per step | share of busy |", "|---|---:|---:|---:|"]
+        lines += [f"| `{k['kernel'][:80]}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} | "
+                  f"{100 * k['share']:.1f} % |" for k in r["kernels"]]
     return "\n".join(lines) + "\n"
 
 

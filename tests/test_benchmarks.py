@@ -58,6 +58,23 @@ def test_step_benchmark_smoke(tmp_path):
     assert theirs["optimizer_bytes"] <= ours["optimizer_bytes"] <= 1.05 * theirs["optimizer_bytes"]
 
 
+def test_step_kernel_breakdown_smoke(tmp_path):
+    # the 1B step is device-bound on the H200: the next GPU run says which kernel takes what (on a CPU, the
+    # launchers' host ranges stand in for the device's kernels: the same table, no measurement)
+    md = tmp_path / "results.md"
+    rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--kernels", "--markdown",
+                            str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon"])
+    ours, breakdown = rows
+    assert "error" not in breakdown, breakdown
+    names = [k["kernel"] for k in breakdown["kernels"]]
+    # what a step launches: the flatten of the gradients, the norm pass and its finalize, the update
+    assert any("flatten" in n for n in names) and any("adamw" in n for n in names), names
+    assert any("sum_sq" in n for n in names), names
+    assert math.isclose(sum(k["share"] for k in breakdown["kernels"]), 1.0)
+    assert all(k["ms_per_step"] > 0 and k["launches_per_step"] > 0 for k in breakdown["kernels"])
+    assert "kernel by kernel (tiny" in md.read_text() and "| `" in md.read_text()
+
+
 def test_overlap_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "benchmarks.overlap", "--tiny", "--out", str(tmp_path)], cwd=REPO,
@@ -136,9 +153,9 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     results, members, texts = _gpu_check(
         tmp_path, TESTS="tests/kernels/test_scale.py::test_deterministic_sum",
         BENCH_ARGS="--sizes 4099 --reps 1 --only scale_", MODELS="tiny",
-        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon", BUCKET_CAPS="25 0.01",
+        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon --kernels", BUCKET_CAPS="25 0.01",
         E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap:2",  # (one process, as on the GPU; two rounds)
-        HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2",
+        HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2 --model-rounds 1",
         STAGES="1 2 3 4 5 host 6")  # (6 is not in the default set any more)
     # (each message carries what it read: this test failed once in a full run, and its output was lost)
     assert " passed" in texts["gpu_check/kernel_tests.log"], texts["gpu_check/kernel_tests.log"][-3000:]
@@ -153,10 +170,12 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert "fp16 + loss scaling: 3 steps, last grad norm" in log and "skipped steps 1" in log, log[-3000:]
     assert "| kernel |" in results and "## Optimizer step, tiny" in results, results
     assert "| 0.01 |" in results and "host us / bucket" in results, "the bucket_cap_mb sweep:\n" + results
+    assert "kernel by kernel (tiny" in results, "the step's kernels:\n" + results
     assert "## End to end, tiny" in results, results
     # stage host: the dry-run host measurement, both its figures in results.md
     host = results.split("## Host time of the GPU code path")[1]
     assert "per bucket:" in host and "no overlap_comm" in host and "iteration (2 micro-batches)" in host, host
+    assert "the example's iteration at its 302M layout" in host and "overlap_comm + attach" in host, host
     for config in ("amp", "fsdp2", "sharded-overlap"):
         row = next(line for line in results.splitlines() if line.startswith(f"| {config} |"))
         assert "did not run" not in row, row
