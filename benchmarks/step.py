@@ -135,7 +135,10 @@ def kernel_breakdown(shapes, device, reps: int) -> dict:
     totals: dict = {}
     for e in prof.events():
         if cuda:
-            if e.device_type != torch.autograd.DeviceType.CUDA:
+            # (the device timeline also mirrors the host's ranges, record_function's: Optimizer.step#...,
+            # tritonshard.kernel.*; on the H200 they doubled every kernel's row, 2026-12-04)
+            if (e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False)
+                    or e.name.startswith(("tritonshard.", "Optimizer."))):
                 continue
             name = e.name
         elif e.name.startswith("tritonshard.kernel."):

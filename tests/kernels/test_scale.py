@@ -261,3 +261,33 @@ def test_fold_rows_flags_non_finite_and_rejects_bad_input():
         fold_rows_(rows, out.float(), 0.5, ws)
     with pytest.raises(ValueError, match=r"partials must be sum_sq_workspace\(5000\)"):
         fold_rows_(rows, out, 0.5, sum_sq_workspace(10, DEVICE))
+
+
+@pytest.mark.parametrize("n", [0, 1, 1023, 1025, 4095, 4096, 4097, 3 * 4096 + 5, 9001, 5 * 4096 + 777, 8 * 4096 + 3])
+def test_the_unrolled_finalize_adds_each_lane_in_the_same_order(n):
+    # The finalize reads four chunks of partials per round trip to memory (0.41 ms of a 1B step on the H200 with
+    # one chunk per iteration): each lane must still add its partials in chunk order, so that the total keeps its
+    # bits. Lane 0's partials only (the others zero, so that the total is that lane's sum, low bits included),
+    # with full 53-bit mantissas over 4 binades: two of them swapped changes the sum in ~1 of 4 draws of 21, so
+    # 16 draws (of the sizes with more than one round) catch a wrong order; flags anywhere.
+    from tritonshard.kernels import scale as scale_mod
+    for draw in range(16 if n > 2 * 4096 else 1):
+        gen = torch.Generator().manual_seed(1000 * n + draw)
+        sumsq = torch.zeros(n, dtype=torch.float64)
+        lane0 = sumsq[::scale_mod._FINALIZE_BLOCK]
+        lane0.copy_(torch.rand(lane0.numel(), generator=gen, dtype=torch.float64)
+                    * 2.0 ** torch.randint(0, 4, (lane0.numel(),), generator=gen).double())
+        sumsq = sumsq.to(DEVICE)
+        flags = (torch.rand(n, generator=gen) < 0.001).to(torch.int32).to(DEVICE)
+        if n:
+            flags[-1] = 1 if n % 2 else 0  # (the last partial of a masked last chunk)
+        outs = {}
+        for unroll in (1, 4):
+            out = torch.full((2,), -1.0, dtype=torch.float64, device=DEVICE)
+            scale_mod._finalize_kernel[(1,)](sumsq, flags, n, out, out[1:], BLOCK=scale_mod._FINALIZE_BLOCK,
+                                             UNROLL=unroll, enable_fp_fusion=False)
+            outs[unroll] = out
+        assert_bitwise_equal(outs[4], outs[1], f"finalize of {n} partials (draw {draw}), 4 chunks per round against 1")
+        assert float(outs[4][1]) == float(bool(flags.any()))
+        assert float(outs[4][0]) == pytest.approx(float(sumsq.sum()))
+    assert scale_mod._FINALIZE_UNROLL == 4  # (what the launchers use)
