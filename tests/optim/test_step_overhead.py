@@ -292,3 +292,24 @@ def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
     assert flushes == [3, 3], flushes  # 4 + 4 in the hooks, 1 at the end; a launch per bucket was 9
     assert max(waiting) == FLUSH_TOGETHER - 1, waiting
     opt.step()
+
+
+def test_the_flush_groups_plans_stay_bounded_when_buckets_complete_in_changing_orders():
+    # a static model brings back the same few groups of four every backward; one whose buckets complete in changing
+    # orders (here a different subset of layers each backward, as experts routed anew each step) must not keep a
+    # launch plan for every group it ever saw
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(12))
+    opt = tritonshard.ShardedAdamW(layers.parameters(), lr=1e-3, bucket_cap_mb=1e-9, overlap_comm=True)
+    assert len(opt.buckets) == 12
+    x = torch.randn(2, 8).bfloat16()
+    gen = torch.Generator().manual_seed(1)
+    seen = set()
+    for _ in range(40):
+        chosen = torch.randperm(12, generator=gen)[:9].tolist()
+        with opt.no_sync():
+            sum(layers[i](x).float().sum() for i in chosen).backward()
+        seen.update(opt._group_launches)
+        opt.zero_grad()
+    assert len(seen) > 12, len(seen)  # (the orders did change)
+    assert len(opt._group_launches) <= max(8, len(opt.buckets)), len(opt._group_launches)

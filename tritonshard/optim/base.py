@@ -1033,8 +1033,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
         if not cuda_graph:
             return None
-        backend = (dist.get_backend(self.process_group) if self._direct_collectives and self.world_size > 1
-                   else None)
+        backend = dist.get_backend(self.process_group) if self._direct_collectives else None
         reason = _graphs.unsupported(self.device, backend) or self._uncapturable_options()
         if reason is not None:
             raise ValueError(f"cuda_graph=True: {reason}")
@@ -1281,7 +1280,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if len(done) < FLUSH_TOGETHER:
             return
         self._completed = []
-        launches = self._group_launches.setdefault(tuple(b.index for b in done), {})
+        key = tuple(b.index for b in done)
+        launches = self._group_launches.get(key)
+        if launches is None:  # a new group: the oldest is forgotten once there are as many as buckets (a static
+            # model brings back the same few groups every backward; one whose buckets complete in changing orders,
+            # e.g. experts routed anew each step, would otherwise keep a plan per order it ever saw)
+            groups = self._group_launches
+            if len(groups) >= max(8, len(self.buckets)):
+                del groups[next(iter(groups))]
+            launches = groups[key] = {}
         self._flush_buckets(done, launches)
         if not self._no_sync_depth:  # (one rank: their launches, in order; each the identity)
             for b in done:
