@@ -151,6 +151,20 @@ class _PerParamLoop:
         return {"backward (no_sync)": t1 - t0, "last backward": t3 - t2, "clip + step + zero_grad": t4 - t3}
 
 
+def _interleaved_minima(loops: dict, rounds: int) -> dict:
+    """Each loop's minimum seconds per phase over ``rounds`` rounds, the loops taking turns (one ``iteration()``
+    each per round) after three rounds of warm-up (compilation, the launch plans, the caching allocator): the VM's
+    speed drifts by tens of percent within a minute here, so only loops measured side by side compare."""
+    best: dict = {mode: {} for mode in loops}
+    for r in range(rounds + 3):
+        for mode, loop in loops.items():
+            phases = loop.iteration()
+            if r >= 3:
+                for k, v in phases.items():
+                    best[mode][k] = min(best[mode].get(k, math.inf), v)
+    return best
+
+
 def _measure_per_param(num_params: int, rounds: int) -> dict:
     """Host microseconds per parameter that the optimizer adds to a training iteration, by phase, without and with
     ``overlap_comm``: each loop's time minus the same loop's without an optimizer (the autograd graph's own cost),
@@ -158,13 +172,7 @@ def _measure_per_param(num_params: int, rounds: int) -> dict:
     over the rounds is kept (the VM's speed drifts by tens of percent within a minute here: only loops measured
     side by side compare). All parameters in one bucket: the per-bucket cost is the step measurement's."""
     loops = {mode: _PerParamLoop(mode, num_params) for mode in ("bare", "no overlap_comm", "overlap_comm")}
-    best: dict = {mode: {} for mode in loops}
-    for r in range(rounds + 3):
-        for mode, loop in loops.items():
-            phases = loop.iteration()
-            if r >= 3:  # (three rounds to warm up: compilation, the launch plans, the caching allocator)
-                for k, v in phases.items():
-                    best[mode][k] = min(best[mode].get(k, math.inf), v)
+    best = _interleaved_minima(loops, rounds)
     out = {}
     for mode in ("no overlap_comm", "overlap_comm"):
         row = {k: (v - best["bare"][k]) * 1e6 / num_params for k, v in best[mode].items()}
@@ -230,13 +238,7 @@ def _measure_model_iteration(rounds: int) -> dict:
     overlap it ran ~25 % slower than without (2026-12-04, session 32): per bucket and per module, which the
     one-bucket per-parameter measurement does not see."""
     loops = {mode: _ModelLoop(mode) for mode in ("bare", "no overlap_comm", "overlap_comm + attach")}
-    best: dict = {mode: {} for mode in loops}
-    for r in range(rounds + 3):
-        for mode, loop in loops.items():
-            phases = loop.iteration()
-            if r >= 3:
-                for k, v in phases.items():
-                    best[mode][k] = min(best[mode].get(k, math.inf), v)
+    best = _interleaved_minima(loops, rounds)
     out = {"buckets": len(loops["no overlap_comm"].opt.buckets)}
     for mode in ("no overlap_comm", "overlap_comm + attach"):
         row = {k: (v - best["bare"][k]) * 1e3 for k, v in best[mode].items()}
