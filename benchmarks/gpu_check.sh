@@ -131,9 +131,9 @@ if stage host; then
   env -u TRITON_INTERPRET timeout "$THOST" $PY -m benchmarks.host_overhead --out "$WORK/host_overhead.json" \
     $HOST_ARGS > "$WORK/host_overhead.log" 2>&1
   ran host $?
-  tail -n 8 "$WORK/host_overhead.log"
+  tail -n 12 "$WORK/host_overhead.log"
   { echo; echo "## Host time of the GPU code path on this machine's CPU (benchmarks.host_overhead, dry-run driver)"
-    echo; echo '```'; tail -n 8 "$WORK/host_overhead.log"; echo '```'; } >> "$OUT/results.md"
+    echo; echo '```'; tail -n 12 "$WORK/host_overhead.log"; echo '```'; } >> "$OUT/results.md"
 fi
 if stage 6; then
   echo "== 6. one traced iteration, with and without overlap_comm (timeout ${T6}s for both)"

@@ -22,6 +22,10 @@ passing through the hooks in every backward. Last, the example's own iteration (
 layers, 292 parameters, 26 buckets, but 32 wide), phase by phase, with and without ``overlap_comm`` + ``attach``:
 what is per bucket and per module there (the forward pre-hooks, the flushes in the backward hooks). Needs
 TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
+
+One rank has nothing to overlap, and since session 33 an optimizer there leaves overlap_comm's per-bucket machinery
+out (ShardedOptimizer._overlap_machinery): the rows "(many ranks)" and ``--overlap`` build it anyway, in this one
+process (``OVERLAP_MACHINERY_ON_ONE_RANK``), for its host cost on many GPUs, less their collectives.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ import torch
 import torch.distributed as dist
 
 
+@contextlib.contextmanager
+def _machinery(on: bool):
+    """Optimizers built inside run overlap_comm's machinery of many ranks in this one-rank process (see above)."""
+    from tritonshard.optim import base
+    before, base.OVERLAP_MACHINERY_ON_ONE_RANK = base.OVERLAP_MACHINERY_ON_ONE_RANK, on
+    try:
+        yield
+    finally:
+        base.OVERLAP_MACHINERY_ON_ONE_RANK = before
+
+
 def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwargs: dict) -> tuple[float, float]:
     """(seconds per step, seconds per step of the bare collectives) for ``num_buckets`` buckets."""
     import tritonshard
@@ -45,7 +60,8 @@ def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwarg
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(num_buckets * per_bucket)]
     cap_mb = per_bucket * numel * 2 / 2 ** 20  # exactly per_bucket bf16 tensors per bucket
     coalesce = opt_kwargs.pop("coalesce", True)
-    opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=cap_mb, **opt_kwargs)
+    with _machinery(opt_kwargs.get("overlap_comm", False)):  # (--overlap: the per-bucket calls of many ranks)
+        opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=cap_mb, **opt_kwargs)
     opt._coalesce = opt._coalesce and coalesce
     assert len(opt.buckets) == num_buckets, (len(opt.buckets), num_buckets)
     grads = [torch.randn(numel).to(torch.bfloat16) for _ in params]
@@ -108,17 +124,26 @@ def _measure_flatten(num_tensors: int, numel: int, reps: int) -> tuple[float, fl
     return min(repeating) / num_tensors, min(fresh) / num_tensors
 
 
+#: the per-parameter loops (besides torch alone): on one rank, where overlap_comm has nothing to overlap, and with
+#: its machinery of many ranks
+PER_PARAM_MODES = ("no overlap_comm", "overlap_comm", "overlap_comm (many ranks)")
+#: the example's loops, likewise
+MODEL_MODES = ("no overlap_comm", "overlap_comm + attach", "overlap_comm + attach (many ranks)")
+
+
 class _PerParamLoop:
     """One of :func:`_measure_per_param`'s loops: ``num_params`` 16-element bf16 parameters, each used once in a
     trivial forward, trained in steps of two micro-batches (the first in ``no_sync()``), with no optimizer
-    (``mode="bare"``: ``param.grad = None`` after the step) or a ShardedAdamW with or without ``overlap_comm``."""
+    (``mode="bare"``: ``param.grad = None`` after the step) or a ShardedAdamW with or without ``overlap_comm`` (on
+    one rank, or with the machinery of many: ``PER_PARAM_MODES``)."""
 
     def __init__(self, mode: str, num_params: int):
         import tritonshard
         torch.manual_seed(0)
         self.params = [torch.nn.Parameter(torch.randn(16, dtype=torch.bfloat16)) for _ in range(num_params)]
-        self.opt = None if mode == "bare" else tritonshard.ShardedAdamW(
-            self.params, lr=1e-3, overlap_comm=mode == "overlap_comm")
+        with _machinery(mode.endswith("(many ranks)")):
+            self.opt = None if mode == "bare" else tritonshard.ShardedAdamW(
+                self.params, lr=1e-3, overlap_comm=mode.startswith("overlap_comm"))
         self.x = torch.randn(16, dtype=torch.bfloat16)
 
     def _loss(self):
@@ -171,10 +196,10 @@ def _measure_per_param(num_params: int, rounds: int) -> dict:
     over the number of parameters. The loops take turns, one iteration each per round, and each phase's minimum
     over the rounds is kept (the VM's speed drifts by tens of percent within a minute here: only loops measured
     side by side compare). All parameters in one bucket: the per-bucket cost is the step measurement's."""
-    loops = {mode: _PerParamLoop(mode, num_params) for mode in ("bare", "no overlap_comm", "overlap_comm")}
+    loops = {mode: _PerParamLoop(mode, num_params) for mode in ("bare",) + PER_PARAM_MODES}
     best = _interleaved_minima(loops, rounds)
     out = {}
-    for mode in ("no overlap_comm", "overlap_comm"):
+    for mode in PER_PARAM_MODES:
         row = {k: (v - best["bare"][k]) * 1e6 / num_params for k, v in best[mode].items()}
         row["iteration (2 micro-batches)"] = sum(row.values())
         out[mode] = row
@@ -188,7 +213,8 @@ class _ModelLoop:
     example trains it (two micro-batches, the first in ``no_sync()``, clip, step, zero_grad), by torch alone
     (``mode="bare"``: torch's clip_grad_norm_, no step) or by a ShardedAdamW over the example's two param groups
     with one block's matrices per bucket, as 25 MB buckets hold them at 302M (26 buckets), without
-    ``overlap_comm`` or with it and ``attach`` (the example's two configurations)."""
+    ``overlap_comm`` or with it and ``attach`` (the example's two configurations), on one rank or with the
+    machinery of many (``MODEL_MODES``)."""
 
     def __init__(self, mode: str, n_layer: int = 24, width: int = 32):
         import tritonshard
@@ -199,10 +225,11 @@ class _ModelLoop:
         if mode == "bare":
             self.model.to(torch.bfloat16)
         else:
-            overlap = mode == "overlap_comm + attach"
-            self.opt = tritonshard.ShardedAdamW(param_groups(self.model, 0.1), lr=1e-3, betas=(0.9, 0.95),
-                                                bucket_cap_mb=12 * width * width * 2 * 1.05 / 2 ** 20,
-                                                overlap_comm=overlap)
+            overlap = mode.startswith("overlap_comm")
+            with _machinery(mode.endswith("(many ranks)")):
+                self.opt = tritonshard.ShardedAdamW(param_groups(self.model, 0.1), lr=1e-3, betas=(0.9, 0.95),
+                                                    bucket_cap_mb=12 * width * width * 2 * 1.05 / 2 ** 20,
+                                                    overlap_comm=overlap)
             if overlap:
                 self.opt.attach(self.model)
         vocab = self.model.cfg.vocab_size
@@ -237,10 +264,10 @@ def _measure_model_iteration(rounds: int) -> dict:
     :func:`_measure_per_param`). On the H200 the 302M example is host-bound in every configuration, and with
     overlap it ran ~25 % slower than without (2026-12-04, session 32): per bucket and per module, which the
     one-bucket per-parameter measurement does not see."""
-    loops = {mode: _ModelLoop(mode) for mode in ("bare", "no overlap_comm", "overlap_comm + attach")}
+    loops = {mode: _ModelLoop(mode) for mode in ("bare",) + MODEL_MODES}
     best = _interleaved_minima(loops, rounds)
     out = {"buckets": len(loops["no overlap_comm"].opt.buckets)}
-    for mode in ("no overlap_comm", "overlap_comm + attach"):
+    for mode in MODEL_MODES:
         row = {k: (v - best["bare"][k]) * 1e3 for k, v in best[mode].items()}
         row["iteration"] = sum(row.values())
         out[mode] = row
@@ -258,8 +285,9 @@ def main(argv=None) -> dict:
     p.add_argument("--no-bound-launches", action="store_true",
                    help="every launch through Triton's own dispatch (what bound launches save, issue 20)")
     p.add_argument("--overlap", action="store_true",
-                   help="overlap_comm=True: per bucket its reduce-scatter call, its update and its all-gather call "
-                        "(the gradients are set by hand, so the backward hooks' own cost is not in it)")
+                   help="overlap_comm=True with the machinery of many ranks: per bucket its reduce-scatter call, its "
+                        "update and its all-gather call (the gradients are set by hand, so the backward hooks' own "
+                        "cost is not in it)")
     p.add_argument("--no-coalesce", action="store_true",
                    help="one reduce-scatter and one all-gather call per bucket, as before issue 20.3's coalescing")
     p.add_argument("--flatten-tensors", type=int, default=4096, help="tensors of the flatten measurement")
@@ -338,14 +366,14 @@ def main(argv=None) -> dict:
         print(f"  per parameter, what the optimizer adds to an iteration of two micro-batches ({args.params} "
               f"parameters in one bucket, minus the same loop without an optimizer; minimum of {args.param_rounds} "
               "rounds):")
-        for mode in ("no overlap_comm", "overlap_comm"):
-            print(f"    {mode:16s} " + ", ".join(f"{k} {v:.1f} us" for k, v in per_param[mode].items()))
+        for mode in PER_PARAM_MODES:
+            print(f"    {mode:25s} " + ", ".join(f"{k} {v:.1f} us" for k, v in per_param[mode].items()))
     if model_iteration:
         print(f"  the example's iteration at its 302M layout (24 layers, 292 parameters, "
               f"{model_iteration['buckets']} buckets; 32 wide), ms the optimizer adds to each phase (minus torch "
               f"alone: {sum(model_iteration['bare_ms'].values()):.1f} ms; minimum of {args.model_rounds} rounds):")
-        for mode in ("no overlap_comm", "overlap_comm + attach"):
-            print(f"    {mode:22s} " + ", ".join(f"{k} {v:.2f}" for k, v in model_iteration[mode].items()))
+        for mode in MODEL_MODES:
+            print(f"    {mode:34s} " + ", ".join(f"{k} {v:.2f}" for k, v in model_iteration[mode].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)

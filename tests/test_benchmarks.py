@@ -175,7 +175,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     # stage host: the dry-run host measurement, both its figures in results.md
     host = results.split("## Host time of the GPU code path")[1]
     assert "per bucket:" in host and "no overlap_comm" in host and "iteration (2 micro-batches)" in host, host
-    assert "the example's iteration at its 302M layout" in host and "overlap_comm + attach" in host, host
+    assert "the example's iteration at its 302M layout" in host and "overlap_comm + attach (many ranks)" in host, host
     for config in ("amp", "fsdp2", "sharded-overlap"):
         row = next(line for line in results.splitlines() if line.startswith(f"| {config} |"))
         assert "did not run" not in row, row
@@ -236,18 +236,19 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     # AdamW's coefficients (session 31)
     assert row["launches_per_step_at_lo"] == 5
     assert "per bucket:" in proc.stdout
-    # the per-parameter figures: every phase of both modes, and the iteration their sum
-    for mode in ("no overlap_comm", "overlap_comm"):
+    # the per-parameter figures: every phase of each mode (overlap_comm on one rank, and with the machinery of many
+    # ranks, session 33), and the iteration their sum
+    for mode in ("no overlap_comm", "overlap_comm", "overlap_comm (many ranks)"):
         phases = row["per_param_us"][mode]
         assert set(phases) == {"backward (no_sync)", "last backward", "clip + step + zero_grad",
                                "iteration (2 micro-batches)"}, phases
         assert math.isclose(phases["iteration (2 micro-batches)"],
                             sum(v for k, v in phases.items() if not k.startswith("iteration")))
     # the example's iteration at its 302M layout: one block's matrices per bucket (24), the embeddings', and the
-    # no-decay group's; every phase of both modes
+    # no-decay group's; every phase of each mode
     model = row["model_iteration_ms"]
     assert model["buckets"] == 26
-    for mode in ("no overlap_comm", "overlap_comm + attach"):
+    for mode in ("no overlap_comm", "overlap_comm + attach", "overlap_comm + attach (many ranks)"):
         phases = model[mode]
         assert set(phases) == {"forward 1", "backward 1", "forward 2", "backward 2", "clip + step + zero_grad",
                                "iteration"}, phases

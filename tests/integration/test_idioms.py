@@ -98,6 +98,7 @@ def _spectral_net() -> torch.nn.Module:
                                torch.nn.Linear(6, 3)).to(torch.bfloat16)
 
 
+@pytest.mark.usefixtures("with_overlap_machinery")  # (the waits of many ranks, in this one process)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_parametrization_registered_after_attach_trains_as_one_registered_before_building(overlap):
     """``spectral_norm`` (torch.nn.utils.parametrize) registered after ``attach`` moves the same Parameter object to
@@ -481,6 +482,7 @@ def _swapped_run(overlap: bool, how: str, steps: int = 4):
     return flat_weights(model)
 
 
+@pytest.mark.usefixtures("with_overlap_machinery")  # (the waits of many ranks, in this one process)
 def test_a_module_swapped_in_after_attach_waits_for_its_parameters_or_its_backward_is_an_error():
     """With overlap_comm, a module swapped in after attach (holding the same parameters: SyncBatchNorm's
     conversion, quantization-aware training's prepare) has none of the hooks that wait for its parameters'
@@ -903,6 +905,7 @@ def test_ddp_averages_a_head_used_on_some_ranks_only_as_find_unused_parameters_d
     run_on_ranks(_ddp_heads_used_on_some_ranks, 2)
 
 
+@pytest.mark.usefixtures("with_overlap_machinery")  # (the modules' waits of many ranks, in this one process)
 def test_attaching_the_same_model_again_keeps_one_set_of_hooks():
     """attach() twice (the loop's and an integration's): until session 27 a second set of hooks, so the root hooks
     ran twice per forward (rank 0's buffers broadcast twice). Now the same handles; other options are an error."""

@@ -127,6 +127,7 @@ def _late_group_run(rank, world_size, kind, options):
 @pytest.mark.parametrize("options", [{}, {"bucket_cap_mb": 1e-9}, {"overlap_comm": True}],
                          ids=["one bucket per group", "a bucket per parameter", "overlap_comm + attach"])
 @pytest.mark.parametrize("kind", list(MAKE))
+@pytest.mark.usefixtures("with_overlap_machinery")  # (overlap_comm: the waits of many ranks, in this one process)
 def test_a_group_added_during_training_trains_as_an_optimizer_built_then(kind, options):
     _late_group_run(0, 1, kind, options)
 

@@ -67,6 +67,7 @@ def _train(attach_inner_first: bool, overlap: bool, kind: str):
 
 @pytest.mark.parametrize("kind", sorted(WRAPPERS))
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.usefixtures("with_overlap_machinery")  # (overlap_comm: the modules' waits of many ranks, in one process)
 def test_a_wrapper_attached_after_its_model_runs_one_set_of_hooks_and_trains_as_attached_once(overlap, kind):
     weights, roots, waits, wrapper, opt = _train(attach_inner_first=True, overlap=overlap, kind=kind)
     reference, ref_roots, ref_waits, _, _ = _train(attach_inner_first=False, overlap=overlap, kind=kind)

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
+from tests.helpers import overlap_machinery
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.optim.model_sync import ShardedGrad
@@ -83,6 +84,7 @@ def _extra_group(model, **options):
 class TrainingLoop(RuleBasedStateMachine):
     OPTIONS: dict = {}
     OURS, THEIRS, HPARAMS = ShardedAdamW, torch.optim.AdamW, dict(foreach=False)
+    MACHINERY = False  # overlap_comm's machinery of many ranks in this one process (tests.helpers.overlap_machinery)
 
     def __init__(self):
         super().__init__()
@@ -114,7 +116,8 @@ class TrainingLoop(RuleBasedStateMachine):
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr=LRS[0]):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        opt = self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
+        with overlap_machinery(self.MACHINERY):
+            opt = self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
         if self.OPTIONS.get("overlap_comm"):  # (attached, as overlap_comm is meant to be used: the model's hooks)
             opt.attach(self.model)
         return opt
@@ -544,7 +547,16 @@ def compare_with_torch(opt, ropt, names, ours, refs, masters) -> None:
 
 
 class OverlappedTrainingLoop(TrainingLoop):
+    """overlap_comm as on many ranks: each bucket flushed and launched as backward completes it, the gathers
+    waited for by the next forward's modules."""
     OPTIONS = dict(overlap_comm=True, bucket_cap_mb=1e-9)  # a bucket per parameter
+    MACHINERY = True
+
+
+class OneRankOverlappedTrainingLoop(OverlappedTrainingLoop):
+    """overlap_comm on one rank, as a one-GPU loop runs it: nothing to overlap, the plain path's backward under
+    overlap_comm's rules."""
+    MACHINERY = False
 
 
 class SGDTrainingLoop(TrainingLoop):
@@ -719,11 +731,16 @@ class TracedTrainingLoop(CompiledTrainingLoop):
 for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):
     machine.TestCase.settings = settings(max_examples=40, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
+# (its paths are the plain loop's backward and the overlapped loop's rules, each fuzzed above: fewer examples)
+OneRankOverlappedTrainingLoop.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None,
+                                                           derandomize=True,
+                                                           suppress_health_check=[HealthCheck.too_slow])
 # (each loop traces its new optimizer's step: ~2 s a loop here; tests/optim/loop_fuzz_long.py runs more)
 TracedTrainingLoop.TestCase.settings = settings(max_examples=16, stateful_step_count=14, deadline=None,
                                                 derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 test_training_loops_match_torch_optim = TrainingLoop.TestCase
 test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCase
+test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlappedTrainingLoop.TestCase
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase

@@ -2,6 +2,9 @@
 
 Results must be bit-identical to the non-overlapped path (same kernels, same collectives, only issued earlier),
 for bucket sizes from one parameter per bucket to one bucket for everything, at 2 and 4 gloo ranks.
+
+The tests in this process run the machinery of many ranks (``with_overlap_machinery``): on one rank there is
+nothing to overlap, and the optimizer leaves it out (tests/optim/test_one_rank.py).
 """
 
 import contextlib
@@ -15,6 +18,8 @@ from torch.utils.checkpoint import checkpoint
 from tests.distributed import run_on_ranks
 from tests.optim.training import LR, loss_fn, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedAdamW
+
+pytestmark = pytest.mark.usefixtures("with_overlap_machinery")
 
 BUCKET_CAPS = [1e-9, 200 * 2 / 2 ** 20, 25.0]  # one parameter per bucket, ~200 elements, one bucket per group
 

@@ -88,6 +88,7 @@ def _replaced_run(rank, world_size, options, subset):
 @pytest.mark.parametrize("subset", [False, True], ids=["the whole model", "its head only"])
 @pytest.mark.parametrize("options", [{}, {"bucket_cap_mb": 1e-9}, {"overlap_comm": True}],
                          ids=["one bucket", "a bucket per parameter", "overlap_comm + attach"])
+@pytest.mark.usefixtures("with_overlap_machinery")  # (overlap_comm: gathers in flight, as on many ranks)
 def test_a_second_optimizer_over_the_same_parameters_takes_them_over(options, subset):
     _replaced_run(0, 1, options, subset)
 

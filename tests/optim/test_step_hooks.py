@@ -88,6 +88,7 @@ def test_a_pre_hooks_hyper_parameters_are_that_steps():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.usefixtures("with_overlap_machinery")  # (overlap_comm: gathers in flight, as on many ranks)
 def test_a_post_hook_reads_the_new_weights(overlap):
     """An EMA updated from a step post hook (the weights read through the model right after the update): with
     overlap_comm the all-gathers are in flight then, and the model's reads wait for them."""

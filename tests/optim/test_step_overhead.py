@@ -64,12 +64,16 @@ def _launchers(prof) -> collections.Counter:
                                if e.name.startswith("tritonshard.kernel."))
 
 
-@pytest.mark.parametrize("options", [{}, {"state_dtype": torch.bfloat16}, {"overlap_comm": True}],
-                         ids=["default", "bf16 states", "overlap_comm"])
+@pytest.mark.parametrize("options", [{}, {"state_dtype": torch.bfloat16}, {"overlap_comm": True}, "machinery"],
+                         ids=["default", "bf16 states", "overlap_comm on one rank", "overlap_comm on many ranks"])
 def test_small_ops_per_step_do_not_grow_with_buckets(options):
     # (bf16 states: each bucket's stochastic-rounding seed advances every step, all of them in one op)
-    few, ops_few, _ = _profile_step(2, **options)
-    many, ops_many, _ = _profile_step(6, **options)
+    from tests.helpers import overlap_machinery
+    machinery = options == "machinery"  # (many ranks' per-bucket machinery, in this one process)
+    options = {"overlap_comm": True} if machinery else options
+    with overlap_machinery(machinery):
+        few, ops_few, _ = _profile_step(2, **options)
+        many, ops_many, _ = _profile_step(6, **options)
     assert (few, many) == (4, 12)
     assert ops_many == ops_few, f"per-bucket small ops: {ops_many - ops_few} more with {many - few} more buckets"
     # measured 22 (torch 2.13; 31 until session 31): the clip coefficient, grad_scale, the step counter, the two
@@ -199,12 +203,14 @@ def test_torchs_clip_over_the_placeholders_costs_one_torch_op_per_parameter(norm
     assert torch.allclose(total.float(), expected, rtol=1e-5), (total, expected)
 
 
-def _hashes_per_iteration(n_params: int, overlap_comm: bool) -> int:
+def _hashes_per_iteration(n_params: int, overlap_comm: bool, machinery: bool = False) -> int:
     """Tensor.__hash__ calls in one steady iteration (two micro-batches, the first in no_sync(), then clip, step and
     zero_grad) of a ShardedAdamW over ``n_params`` parameters in one bucket."""
     torch.manual_seed(0)
+    from tests.helpers import overlap_machinery
     params = [nn.Parameter(torch.randn(8)) for _ in range(n_params)]
-    opt = tritonshard.ShardedAdamW(params, lr=1e-3, overlap_comm=overlap_comm)
+    with overlap_machinery(machinery):
+        opt = tritonshard.ShardedAdamW(params, lr=1e-3, overlap_comm=overlap_comm)
     x = torch.randn(8).bfloat16()
 
     def iteration():
@@ -231,29 +237,35 @@ def _hashes_per_iteration(n_params: int, overlap_comm: bool) -> int:
     return calls[0]
 
 
-@pytest.mark.parametrize("overlap_comm", [False, True])
-def test_an_iteration_hashes_each_parameter_at_most_once(overlap_comm):
+@pytest.mark.parametrize("overlap_comm, machinery", [(False, False), (True, False), (True, True)],
+                         ids=["", "overlap_comm on one rank", "overlap_comm on many ranks"])
+def test_an_iteration_hashes_each_parameter_at_most_once(overlap_comm, machinery):
     """Per parameter and iteration, the flush, the step and zero_grad walk each bucket's lists beside its parameters
     (placeholders, markers, a prebuilt placed dict) instead of looking each parameter up in dicts keyed by it:
     Tensor.__hash__ is a Python method (~0.15 us). What is left per parameter: the second micro-batch's backward
     takes its placeholder out of its bucket's placed dict (its placeholder and bucket by index). Until session 31:
     12 per parameter without overlap_comm, 16 with it."""
-    small, large = _hashes_per_iteration(8, overlap_comm), _hashes_per_iteration(40, overlap_comm)
+    small, large = (_hashes_per_iteration(8, overlap_comm, machinery),
+                    _hashes_per_iteration(40, overlap_comm, machinery))
     per_param = (large - small) / 32
     assert per_param <= 1, (small, large, per_param)
 
 
 def test_without_overlap_comm_each_parameter_has_one_optimizer_hook():
     """Without overlap_comm the AccumulateGrad pre-hook also notes the gradient's arrival, so no post-accumulate
-    hook is registered (one C++ -> Python call per parameter and backward less); with it, the post-accumulate
-    hook flushes a bucket once its last gradient is accumulated."""
-    for overlap_comm, want in ((False, 0), (True, 1)):
+    hook is registered (one C++ -> Python call per parameter and backward less); with it, where there is something
+    to overlap (many ranks; here their machinery in one process), the post-accumulate hook flushes a bucket once
+    its last gradient is accumulated. On one rank overlap_comm has nothing to overlap: one hook (session 33)."""
+    from tests.helpers import overlap_machinery
+    for overlap_comm, machinery, want in ((False, False, 0), (True, False, 0), (True, True, 1)):
         params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
-        opt = tritonshard.ShardedAdamW(params, lr=1e-3, overlap_comm=overlap_comm)
-        assert [len(p._post_accumulate_grad_hooks or {}) for p in params] == [want] * 3, overlap_comm
+        with overlap_machinery(machinery):
+            opt = tritonshard.ShardedAdamW(params, lr=1e-3, overlap_comm=overlap_comm)
+        assert [len(p._post_accumulate_grad_hooks or {}) for p in params] == [want] * 3, (overlap_comm, machinery)
         del opt
 
 
+@pytest.mark.usefixtures("with_overlap_machinery")  # (one process: the machinery of many ranks)
 def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
     """overlap_comm flushes a bucket from the backward hooks as soon as it is complete, so that its reduce-scatter
     can start. Where none starts (inside no_sync(), or on one rank, where it is the identity) each flush of its own
@@ -285,7 +297,7 @@ def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
         opt.zero_grad()
     flushes = []
     waiting.clear()
-    for sync in (opt.no_sync, contextlib.nullcontext):  # (one process: the last backward launches nothing either)
+    for sync in (opt.no_sync, contextlib.nullcontext):  # (one rank: the last backward launches nothing either)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, sync():
             backward()
         flushes.append(_launchers(prof)["flatten_into"])
@@ -294,6 +306,7 @@ def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
     opt.step()
 
 
+@pytest.mark.usefixtures("with_overlap_machinery")  # (one process: the machinery of many ranks)
 def test_the_flush_groups_plans_stay_bounded_when_buckets_complete_in_changing_orders():
     # a static model brings back the same few groups of four every backward; one whose buckets complete in changing
     # orders (here a different subset of layers each backward, as experts routed anew each step) must not keep a

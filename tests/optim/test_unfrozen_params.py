@@ -323,6 +323,7 @@ def test_unfrozen_parameters_skipped_later_on_two_ranks():
 
 @pytest.mark.parametrize("overlap_comm", [False, True])
 @pytest.mark.parametrize("when", ["left from before it was frozen", "set by hand after building"])
+@pytest.mark.usefixtures("with_overlap_machinery")  # (overlap_comm: its hooks' launches, as on many ranks)
 def test_a_frozen_parameter_holding_a_gradient_is_stepped_as_torch_optim_steps_it(when, overlap_comm):
     """torch.optim steps every parameter whose .grad is not None, requires_grad or not: a layer frozen without
     clearing its gradient keeps being updated with it (until zero_grad()), and a gradient set by hand on a frozen

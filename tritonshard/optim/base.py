@@ -53,12 +53,14 @@ whose parameters got no gradient is still reduced at the end of backward, so all
 in the same order. ``step()`` waits for each reduce-scatter only when it scales that bucket. After the update, the
 param all-gathers are launched asynchronously too; with :meth:`ShardedOptimizer.attach` a forward pre-hook on each
 module waits only for the buckets holding that module's parameters. Where a completed bucket launches nothing (the
-backwards inside ``no_sync()``, or one rank), the completed buckets are flushed ``FLUSH_TOGETHER`` at a time
+backwards inside ``no_sync()``), the completed buckets are flushed ``FLUSH_TOGETHER`` at a time
 (:meth:`ShardedOptimizer._flush_completed`).
 
 A shard group of one rank (one GPU, or no process group) issues no collective: its reduce-scatter and all-gather are
 the identity (the local shard is the whole buffer); each bucket's handle is a completed one, so everything that waits
-for a gather behaves as on more ranks.
+for a gather behaves as on more ranks. There ``overlap_comm`` has nothing to overlap, and its machinery (the hooks
+per parameter and per module, the flushes per bucket, the gathers left in flight) is left out: the backward
+flattens every bucket at its end, under ``overlap_comm``'s rules (``_overlap_machinery``).
 
 Streams (CUDA), the rules:
 
@@ -345,6 +347,10 @@ def _run_backward_hooks_eagerly() -> None:
 #: overlap_comm: completed buckets flushed together where none is launched at its completion (_flush_completed)
 FLUSH_TOGETHER = 4
 
+#: overlap_comm's per-bucket machinery also where there is nothing to overlap (one rank): for tests that exercise it
+#: in one process (see ShardedOptimizer._overlap_machinery); never set in training
+OVERLAP_MACHINERY_ON_ONE_RANK = False
+
 
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
@@ -613,6 +619,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # each bucket's handle is a completed one. Until session 32 a 1-rank NCCL group got every call: on the H200
         # ~50 us of host time each, one reduce-scatter and one all-gather per bucket and step with overlap_comm
         self._solo = self.world_size == 1
+        # overlap_comm's machinery runs where a shard group of more than one rank has something to overlap: each
+        # bucket flushed as backward completes it and its reduce-scatter launched, the all-gathers left in flight
+        # for the next forward, whose modules each wait for their own (a forward pre-hook per module holding
+        # parameters, guarded attribute reads). On one rank both collectives are the identity (a replica group's
+        # all-reduce runs in step() either way), and the machinery only cost host time: on the H200 the 302M
+        # example ran at 1.01-1.08x torch AMP's speed with overlap_comm on one GPU, 1.38-1.44x without (session
+        # 32). There the backward flattens every bucket at its end, as without overlap_comm (one launch, one hook
+        # per parameter), and step() leaves no gather in flight; overlap_comm's rules stay, so a loop that runs on
+        # one GPU runs on many: the end of the last backward launches the reductions, and a gradient arriving
+        # after it (a backward outside no_sync()) is the same error
+        self._overlap_machinery = self.overlap_comm and (self.world_size > 1 or OVERLAP_MACHINERY_ON_ONE_RANK)
         #: ... straight through the ProcessGroup's methods (comm.reduce_scatter_async: not even torch's wrapper)
         self._pg = comm.group_object(self.process_group) if self._direct_collectives else None
         self._reduce_entered = False  # this step's "reduce" handshake is done (_enter_reduce)
@@ -935,7 +952,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # order in which buckets completed in the first backward (rank 0's, broadcast), adopted from step 2 on
         # (after add_param_group: observed again in the next backward)
         self._launch_order += [b.index for b in new]
-        self._observed_order: Optional[list[int]] = [] if self.overlap_comm else None
+        self._observed_order: Optional[list[int]] = [] if self._overlap_machinery else None
         # Without overlap_comm every bucket is reduced at once, in step() (or clip_grad_norm_), on every rank, and
         # gathered at once after the updates: one coalesced call each instead of one per bucket (issue 20.3: a
         # collective cost ~67 us of host time per bucket on the H200, the reduce-scatter and the all-gather
@@ -997,7 +1014,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if frozen:  # torch checks requires_grad only when a hook is registered; the hook stays on the tensor,
                 p.requires_grad_(True)  # for when it is unfrozen
             try:
-                if self.overlap_comm:  # (the bucket's flush needs the accumulated gradient: after accumulation)
+                if self._overlap_machinery:  # (its flush needs the accumulated gradient: after accumulation)
                     self._hooks.append(p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)))
                 # the placeholder goes in a pre-hook of the parameter's AccumulateGrad node, which runs only where
                 # a backward accumulates into param.grad: a tensor hook runs in torch.autograd.grad(loss, params)
@@ -1009,7 +1026,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 accumulator = model_sync.grad_accumulator(p)
                 self._grad_accumulators.append(accumulator)
                 self._hooks.append(accumulator.register_prehook(model_sync.ClearPlaceholderHook(
-                    self, p, self._param_index[p], arriving=not self.overlap_comm)))
+                    self, p, self._param_index[p], arriving=not self._overlap_machinery)))
             finally:
                 if frozen:
                     p.requires_grad_(False)
@@ -1251,7 +1268,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             stream = self._raw_stream()
             if stream not in self._grad_streams:
                 self._grad_streams[stream] = torch.cuda.current_stream(self.device)
-        if self.overlap_comm:  # (keyed by id: Tensor.__hash__ is a Python method, and this runs per parameter)
+        if self._overlap_machinery:  # (keyed by id: Tensor.__hash__ is a Python method, and per parameter)
             key = id(param)
             bucket = self._bucket_by_id[key]
             bucket.ready.add(key)
@@ -1267,8 +1284,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     self._launch_in_order()
 
     def _flush_completed(self, bucket: _Bucket) -> None:
-        """overlap_comm, a bucket completed where nothing is launched for it now (inside ``no_sync()``, or on one
-        rank, where its reduce-scatter is the identity): flushed with the next completed ones, FLUSH_TOGETHER
+        """overlap_comm, a bucket completed where nothing is launched for it now (inside ``no_sync()``; on one rank,
+        where the machinery runs in tests only): flushed with the next completed ones, FLUSH_TOGETHER
         buckets in one flush (one flatten launch, one pass of the Python around it), the rest at the end of the
         backward. A flush of its own per bucket cost ~45 us of host time on the GPU path (session 32: with the 302M
         example's 26 buckets, four at a time saved ~1.3 ms per backward on this repo's CPU machine, flushing all at
@@ -2170,7 +2187,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         handles = [model.register_forward_pre_hook(model_sync.RootForwardPreHook(self, cast_to), with_kwargs=True)]
         if self.overlap_comm:
             handles.append(model.register_forward_hook(model_sync.RootForwardHook(self)))
-            self._defer_gathers = True
+            self._defer_gathers = self._overlap_machinery
         if wrapped is not None:
             _, old_handles = wrapped
             for handle in old_handles[:self._root_handles]:
@@ -2199,7 +2216,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._model_params = [(module, local, p) for module in model.modules()
                               for local, p in module._parameters.items() if p is not None and p in known]
         handles = []
-        if self.overlap_comm:
+        if self._overlap_machinery:
             indices = {b.index for b in buckets}
             for module in model.modules():
                 owned = sorted({self._bucket_of[p][0].index for p in module.parameters(recurse=False)
@@ -2243,7 +2260,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         for module in model.modules():
             owned = {self._bucket_of[p][0].index for p in module.parameters() if p in self._bucket_of}
             # (with overlap_comm, a module holding some of them itself guards its attributes too)
-            attributes = self.overlap_comm and any(p in self._bucket_of for p in module._parameters.values())
+            attributes = self._overlap_machinery and any(p in self._bucket_of for p in module._parameters.values())
             if module is model or len(owned) == every:
                 model_sync.guard_model(module, self, attributes=attributes)
             elif owned:
@@ -2275,7 +2292,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (:meth:`_on_ddp_forward`). Then, in a training forward, rank 0's buffers (``broadcast_buffers``)."""
         if self._flush_queued and not torch.compiler.is_compiling():
             self._forget_dead_backward()
-        if self._new_modules and self.overlap_comm and not torch.compiler.is_compiling():
+        if self._new_modules and self._overlap_machinery and not torch.compiler.is_compiling():
             self._hook_new_modules()
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp.module is module:

@@ -173,7 +173,7 @@ class ModelViewMixin:
         holder = lists._modules.get(name) if lists is not None else None
         if holder is not None and holder._parameters.get("original") is p:
             to = (holder, "original", p)
-            if self.overlap_comm and self._attached is not None:
+            if self._overlap_machinery and self._attached is not None:
                 # its reads wait for its gather, as its module's did (``module.weight`` outside a forward right after
                 # step() reads holder.original; until session 27 without waiting)
                 model_sync.guard_model(holder, self, [self._bucket_of[p][0].index], attributes=True)
