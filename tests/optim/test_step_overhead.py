@@ -106,6 +106,7 @@ def test_launches_per_bucket_and_per_group(groups):
 
 
 @pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.usefixtures("with_overlap_machinery")  # (one process: the machinery of many ranks)
 def test_with_overlap_each_group_is_one_update_and_each_bucket_one_gather_in_forward_order(groups):
     # overlap_comm keeps per bucket only what the overlap needs: the all-gathers, in the order the next forward
     # reads the buckets; the updates are one segmented launch per param group, as without it (issue 20.3), all of

@@ -966,8 +966,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # launches are kept per group (_launch_segmented). Without overlap_comm the gathers follow, all at once
         # (_update_together). With it they follow too, one per bucket in the forward's order: the next forward's
         # kernels queue behind every update on the stream anyway, so per-bucket updates would only start the first
-        # gather one bucket's update earlier, at a launch per bucket of host time (issue 20.3)
-        self._update_together = not self.overlap_comm and len(buckets) > 1
+        # gather one bucket's update earlier, at a launch per bucket of host time (issue 20.3). (overlap_comm on one
+        # rank: as without it, every gather the identity)
+        self._update_together = not self._overlap_machinery and len(buckets) > 1
         self._rounding_seeds = [b.sr_seed for b in buckets if b.sr_seed is not None]  # (kept, written in place)
         self._merge_updates = len(buckets) > 1
         self._segmented: dict = {}
