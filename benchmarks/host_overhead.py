@@ -25,7 +25,7 @@ TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine,
 
 One rank has nothing to overlap, and since session 33 an optimizer there leaves overlap_comm's per-bucket machinery
 out (ShardedOptimizer._overlap_machinery): the rows "(many ranks)" and ``--overlap`` build it anyway, in this one
-process (``OVERLAP_MACHINERY_ON_ONE_RANK``), for its host cost on many GPUs, less their collectives.
+process (``overlap_machinery_on_one_rank``), for its host cost on many GPUs, less their collectives.
 """
 
 from __future__ import annotations
@@ -42,15 +42,10 @@ import torch
 import torch.distributed as dist
 
 
-@contextlib.contextmanager
 def _machinery(on: bool):
     """Optimizers built inside run overlap_comm's machinery of many ranks in this one-rank process (see above)."""
-    from tritonshard.optim import base
-    before, base.OVERLAP_MACHINERY_ON_ONE_RANK = base.OVERLAP_MACHINERY_ON_ONE_RANK, on
-    try:
-        yield
-    finally:
-        base.OVERLAP_MACHINERY_ON_ONE_RANK = before
+    from tritonshard.optim.base import overlap_machinery_on_one_rank
+    return overlap_machinery_on_one_rank(on)
 
 
 def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwargs: dict) -> tuple[float, float]:

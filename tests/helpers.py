@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -64,18 +63,12 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
                              f"index {i}")
 
 
-@contextlib.contextmanager
 def overlap_machinery(on: bool = True):
     """Optimizers built inside get overlap_comm's per-bucket machinery also on one rank, as on many
-    (``tritonshard.optim.base.OVERLAP_MACHINERY_ON_ONE_RANK``): each bucket flushed and its reduction launched as
+    (``tritonshard.optim.base.overlap_machinery_on_one_rank``): each bucket flushed and its reduction launched as
     backward completes it, the all-gathers left in flight for the next forward, which waits for them module by
     module. One process has nothing to overlap, so without this it runs the plain path's backward and leaves no
     gather in flight; the tests of that machinery run it in one process with this (on many ranks it is there
     anyway)."""
-    from tritonshard.optim import base
-    before = base.OVERLAP_MACHINERY_ON_ONE_RANK
-    base.OVERLAP_MACHINERY_ON_ONE_RANK = on
-    try:
-        yield
-    finally:
-        base.OVERLAP_MACHINERY_ON_ONE_RANK = before
+    from tritonshard.optim.base import overlap_machinery_on_one_rank
+    return overlap_machinery_on_one_rank(on)

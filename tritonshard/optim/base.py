@@ -352,6 +352,19 @@ FLUSH_TOGETHER = 4
 OVERLAP_MACHINERY_ON_ONE_RANK = False
 
 
+@contextlib.contextmanager
+def overlap_machinery_on_one_rank(on: bool = True):
+    """Optimizers built inside run ``overlap_comm``'s machinery of many ranks also on one rank
+    (:data:`OVERLAP_MACHINERY_ON_ONE_RANK`, read at construction): for the tests and benchmarks of that machinery
+    in one process. Not for training: on one rank it only costs host time."""
+    global OVERLAP_MACHINERY_ON_ONE_RANK
+    before, OVERLAP_MACHINERY_ON_ONE_RANK = OVERLAP_MACHINERY_ON_ONE_RANK, bool(on)
+    try:
+        yield
+    finally:
+        OVERLAP_MACHINERY_ON_ONE_RANK = before
+
+
 class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateViewMixin, torch.optim.Optimizer):
     """Base class: buckets, gradient flattening, reduce-scatter, norm and clipping, all-gather.
 
@@ -1269,7 +1282,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             stream = self._raw_stream()
             if stream not in self._grad_streams:
                 self._grad_streams[stream] = torch.cuda.current_stream(self.device)
-        if self._overlap_machinery:  # (keyed by id: Tensor.__hash__ is a Python method, and per parameter)
+        if self._overlap_machinery:  # (keyed by id: Tensor.__hash__ is a Python method; this runs per parameter)
             key = id(param)
             bucket = self._bucket_by_id[key]
             bucket.ready.add(key)
