@@ -200,7 +200,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     # stage 6, the traced iteration (one of its two modes here, for time): its tables in results.md
     assert "## Traced iteration (step 2), --overlap" in results, results
     assert "gpu_check/profile-overlap/tritonshard/profile_step2.json" in members, sorted(members)
-    assert "tritonshard.update[bucket 0]" in results, results
+    assert "tritonshard.update[group 0]" in results, results  # (one process: a range per param group)
     assert "failed" not in results and "timed out" not in results, results
 
 
