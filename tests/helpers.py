@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -61,6 +62,13 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
         raise AssertionError(f"{what}: max|diff|/max|ref| = {err:.3e} > {rel:.1e}; "
                              f"{int((diff > rel * scale).sum())} of {diff.numel()} elements over, worst at finite "
                              f"index {i}")
+
+
+def launcher_counts(prof) -> collections.Counter:
+    """How often each kernel launcher ran under the torch profiler ``prof`` (its ``tritonshard.kernel.*`` ranges,
+    by kernel name)."""
+    return collections.Counter(e.name.removeprefix("tritonshard.kernel.") for e in prof.events()
+                               if e.name.startswith("tritonshard.kernel."))
 
 
 def overlap_machinery(on: bool = True):

@@ -6,7 +6,6 @@ where the same run without overlap reached 1.38x). The training must be the sing
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import tempfile
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import run_on_ranks
-from tests.helpers import overlap_machinery
+from tests.helpers import launcher_counts, overlap_machinery
 from tritonshard import Buffer, ShardedAdamW
 from tritonshard.buffer import COMPLETED
 from tritonshard.optim import model_sync
@@ -79,10 +78,6 @@ def test_a_one_rank_group_issues_no_collective_and_trains_as_one_process():
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"overlap_comm={overlap_comm}"
 
 
-def _launchers(prof) -> collections.Counter:
-    return collections.Counter(e.name.removeprefix("tritonshard.kernel.") for e in prof.events()
-                               if e.name.startswith("tritonshard.kernel."))
-
 
 def _overlapped_run(overlap_comm: bool, machinery: bool) -> tuple[list, dict]:
     """Three steps of two micro-batches (the first in no_sync()) of a model with a norm, attached, a bucket per
@@ -103,7 +98,7 @@ def _overlapped_run(overlap_comm: bool, machinery: bool) -> tuple[list, dict]:
             with (opt.no_sync() if micro == 0 else contextlib.nullcontext(),
                   torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof):
                 model(torch.randn(4, 8, generator=gen)).square().mean().backward()
-            flattens.append(_launchers(prof)["flatten_into"])
+            flattens.append(launcher_counts(prof)["flatten_into"])
         opt.clip_grad_norm_(0.5)
         opt.step()
         seen["in flight after step()"] = sum(b.ag_work is not None for b in opt.buckets)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import launcher_counts
 import tritonshard
 
 
@@ -39,7 +40,7 @@ def _profile_step(n_layers: int, n_groups: int = 1, **options):
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-    return len(opt.buckets), _small_ops(prof_step), _launchers(prof_step) + _launchers(prof_backward)
+    return len(opt.buckets), _small_ops(prof_step), launcher_counts(prof_step) + launcher_counts(prof_backward)
 
 
 def _inside_launcher(event) -> bool:
@@ -58,10 +59,6 @@ def _small_ops(prof) -> collections.Counter:
         if e.name.startswith("aten::") and not _inside_launcher(e)
         and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
-
-def _launchers(prof) -> collections.Counter:
-    return collections.Counter(e.name.removeprefix("tritonshard.kernel.") for e in prof.events()
-                               if e.name.startswith("tritonshard.kernel."))
 
 
 @pytest.mark.parametrize("options", [{}, {"state_dtype": torch.bfloat16}, {"overlap_comm": True}, "machinery"],
@@ -301,7 +298,7 @@ def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
     for sync in (opt.no_sync, contextlib.nullcontext):  # (one rank: the last backward launches nothing either)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, sync():
             backward()
-        flushes.append(_launchers(prof)["flatten_into"])
+        flushes.append(launcher_counts(prof)["flatten_into"])
     assert flushes == [3, 3], flushes  # 4 + 4 in the hooks, 1 at the end; a launch per bucket was 9
     assert max(waiting) == FLUSH_TOGETHER - 1, waiting
     opt.step()
