@@ -95,11 +95,22 @@ def bench_bucket_sweep(shapes, device, reps, caps, graph_caps=()) -> list[dict]:
     return rows
 
 
+def bench_params(shapes, device) -> list:
+    """The parameters every implementation steps: N(0, 0.02) of ``shapes``, fp32 (tritonshard's optimizers make
+    them bf16)."""
+    return [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+
+
+def bf16_grads(shapes, device) -> list:
+    """The bf16 gradients a tritonshard step is timed with (:func:`sharded_step`), N(0, 1e-3)."""
+    return [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+
+
 def _sweep_row(shapes, device, reps, cap, graphed, name) -> dict:
     reset_peak(device)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    params = bench_params(shapes, device)
     opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap, cuda_graph=graphed)
-    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+    grads = bf16_grads(shapes, device)
     step = sharded_step(opt, params, grads)
     if graphed:
         step()  # (then timed_host's warm-up: the first sight, the capture, replays)
@@ -117,9 +128,9 @@ def kernel_breakdown(shapes, device, reps: int) -> dict:
     while its update alone needs ~9.1 ms at the copy bandwidth: this says which kernel takes the rest. Off CUDA the
     same table from the host ranges of the kernel launchers (``tritonshard.kernel.*``): the harness's smoke, not a
     measurement."""
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    params = bench_params(shapes, device)
     opt = tritonshard.ShardedAdamW(params, lr=1e-4)
-    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+    grads = bf16_grads(shapes, device)
     step = sharded_step(opt, params, grads)
     for _ in range(WARMUP):
         step()
@@ -186,7 +197,7 @@ def sharded_step(opt, params, grads):
 
 def time_sharded_step(opt, params, shapes, device, reps) -> float:
     """Seconds per step of a tritonshard optimizer: bf16 gradients set as ``param.grad``, clip, step, zero_grad."""
-    grads = [torch.randn(s, device=device).to(torch.bfloat16) * 1e-3 for s in shapes]
+    grads = bf16_grads(shapes, device)
     return timed(sharded_step(opt, params, grads), device, reps)
 
 
@@ -208,7 +219,7 @@ def time_torch_step(optimizers, params, shapes, device, reps) -> float:
 
 def bench_ours(shapes, device, reps):
     reset_peak(device)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    params = bench_params(shapes, device)
     opt = tritonshard.ShardedAdamW(params, lr=1e-4)
     t = time_sharded_step(opt, params, shapes, device, reps)
     return {"impl": "tritonshard.ShardedAdamW (bf16 params+grads, fp32 master)", "step_ms": t * 1e3,
@@ -230,7 +241,7 @@ def newton_schulz_ms(shapes, device, reps) -> float:
 
 def bench_muon(shapes, device, reps):
     reset_peak(device)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    params = bench_params(shapes, device)
     mi, ai = muon_split(shapes)
     opt = tritonshard.ShardedMuon([{"params": [params[i] for i in mi]},
                                    {"params": [params[i] for i in ai], "use_muon": False, "lr": 3e-4}],
@@ -244,7 +255,7 @@ def bench_muon(shapes, device, reps):
 
 def bench_torch_muon(shapes, device, reps):
     reset_peak(device)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    params = bench_params(shapes, device)
     mi, ai = muon_split(shapes)
     muon = torch.optim.Muon([params[i] for i in mi], lr=0.02, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([params[i] for i in ai], lr=3e-4, fused=True)
@@ -256,7 +267,7 @@ def bench_torch_muon(shapes, device, reps):
 
 def bench_torch(shapes, device, reps):
     reset_peak(device)
-    params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+    params = bench_params(shapes, device)
     fused = True  # fused AdamW exists for CUDA and (torch >= 2.4) CPU
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
     t = time_torch_step([opt], params, shapes, device, reps)
@@ -274,7 +285,7 @@ def bench_fsdp2(shapes, device, reps):
         return {"impl": "FSDP2 fully_shard bf16", "error": "needs torch.distributed (main() starts a 1-rank group)"}
     reset_peak(device)
     module = torch.nn.Module()
-    module.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes])
+    module.ps = torch.nn.ParameterList(bench_params(shapes, device))
     fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
     grads = [torch.randn(p.shape, device=device) * 1e-3 for p in module.parameters()]
