@@ -63,6 +63,7 @@ from tritonshard.kernels import adamw as adamw_mod
 from tritonshard.kernels import flatten as flatten_mod
 from tritonshard.kernels import lion as lion_mod
 from tritonshard.kernels import rounding as rounding_mod
+from tritonshard.kernels import scalars as scalars_mod
 from tritonshard.kernels import scale as scale_mod
 from tritonshard.kernels import sgd as sgd_mod
 
@@ -75,9 +76,10 @@ KERNELS = {
     "sgd": sgd_mod._sgd_kernel,
     "lion": lion_mod._lion_kernel,
     "adamw_coefficients": adamw_mod._coefficients_kernel,
+    "step_flags": scalars_mod._step_flags_kernel,
 }
-# one program reducing a few partials, or computing three scalars: neither streaming nor worth vectorizing
-NOT_STREAMING = {"scale_finalize", "adamw_coefficients"}
+# one program reducing a few partials, or computing a few scalars: neither streaming nor worth vectorizing
+NOT_STREAMING = {"scale_finalize", "adamw_coefficients", "step_flags"}
 #: kernels whose float64 arithmetic must round each operation as torch's ops do (their results are compared bit
 #: for bit with them): no fused multiply-add, no approximate division or square root in their PTX
 IEEE_F64 = {"adamw_coefficients"}
@@ -221,6 +223,13 @@ def _coefficients(weight_decay: float) -> None:
                                         weight_decay, {})
 
 
+def _step_flags(clip: bool) -> None:
+    """ShardedOptimizer's launch of the step's scalars (kernels.scalars.step_flags_), with and without a clip."""
+    scalar = lambda dtype=torch.float32: torch.zeros((), dtype=dtype)  # noqa: E731
+    scalars_mod.step_flags_(scalar(), scalar(), scalar(), scalar(torch.int64), scalar(torch.bool), [scalar(), scalar()],
+                            scalar() if clip else None, 0.5, scalar() if clip else None)
+
+
 def cases() -> list[tuple[str, Callable[[], None]]]:
     """Every branch of every launcher's constexpr arguments, each as (name, call)."""
     n = 8192 + 64  # full blocks and a tail; a multiple of 16 like every Buffer shard
@@ -282,6 +291,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
                     "steps without overlap_comm)", lambda which=which: _segmented_update(which, n)))
     for weight_decay in (0.0, 0.1):  # (its bits: 0 is an int32 argument, 0.1's an int64: two specializations)
         out.append((f"adamw coefficients, weight_decay={weight_decay}", lambda wd=weight_decay: _coefficients(wd)))
+    for clip in (False, True):
+        out.append((f"step flags, clip={clip}", lambda clip=clip: _step_flags(clip)))
     out.append(("adamw beta1=0.3 (lerp from the end)", lambda: adamw_step_(
         *_update_tensors(n)[:4], lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)))
     out.append(("sgd no momentum, no weight decay", lambda: sgd_step_(

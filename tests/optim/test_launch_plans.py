@@ -13,8 +13,9 @@ import pytest
 from tests.helpers import run_compiled_record
 # 1 flatten of every bucket's gradients + 1 norm pass over every bucket's shard + 2 param groups' updates (group
 # 1's two buckets in one segmented launch) + 1 finalize (issue 20.3) + 2 param groups' AdamW coefficients (session 31)
-LAUNCHES_PER_STEP = 7
-BOUND_PER_STEP = 7       # every one, the finalize and the coefficients too
+# + 1 launch of the step's scalars (kernels/scalars.py, session 34)
+LAUNCHES_PER_STEP = 8
+BOUND_PER_STEP = 8       # every one, the finalize, the coefficients and the scalars too
 BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kernel's beta1
 
 
@@ -104,10 +105,10 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     overlap_comm, whose updates are one segmented launch too (its collectives are per bucket, its launches not)."""
     rec = record[name]
     dispatch = rec["dispatch"][-1]["launches"]
-    # for both buckets: one flatten, one norm pass, one update (a segmented launch), one finalize; AdamW's
-    # coefficients one more
+    # for both buckets: one flatten, one norm pass, one update (a segmented launch), one finalize, one of the
+    # step's scalars; AdamW's coefficients one more
     assert rec["buckets"] == 2
-    per_step = 5 if name.startswith("adamw") else 4
+    per_step = 6 if name.startswith("adamw") else 5
     assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == 1
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step, "every launch must replay"

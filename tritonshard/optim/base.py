@@ -116,6 +116,7 @@ from ..buffer import COMPLETED, DEFAULT_ALIGN
 from .. import kernels as _eager_kernels
 from ..kernels import _launch
 from ..kernels import ops as _op_kernels
+from ..kernels import scalars as _scalars
 from ..kernels._dispatch import compiled_path, interpreter_enabled
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
 from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partials_launch_spec,
@@ -617,10 +618,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # nothing from the host (issue 20.6: what capturing the step in a CUDA graph needs;
         # tests/optim/test_steady_state.py)
         scalar = functools.partial(torch.zeros, (), device=self.device)
-        self._reduced_bufs = (scalar(dtype=torch.float32), scalar(dtype=torch.float32))  # (sum_sq, found_inf)
+        # (sum_sq, found_inf): two views of one tensor, which the norm's finalize writes directly where no all-reduce
+        # of the fp64 totals comes between (one rank: _reduce_phase)
+        self._reduced_pair = torch.zeros(2, dtype=torch.float32, device=self.device)
+        self._reduced_bufs = tuple(self._reduced_pair.unbind())
         self._nonfinite_buf = scalar(dtype=torch.bool)
         self._clip_buf = scalar(dtype=torch.float32)
         self._not_skipped_buf = scalar(dtype=torch.float32)
+        self._counter_table = None  # (the step counters, their addresses' table): _launch_step_flags
+        self._scalar_launches: dict = {}  # its bound launch
         self._found_long_buf = scalar(dtype=torch.int64)
         self._pinned_buf = scalar(dtype=torch.bool)
         self._persistent: dict = {}
@@ -1929,7 +1935,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if not self._consume_all_reduced():
             for i in self._launch_order:
                 self._consume_reduced(self.buckets[i])
-        totals = self._norm_totals
+        # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout. On
+        # one rank the finalize's store rounds (into _reduced_pair, the fp32 (sum_sq, found_inf)); with more, after
+        # the all-reduce of the fp64 totals (three small ops that one rank leaves out)
+        many = comm.is_initialized() and self.world_size > 1
+        totals = self._norm_totals if many else self._reduced_pair
         if self._hot_path():  # one launch for every bucket, bound (the same tensors every step)
             if self._finalize_spec is None:
                 self._finalize_spec = finalize_launch_spec(self._norm_workspace, totals)
@@ -1937,12 +1947,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                            lambda: kernels().finalize_sum_sq_(self._norm_workspace, totals))
         else:
             kernels().finalize_sum_sq_(self._norm_workspace, totals)
-        if comm.is_initialized() and self.world_size > 1:
+        if many:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
-        # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout
-        sum_sq, found_inf = self._reduced_bufs
-        sum_sq.copy_(totals[0])
-        found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
+            sum_sq, found_inf = self._reduced_bufs
+            sum_sq.copy_(totals[0])
+            found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
 
     def _after_reduce_replay(self) -> None:
         """The host state :meth:`_reduce_phase` leaves, set after a replay of its graph: every bucket launched and
@@ -2741,32 +2750,39 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         all-gathers (waited for here unless the next forward waits), the skip bookkeeping and the loss scale."""
         if amp_found_inf is not None:  # (the flag of the step, not the reduction's: _found_inf_buf, below)
             found_inf = torch.maximum(found_inf, (amp_found_inf > 0).to(found_inf.dtype))
-        # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no rounding)
-        # (each factor a tensor op into _grad_scale_buf, in place, in the order and with the ops of
-        # coef * average / scale * multiplier / amp_scale; a plain number while there is no tensor factor)
-        grad_scale = self._grad_average
-        if self._clip_coef is not None:
-            grad_scale = torch.mul(self._clip_coef, grad_scale, out=self._grad_scale_buf)
-        if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
-            grad_scale = _scale_in_place(grad_scale, self._scale, self._grad_scale_buf, torch.div)
-        if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
-            grad_scale = _scale_in_place(grad_scale, multiplier, self._grad_scale_buf, torch.mul)
-        if amp_scale is not None:  # GradScaler.step without unscale_(): the gradients are still scaled
-            grad_scale = _scale_in_place(grad_scale, amp_scale, self._grad_scale_buf, torch.div)
         bound = self._hot_path()
-        # the bound (or segmented) update launches read found_inf and grad_scale from these tensors (__init__)
-        found_inf = self._found_inf_buf.copy_(found_inf)
         # The updates (one segmented launch per param group where the rule has one), then the all-gathers. With
         # overlap_comm, one gather per bucket in the order the next forward needs the buckets (the first module's
         # first): on NCCL one group's collectives run in issue order, so the gather of the embedding's bucket must
         # not queue behind every other bucket's; a bucket updated on its own is gathered right after its update.
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
-        not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
-        # the step counts (skipped steps do not count), and the pieces of parameters whose own count differs from
-        # their bucket's, saved now and updated again after the flat update with their count (param_steps.py); the
-        # buckets of a counter none of whose parameters trains this step (idle) are not updated at all; the pieces
-        # of the other skipped parameters are saved before the update and put back after it
-        redo, idle, keep = self._count_steps(frozen, not_skipped)
+        flags_fused = (amp_found_inf is None and amp_scale is None and self._scale is None and multiplier is None
+                       and not frozen and not self._own_plan and self._step_flags_kernel_runs())
+        if flags_fused:  # the usual step: its scalars in one launch (kernels/scalars.py), the same bits as below
+            grad_scale, found_inf = self._launch_step_flags(found_inf)
+            redo, idle, keep = {}, frozenset(), []
+        else:
+            # the reduce-scatter SUMmed; the average is one more factor of the update's grad_scale (no pass, no
+            # rounding) (each factor a tensor op into _grad_scale_buf, in place, in the order and with the ops of
+            # coef * average / scale * multiplier / amp_scale; a plain number while there is no tensor factor)
+            grad_scale = self._grad_average
+            if self._clip_coef is not None:
+                grad_scale = torch.mul(self._clip_coef, grad_scale, out=self._grad_scale_buf)
+            if self._scale is not None:  # unscale folded into the same multiply as the clip coefficient
+                grad_scale = _scale_in_place(grad_scale, self._scale, self._grad_scale_buf, torch.div)
+            if multiplier is not None:  # torch.nn.utils.clip_grad_norm_ on param.grad: its coefficient, folded in
+                grad_scale = _scale_in_place(grad_scale, multiplier, self._grad_scale_buf, torch.mul)
+            if amp_scale is not None:  # GradScaler.step without unscale_(): the gradients are still scaled
+                grad_scale = _scale_in_place(grad_scale, amp_scale, self._grad_scale_buf, torch.div)
+            # the bound (or segmented) update launches read found_inf and grad_scale from these tensors (__init__)
+            found_inf = self._found_inf_buf.copy_(found_inf)
+            not_skipped = torch.neg(found_inf, out=self._not_skipped_buf).add_(1.0)  # 1 - found_inf
+            # the step counts (skipped steps do not count), and the pieces of parameters whose own count differs
+            # from their bucket's, saved now and updated again after the flat update with their count
+            # (param_steps.py); the buckets of a counter none of whose parameters trains this step (idle) are not
+            # updated at all; the pieces of the other skipped parameters are saved before the update and put back
+            # after it
+            redo, idle, keep = self._count_steps(frozen, not_skipped)
         kept = self._snapshot_pieces(keep) if keep else {}
         compiling = torch.compiler.is_compiling()
         together = self._update_together and not compiling  # every update first, then the gathers
@@ -2816,8 +2832,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     self._update_again(b, redo[i], grad_scale, found_inf)
                 with _trace("tritonshard.all_gather[bucket {}]", b.index):
                     b.ag_work = self._all_gather(b, direct)
-        self.skipped_steps.add_(self._found_long_buf.copy_(found_inf))
-        torch.gt(found_inf, 0, out=self.last_step_skipped)
+        if not flags_fused:  # (the fused launch counted them)
+            self.skipped_steps.add_(self._found_long_buf.copy_(found_inf))
+            torch.gt(found_inf, 0, out=self.last_step_skipped)
         if self._scale is not None:  # back off on overflow, grow after growth_interval clean steps; on device
             cfg = self.loss_scale_config
             # overflowed although at the floor: (found_inf > 0) & (scale <= min_scale)
@@ -2832,6 +2849,31 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     #: param-group entries a captured update does not freeze: the lr is read from its device tensor
     _NOT_FROZEN = frozenset(("params", "lr", "param_names"))
+
+    def _step_flags_kernel_runs(self) -> bool:
+        """Whether a step's scalars go in :func:`~tritonshard.kernels.scalars.step_flags_`'s one launch: where the
+        Triton kernels run (compiled, or the interpreter, where the CPU tests run them), outside torch.compile
+        (which records the torch ops)."""
+        return (compiled_path(self.device) or interpreter_enabled()) and not torch.compiler.is_compiling()
+
+    def _launch_step_flags(self, found_inf: torch.Tensor) -> tuple:
+        """The usual step's scalars in one launch, bound (kernels/scalars.py): ``_found_inf_buf`` = ``found_inf``,
+        ``_not_skipped_buf`` = 1 - it, every counter of :attr:`_step_units` advanced by that, ``skipped_steps`` and
+        ``last_step_skipped``, and after a clip ``_grad_scale_buf`` = coef * average: 8 small torch ops before (the
+        counters one each). Returns ``(grad_scale, found_inf)`` for the updates: the buffer, or the average as a
+        number where the loop did not clip."""
+        counters = tuple(buckets[0].step for _, buckets in self._step_units)
+        cached = self._counter_table
+        if cached is None or len(cached[0]) != len(counters) or not all(map(operator.is_, cached[0], counters)):
+            # (kept with the counters it points to, so their storage lives as long as the table)
+            cached = self._counter_table = (counters, _scalars.counter_table(counters, self.device))
+        coef = self._clip_coef
+        grad_scale = self._grad_average if coef is None else self._grad_scale_buf
+        args = (found_inf, self._found_inf_buf, self._not_skipped_buf, self.skipped_steps, self.last_step_skipped)
+        rest = (coef, self._grad_average, None if coef is None else grad_scale)
+        _scalars.step_flags_kernel(_scalars.step_flags_launch_spec(*args, cached[1], *rest), self._scalar_launches,
+                                  lambda: _scalars.step_flags_(*args, list(counters), *rest, table=cached[1]))
+        return grad_scale, self._found_inf_buf
 
     def _update_graph_key(self, amp_scale, amp_found_inf, multiplier, frozen: list):
         """What a capture of :meth:`_update_phase` freezes, hashable: whether the loop clipped, the dtype of the

@@ -1,0 +1,92 @@
+"""kernels.scalars (the step's scalars in one launch) against the torch ops they replace in
+ShardedOptimizer.step, bit for bit: compiled on a GPU, through the interpreter here."""
+
+import random
+
+import pytest
+import torch
+
+from tests.helpers import assert_bitwise_equal
+from tests.kernels.common import DEVICE
+from tritonshard.kernels import _dispatch, _launch
+from tritonshard.kernels.scalars import counter_table, step_flags_, step_flags_launch_spec, step_flags_ref
+
+pytestmark = pytest.mark.skipif(not (_dispatch.interpreter_enabled() or DEVICE.type == "cuda"),
+                                reason="the kernels run compiled on a GPU or through the interpreter (CI sets it)")
+
+NAN = float("nan")
+
+
+def _flag_tensors(skipped_before: int, last: bool):
+    scalar = torch.zeros((), dtype=torch.float32, device=DEVICE)
+    return dict(found_out=scalar.clone().fill_(0.25), not_skipped_out=scalar.clone().fill_(-3.0),
+                skipped_steps=torch.tensor(skipped_before, dtype=torch.int64, device=DEVICE),
+                last_step_skipped=torch.tensor(last, device=DEVICE))
+
+
+@pytest.mark.parametrize("num_counters", [0, 1, 2, 5])
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_step_flags_have_the_torch_ops_bits(num_counters, clip):
+    rng = random.Random(num_counters * 2 + clip)
+    for found in (0.0, 1.0, 0.0, 1.0):
+        counts = [float(rng.choice([0, 1, 7, rng.randrange(1, 10 ** 7)])) for _ in range(num_counters)]
+        coef = rng.choice([1.0, rng.random(), 1e-30, 0.999999]) if clip else None
+        average = rng.choice([1.0, 0.5, 1 / 3, 1 / 7, 0.25])
+        skipped_before, last = rng.randrange(0, 1000), rng.random() < 0.5
+        runs = []
+        for fn in (step_flags_ref, step_flags_):
+            counters = [torch.tensor(c, dtype=torch.float32, device=DEVICE) for c in counts]
+            coef_t = None if coef is None else torch.tensor(coef, dtype=torch.float32, device=DEVICE)
+            grad_scale = None if coef is None else torch.full((), -1.0, device=DEVICE)
+            flags = _flag_tensors(skipped_before, last)
+            fn(torch.tensor(found, device=DEVICE), flags["found_out"], flags["not_skipped_out"],
+               flags["skipped_steps"], flags["last_step_skipped"], counters, coef_t, average, grad_scale)
+            runs.append((flags, counters, grad_scale))
+        (want, want_counters, want_scale), (got, got_counters, got_scale) = runs
+        where = f"found_inf={found} counts={counts} coef={coef!r} average={average!r}"
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], f"{name} at {where}")
+        for i, (g, w) in enumerate(zip(got_counters, want_counters)):
+            assert_bitwise_equal(g, w, f"counter {i} at {where}")
+        if clip:
+            assert_bitwise_equal(got_scale, want_scale, f"grad_scale at {where}")
+        # (the reference's values: a skipped step counts nothing and is counted)
+        assert [c.item() for c in want_counters] == [c + (found == 0.0) for c in counts]
+        assert want["skipped_steps"].item() == skipped_before + int(found)
+        assert want["last_step_skipped"].item() is (found > 0)
+
+
+def test_a_bound_step_flags_launch_replays_on_the_same_tensors():
+    """The optimizer's use: the table built once, the launch bound and replayed every step; each replay advances the
+    counters again (the kernel reads what the last one wrote)."""
+    counters = [torch.tensor(3.0, device=DEVICE), torch.tensor(10.0, device=DEVICE)]
+    table = counter_table(counters, DEVICE)
+    flags = _flag_tensors(0, False)
+    found = torch.zeros((), device=DEVICE)
+    launches: dict = {}
+    for i, f in enumerate([0.0, 1.0, 0.0, 0.0]):
+        found.fill_(f)
+        spec = step_flags_launch_spec(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
+                                      flags["last_step_skipped"], table)
+        _launch.launch(launches, "flags", spec, lambda: step_flags_(
+            found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
+            flags["last_step_skipped"], counters))
+    assert [c.item() for c in counters] == [6.0, 13.0]
+    assert flags["skipped_steps"].item() == 1 and flags["last_step_skipped"].item() is False
+
+
+def test_the_step_flags_name_a_bad_argument():
+    flags = _flag_tensors(0, False)
+    found = torch.zeros((), device=DEVICE)
+    with pytest.raises(ValueError, match="skipped_steps must be a 0-d torch.int64 tensor"):
+        step_flags_(found, flags["found_out"], flags["not_skipped_out"], torch.zeros((), device=DEVICE),
+                    flags["last_step_skipped"], [])
+    with pytest.raises(ValueError, match=r"counters\[1\] must be a 0-d torch.float32 tensor"):
+        step_flags_(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
+                    flags["last_step_skipped"], [torch.zeros((), device=DEVICE), torch.zeros(3, device=DEVICE)])
+    with pytest.raises(ValueError, match="clip_coef and grad_scale_out go together"):
+        step_flags_(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
+                    flags["last_step_skipped"], [], clip_coef=torch.ones((), device=DEVICE))
+    with pytest.raises(ValueError, match="average must be a finite number"):
+        step_flags_(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
+                    flags["last_step_skipped"], [], torch.ones((), device=DEVICE), NAN, torch.ones((), device=DEVICE))

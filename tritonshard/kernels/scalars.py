@@ -1,0 +1,134 @@
+"""The step's scalar bookkeeping in one single-program launch, instead of a chain of 0-d torch ops.
+
+A ShardedOptimizer step is a few bandwidth-bound kernels (flatten, norm pass, update) surrounded by scalars: the
+update's ``grad_scale``, the non-finite flag and what follows from it (the step counters, ``skipped_steps``,
+``last_step_skipped``). Each 0-d torch op on a GPU costs a kernel launch (~5-10 us of host time, and a few us of
+device time in a chain that the update waits for: issue 20.2; the H200 profile of 2026-12-04 shows ~20 small
+kernels per 125M step). :func:`step_flags_` does the same arithmetic in one program, with the roundings of the
+torch ops it replaces (no FMA contraction), so the same bits: from the step's ``found_inf``, its copy that the
+update launches read, ``1 - found_inf``, every step counter advanced by it, ``skipped_steps += found_inf``,
+``last_step_skipped = found_inf > 0``, and, when the loop clipped, ``grad_scale = clip_coef * average``.
+:func:`step_flags_ref` is those torch ops (what the optimizer runs under torch.compile, on the PyTorch backend and
+wherever the step has more factors: a loss scale, GradScaler, parameters left out); :func:`step_flags_launch_spec`
+the launch the optimizer binds (:mod:`._launch`).
+
+Not fused (tried, session 34): the clip coefficient. Its fp32 ``sqrt`` on a CPU tensor is not the correctly rounded
+one that the interpreter's numpy and a GPU compute (torch 2.13, e.g. sqrt(319006.15625) is 1 ulp above), so a kernel
+would give other bits than torch.nn.utils.clip_grad_norm_ on a CPU; and the norm it returns must be a new tensor
+each call, which a bound launch cannot write.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._dispatch import Backend, select_backend, traced
+
+__all__ = ["step_flags_", "step_flags_ref", "step_flags_launch_spec", "step_flags_kernel", "counter_table"]
+
+
+@triton.jit
+def _step_flags_kernel(found_ptr, found_out, not_skipped_out, skipped_steps_ptr, last_skipped_ptr, counters_ptr,
+                       num_counters, clip_coef_ptr, average, grad_scale_out, HAS_CLIP: tl.constexpr):
+    found = tl.load(found_ptr)
+    tl.store(found_out, found)
+    not_skipped = -found + 1.0
+    tl.store(not_skipped_out, not_skipped)
+    for i in range(num_counters):  # (each counter's address, as the flatten's tables hold the gradients')
+        counter = tl.load(counters_ptr + i).to(tl.pointer_type(tl.float32))
+        tl.store(counter, tl.load(counter) + not_skipped)
+    tl.store(skipped_steps_ptr, tl.load(skipped_steps_ptr) + found.to(tl.int64))  # (toward zero, as copy_)
+    tl.store(last_skipped_ptr, found > 0)
+    if HAS_CLIP:
+        tl.store(grad_scale_out, tl.load(clip_coef_ptr) * average)
+
+
+def _check_scalar_tensor(t, name: str, dtype: torch.dtype, device=None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != dtype:
+        got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 0-d {dtype} tensor, got {got}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (where the other arguments are), got {t.device}")
+
+
+def counter_table(counters: list, device) -> torch.Tensor:
+    """The int64 device table of the addresses of ``counters`` (0-d fp32 tensors) that :func:`step_flags_` advances:
+    built once by the caller, which keeps the counters alive as long as the table."""
+    return torch.tensor([c.data_ptr() for c in counters], dtype=torch.int64).to(device)
+
+
+def step_flags_ref(found_inf, found_out, not_skipped_out, skipped_steps, last_step_skipped, counters,
+                   clip_coef=None, average: float = 1.0, grad_scale_out=None) -> None:
+    """What :func:`step_flags_` writes, with the torch ops ShardedOptimizer.step ran for it (``counters``: the 0-d
+    fp32 step counters themselves)."""
+    found_out.copy_(found_inf)
+    not_skipped = torch.neg(found_out, out=not_skipped_out).add_(1.0)
+    for counter in counters:
+        counter.add_(not_skipped)
+    skipped_steps.add_(found_out.to(torch.int64))
+    torch.gt(found_out, 0, out=last_step_skipped)
+    if clip_coef is not None:
+        torch.mul(clip_coef, average, out=grad_scale_out)
+
+
+def step_flags_launch_spec(found_inf, found_out, not_skipped_out, skipped_steps, last_step_skipped, table,
+                           clip_coef=None, average: float = 1.0, grad_scale_out=None) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`step_flags_` launch, unchecked (``table`` from
+    :func:`counter_table`; see :mod:`._launch`)."""
+    has_clip = clip_coef is not None
+    return (_step_flags_kernel, (1,), (found_inf, found_out, not_skipped_out, skipped_steps, last_step_skipped, table,
+                                       table.numel(), clip_coef if has_clip else found_inf, float(average),
+                                       grad_scale_out if has_clip else found_out),
+            dict(HAS_CLIP=has_clip, enable_fp_fusion=False))
+
+
+@traced
+def step_flags_(found_inf, found_out, not_skipped_out, skipped_steps, last_step_skipped, counters: list,
+                clip_coef=None, average: float = 1.0, grad_scale_out=None, *, table: torch.Tensor | None = None,
+                backend: str | None = None) -> None:
+    """The step's scalars from its non-finite flag ``found_inf`` (0-d fp32, 0 or 1), in one launch:
+    ``found_out = found_inf``, ``not_skipped_out = 1 - found_inf``, each of ``counters`` (0-d fp32 step counts)
+    ``+= not_skipped_out``, ``skipped_steps`` (0-d int64) ``+= found_inf``, ``last_step_skipped`` (0-d bool)
+    ``= found_inf > 0``, and with ``clip_coef`` (0-d fp32) ``grad_scale_out = clip_coef * average``. The bits of
+    :func:`step_flags_ref`. ``table``: the counters' :func:`counter_table`, where the caller keeps one (else one is
+    built for this call)."""
+    device = found_inf.device if isinstance(found_inf, torch.Tensor) else None
+    for t, name, dtype in ((found_inf, "found_inf", torch.float32), (found_out, "found_out", torch.float32),
+                           (not_skipped_out, "not_skipped_out", torch.float32),
+                           (skipped_steps, "skipped_steps", torch.int64),
+                           (last_step_skipped, "last_step_skipped", torch.bool)):
+        _check_scalar_tensor(t, name, dtype, device)
+    for i, counter in enumerate(counters):
+        _check_scalar_tensor(counter, f"counters[{i}]", torch.float32, device)
+    if (clip_coef is None) != (grad_scale_out is None):
+        raise ValueError("clip_coef and grad_scale_out go together: both tensors or both None")
+    if clip_coef is not None:
+        _check_scalar_tensor(clip_coef, "clip_coef", torch.float32, device)
+        _check_scalar_tensor(grad_scale_out, "grad_scale_out", torch.float32, device)
+    if isinstance(average, bool) or not isinstance(average, (int, float)) or not math.isfinite(average):
+        raise ValueError(f"average must be a finite number, got {average!r}")
+    if select_backend("step_flags_", device, backend) is Backend.TORCH:
+        step_flags_ref(found_inf, found_out, not_skipped_out, skipped_steps, last_step_skipped, counters, clip_coef,
+                       average, grad_scale_out)
+        return
+    if table is None:
+        table = counter_table(counters, device)
+    elif (not isinstance(table, torch.Tensor) or table.dtype != torch.int64 or table.device != device
+          or table.tolist() != [c.data_ptr() for c in counters]):
+        raise ValueError("table must be counter_table(counters) (the int64 addresses of the counters, on their device)")
+    kernel, grid, args, kwargs = step_flags_launch_spec(found_inf, found_out, not_skipped_out, skipped_steps,
+                                                        last_step_skipped, table, clip_coef, average, grad_scale_out)
+    kernel[grid](*args, **kwargs)
+
+
+@traced
+def step_flags_kernel(spec: tuple, launches: dict, first) -> None:
+    """``spec`` (from :func:`step_flags_launch_spec`) launched through the BoundLaunch in ``launches`` (``first()``,
+    the checked :func:`step_flags_`, where there is none yet or an argument changed: :func:`._launch.launch`), in
+    the kernel's profiler range, as every launcher."""
+    _launch.launch(launches, "flags", spec, first)
