@@ -87,6 +87,10 @@ def test_the_step_flags_name_a_bad_argument():
     with pytest.raises(ValueError, match="clip_coef and grad_scale_out go together"):
         step_flags_(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
                     flags["last_step_skipped"], [], clip_coef=torch.ones((), device=DEVICE))
+    with pytest.raises(ValueError, match="table must be counter_table"):
+        step_flags_(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
+                    flags["last_step_skipped"], [torch.zeros((), device=DEVICE)],
+                    table=counter_table([torch.zeros((), device=DEVICE)] * 2, DEVICE))
     with pytest.raises(ValueError, match="average must be a finite number"):
         step_flags_(found, flags["found_out"], flags["not_skipped_out"], flags["skipped_steps"],
                     flags["last_step_skipped"], [], torch.ones((), device=DEVICE), NAN, torch.ones((), device=DEVICE))

@@ -58,8 +58,9 @@ def _check_scalar_tensor(t, name: str, dtype: torch.dtype, device=None) -> None:
 
 def counter_table(counters: list, device) -> torch.Tensor:
     """The int64 device table of the addresses of ``counters`` (0-d fp32 tensors) that :func:`step_flags_` advances:
-    built once by the caller, which keeps the counters alive as long as the table."""
-    return torch.tensor([c.data_ptr() for c in counters], dtype=torch.int64).to(device)
+    built once by the caller, which keeps the counters alive as long as the table. (non_blocking: no host sync, as
+    the flatten's tables; the host tensor is staged before the call returns.)"""
+    return torch.tensor([c.data_ptr() for c in counters], dtype=torch.int64).to(device, non_blocking=True)
 
 
 def step_flags_ref(found_inf, found_out, not_skipped_out, skipped_steps, last_step_skipped, counters,
@@ -96,7 +97,7 @@ def step_flags_(found_inf, found_out, not_skipped_out, skipped_steps, last_step_
     ``+= not_skipped_out``, ``skipped_steps`` (0-d int64) ``+= found_inf``, ``last_step_skipped`` (0-d bool)
     ``= found_inf > 0``, and with ``clip_coef`` (0-d fp32) ``grad_scale_out = clip_coef * average``. The bits of
     :func:`step_flags_ref`. ``table``: the counters' :func:`counter_table`, where the caller keeps one (else one is
-    built for this call)."""
+    built for this call, a host-to-device copy); its length is checked, not its addresses."""
     device = found_inf.device if isinstance(found_inf, torch.Tensor) else None
     for t, name, dtype in ((found_inf, "found_inf", torch.float32), (found_out, "found_out", torch.float32),
                            (not_skipped_out, "not_skipped_out", torch.float32),
@@ -119,7 +120,7 @@ def step_flags_(found_inf, found_out, not_skipped_out, skipped_steps, last_step_
     if table is None:
         table = counter_table(counters, device)
     elif (not isinstance(table, torch.Tensor) or table.dtype != torch.int64 or table.device != device
-          or table.tolist() != [c.data_ptr() for c in counters]):
+          or table.shape != (len(counters),)):  # (its addresses are not read back: that would wait on the device)
         raise ValueError("table must be counter_table(counters) (the int64 addresses of the counters, on their device)")
     kernel, grid, args, kwargs = step_flags_launch_spec(found_inf, found_out, not_skipped_out, skipped_steps,
                                                         last_step_skipped, table, clip_coef, average, grad_scale_out)
