@@ -16,7 +16,8 @@ cubin) and the widths of its global loads and stores (from the PTX), and fails w
 * a launch does not compile;
 * a kernel spills registers to local memory;
 * AdamW's coefficients kernel (float64 scalars, compared bit for bit with torch's ops) contains a fused
-  multiply-add or an approximate division or square root, or lacks the correctly rounded ones;
+  multiply-add or an approximate division or square root, or lacks the correctly rounded ones; so for the clip
+  coefficient's fp32 division;
 * a streaming kernel has no 16-byte global load, or no 16-byte global store, each direction on its own (exempt:
   the one-program finalize of ``scale_``, flatten's ALIGNED=False path, element-wise by design, and the stores of
   the read-only ``sum_sq_nonfinite`` pass, which writes one partial per program). A kernel with 16-byte stores and
@@ -77,12 +78,15 @@ KERNELS = {
     "lion": lion_mod._lion_kernel,
     "adamw_coefficients": adamw_mod._coefficients_kernel,
     "step_flags": scalars_mod._step_flags_kernel,
+    "clip_coefficient": scalars_mod._clip_coefficient_kernel,
 }
 # one program reducing a few partials, or computing a few scalars: neither streaming nor worth vectorizing
-NOT_STREAMING = {"scale_finalize", "adamw_coefficients", "step_flags"}
+NOT_STREAMING = {"scale_finalize", "adamw_coefficients", "step_flags", "clip_coefficient"}
 #: kernels whose float64 arithmetic must round each operation as torch's ops do (their results are compared bit
 #: for bit with them): no fused multiply-add, no approximate division or square root in their PTX
 IEEE_F64 = {"adamw_coefficients"}
+#: ... and in fp32 (the clip coefficient: torch's reciprocal is an IEEE division on a GPU)
+IEEE_F32 = {"clip_coefficient"}
 
 # ------------------------------------------------------------------------------------------------ dry-run driver
 
@@ -293,6 +297,7 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         out.append((f"adamw coefficients, weight_decay={weight_decay}", lambda wd=weight_decay: _coefficients(wd)))
     for clip in (False, True):
         out.append((f"step flags, clip={clip}", lambda clip=clip: _step_flags(clip)))
+    out.append(("clip coefficient", lambda: scalars_mod.clip_coefficient_(torch.ones(()), torch.empty(()), 1.0)))
     out.append(("adamw beta1=0.3 (lerp from the end)", lambda: adamw_step_(
         *_update_tensors(n)[:4], lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)))
     out.append(("sgd no momentum, no weight decay", lambda: sgd_step_(
@@ -377,6 +382,11 @@ def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes:
             found.append("a fused multiply-add or an approximate operation in float64 math compared bit for bit")
         if "div.rn.f64" not in ptx or "sqrt.rn.f64" not in ptx:
             found.append("no correctly rounded float64 division or square root")
+    if kernel in IEEE_F32:
+        if re.search(r"\bfma\.|\.approx\b|\bdiv\.full\b", ptx):
+            found.append("a fused multiply-add or an approximate operation in fp32 math compared bit for bit")
+        if "div.rn.f32" not in ptx:
+            found.append("no correctly rounded fp32 division")
     if kernel in NOT_STREAMING or constexprs.get("ALIGNED") == "False":
         return found
     if 16 not in load_bytes:

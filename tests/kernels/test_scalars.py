@@ -1,4 +1,4 @@
-"""kernels.scalars (the step's scalars in one launch) against the torch ops they replace in
+"""kernels.scalars (the step's scalars in one launch each) against the torch ops they replace in
 ShardedOptimizer.step, bit for bit: compiled on a GPU, through the interpreter here."""
 
 import random
@@ -9,12 +9,58 @@ import torch
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE
 from tritonshard.kernels import _dispatch, _launch
-from tritonshard.kernels.scalars import counter_table, step_flags_, step_flags_launch_spec, step_flags_ref
+from tritonshard.kernels.scalars import (clip_coefficient_, clip_coefficient_launch_spec, clip_coefficient_ref,
+                                         counter_table, step_flags_, step_flags_launch_spec, step_flags_ref)
 
 pytestmark = pytest.mark.skipif(not (_dispatch.interpreter_enabled() or DEVICE.type == "cuda"),
                                 reason="the kernels run compiled on a GPU or through the interpreter (CI sets it)")
 
-NAN = float("nan")
+INF, NAN = float("inf"), float("nan")
+
+
+def _norms(seed: int, n: int) -> list:
+    """fp32 gradient norms: the edges (0, the smallest subnormal, around max_norm, where the clamp decides, huge,
+    inf, NaN) and fresh random ones over 80 decades."""
+    rng = random.Random(seed)
+    fixed = [0.0, 1e-45, 1e-12, 0.999998, 0.999999, 1.0, 1.000002, 2.0, 3.4e38, INF, NAN]
+    return fixed + [10 ** rng.uniform(-40, 38) for _ in range(n)] + [rng.random() * 4 for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_clip_coefficient_has_the_torch_ops_bits(seed):
+    rng = random.Random(100 + seed)
+    out = torch.empty((), dtype=torch.float32, device=DEVICE)
+    launches: dict = {}  # (kept across cases, as the optimizer keeps it: later cases replay or rebind)
+    for value in _norms(seed, 15):
+        for max_norm in (1.0, 0.5, 1, INF, rng.choice([1e-3, 2.0, 0.1 + rng.random(), 10 ** rng.uniform(-6, 6)])):
+            norm = torch.tensor(value, dtype=torch.float32, device=DEVICE)
+            want = clip_coefficient_ref(norm, torch.empty((), dtype=torch.float32, device=DEVICE), max_norm)
+            out.fill_(-7.0)
+            clip_coefficient_(norm, out, max_norm)
+            assert_bitwise_equal(out, want, f"coefficient of norm={value!r} max_norm={max_norm!r}")
+            out.fill_(-7.0)  # the launch the optimizer binds (the interpreter takes Triton's dispatch)
+            _launch.launch(launches, "clip", clip_coefficient_launch_spec(norm, out, max_norm),
+                           lambda: clip_coefficient_(norm, out, max_norm))
+            assert_bitwise_equal(out, want, f"bound: norm={value!r} max_norm={max_norm!r}")
+    # the values themselves (a check of the reference): max_norm / norm above max_norm, no clip under it
+    assert clip_coefficient_(torch.tensor(4.0, device=DEVICE), out, 1.0).item() == pytest.approx(1 / 4, rel=1e-6)
+    assert clip_coefficient_(torch.tensor(4.0, device=DEVICE), out, 100.0).item() == 1.0
+    assert clip_coefficient_(torch.tensor(INF, device=DEVICE), out, 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(norm=torch.zeros(2)), "norm must be a 0-d torch.float32 tensor"),
+    (dict(norm=torch.zeros((), dtype=torch.float64)), "norm must be a 0-d torch.float32 tensor"),
+    (dict(out=torch.zeros((), dtype=torch.bfloat16)), "out must be a 0-d torch.float32 tensor"),
+    (dict(max_norm=0.0), "max_norm must be a number > 0"),
+    (dict(max_norm=NAN), "max_norm must be a number > 0"),
+    (dict(max_norm=True), "max_norm must be a number > 0"),
+])
+def test_the_clip_coefficient_names_a_bad_argument(bad, match):
+    args = dict(norm=torch.ones((), device=DEVICE), out=torch.zeros((), device=DEVICE), max_norm=1.0)
+    args.update({k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in bad.items()})
+    with pytest.raises(ValueError, match=match):
+        clip_coefficient_(**args)
 
 
 def _flag_tensors(skipped_before: int, last: bool):

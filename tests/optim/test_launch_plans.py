@@ -13,9 +13,10 @@ import pytest
 from tests.helpers import run_compiled_record
 # 1 flatten of every bucket's gradients + 1 norm pass over every bucket's shard + 2 param groups' updates (group
 # 1's two buckets in one segmented launch) + 1 finalize (issue 20.3) + 2 param groups' AdamW coefficients (session 31)
-# + 1 launch of the step's scalars (kernels/scalars.py, session 34)
-LAUNCHES_PER_STEP = 8
-BOUND_PER_STEP = 8       # every one, the finalize, the coefficients and the scalars too
+# + 1 launch of the step's scalars and 1 of the clip's coefficient (kernels/scalars.py, session 34)
+LAUNCHES_PER_STEP = 9
+BOUND_PER_STEP = 9       # every one, the finalize, the coefficients and the scalars too
+BOUND_WITHOUT_CLIP = 8   # (a step the loop did not clip: no clip coefficient)
 BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kernel's beta1
 
 
@@ -66,7 +67,7 @@ def test_a_changed_hyperparameter_rebinds(record):
 def test_grad_scale_turning_into_a_number_rebinds_to_the_same_launch_as_dispatch(record):
     *_, last_bound = record["no_clip"]
     (dispatch,) = record["no_clip_triton_dispatch"]
-    assert last_bound["replays"] == BOUND_PER_STEP
+    assert last_bound["replays"] == BOUND_WITHOUT_CLIP
     assert last_bound["launches"] == dispatch["launches"], _diff(dispatch["launches"], last_bound["launches"])
 
 
@@ -106,9 +107,9 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     rec = record[name]
     dispatch = rec["dispatch"][-1]["launches"]
     # for both buckets: one flatten, one norm pass, one update (a segmented launch), one finalize, one of the
-    # step's scalars; AdamW's coefficients one more
+    # clip's coefficient, one of the step's scalars; AdamW's coefficients one more
     assert rec["buckets"] == 2
-    per_step = 6 if name.startswith("adamw") else 5
+    per_step = 7 if name.startswith("adamw") else 6
     assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == 1
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step, "every launch must replay"

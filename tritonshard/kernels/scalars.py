@@ -1,25 +1,30 @@
-"""The step's scalar bookkeeping in one single-program launch, instead of a chain of 0-d torch ops.
+"""The step's scalar bookkeeping in single-program launches, instead of chains of 0-d torch ops.
 
 A ShardedOptimizer step is a few bandwidth-bound kernels (flatten, norm pass, update) surrounded by scalars: the
-update's ``grad_scale``, the non-finite flag and what follows from it (the step counters, ``skipped_steps``,
-``last_step_skipped``). Each 0-d torch op on a GPU costs a kernel launch (~5-10 us of host time, and a few us of
-device time in a chain that the update waits for: issue 20.2; the H200 profile of 2026-12-04 shows ~20 small
-kernels per 125M step). :func:`step_flags_` does the same arithmetic in one program, with the roundings of the
-torch ops it replaces (no FMA contraction), so the same bits: from the step's ``found_inf``, its copy that the
-update launches read, ``1 - found_inf``, every step counter advanced by it, ``skipped_steps += found_inf``,
-``last_step_skipped = found_inf > 0``, and, when the loop clipped, ``grad_scale = clip_coef * average``.
-:func:`step_flags_ref` is those torch ops (what the optimizer runs under torch.compile, on the PyTorch backend and
-wherever the step has more factors: a loss scale, GradScaler, parameters left out); :func:`step_flags_launch_spec`
-the launch the optimizer binds (:mod:`._launch`).
+clip coefficient, the update's ``grad_scale``, the non-finite flag and what follows from it (the step counters,
+``skipped_steps``, ``last_step_skipped``). Each 0-d torch op on a GPU costs a kernel launch (~5-10 us of host
+time, and a few us of device time in a chain that the update waits for: issue 20.2; the H200 profile of 2026-12-04
+shows ~20 small kernels per 125M step). These kernels do the same arithmetic in one program each, with the
+roundings of the torch ops they replace (IEEE ``div_rn``, no FMA contraction), so the same bits:
 
-Not fused (tried, session 34): the clip coefficient. Its fp32 ``sqrt`` on a CPU tensor is not the correctly rounded
-one that the interpreter's numpy and a GPU compute (torch 2.13, e.g. sqrt(319006.15625) is 1 ulp above), so a kernel
-would give other bits than torch.nn.utils.clip_grad_norm_ on a CPU; and the norm it returns must be a new tensor
-each call, which a bound launch cannot write.
+* :func:`clip_coefficient_`: torch.nn.utils.clip_grad_norm_'s coefficient ``clamp(max_norm / (norm + 1e-6),
+  max=1)`` from the norm (4 ops: ``add``, ``reciprocal_``, ``mul_``, ``clamp_``). The norm itself stays torch's
+  ``sqrt``: on a CPU tensor it is not always the correctly rounded one that the interpreter's numpy and a GPU
+  compute (torch 2.13: sqrt(319006.15625) comes out 1 ulp above), so a kernel's would differ from torch's clip on
+  a CPU;
+* :func:`step_flags_`: from the step's ``found_inf``, its copy that the update launches read, ``1 - found_inf``,
+  every step counter advanced by it, ``skipped_steps += found_inf``, ``last_step_skipped = found_inf > 0``, and,
+  when the loop clipped, ``grad_scale = clip_coef * average`` (8 ops, one more per counter).
+
+Each has a ``*_ref`` in torch ops (what the optimizer runs under torch.compile, on the PyTorch backend and wherever
+the step has more factors: a loss scale, GradScaler, parameters left out), a ``*_launch_spec`` of the launch the
+optimizer binds (:mod:`._launch`), and a ``*_kernel`` that launches it, bound, in the kernel's profiler range.
+Stores are from thread 0 only (Triton's scalar stores): a counter's read-modify-write runs once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,9 +32,20 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._dispatch import Backend, select_backend, traced
+from ._dispatch import Backend, interpreter_enabled, select_backend, traced
 
-__all__ = ["step_flags_", "step_flags_ref", "step_flags_launch_spec", "step_flags_kernel", "counter_table"]
+__all__ = ["clip_coefficient_", "clip_coefficient_ref", "clip_coefficient_launch_spec", "clip_coefficient_kernel",
+           "step_flags_", "step_flags_ref", "step_flags_launch_spec", "step_flags_kernel", "counter_table"]
+
+
+@triton.jit
+def _clip_coefficient_kernel(norm_ptr, coef_ptr, max_norm):
+    # torch's ops, one rounding each: + 1e-6 (an fp32 constant, as torch casts the Python number), 1 / x (IEEE
+    # division, as torch's reciprocal), * max_norm (the fp32 argument, as torch casts it), then min(x, 1) keeping a
+    # NaN (torch's clamp)
+    shifted = tl.load(norm_ptr) + 1e-6
+    coef = tl.div_rn(tl.full(shifted.shape, 1.0, tl.float32), shifted) * max_norm
+    tl.store(coef_ptr, tl.where(coef > 1.0, 1.0, coef))
 
 
 @triton.jit
@@ -54,6 +70,52 @@ def _check_scalar_tensor(t, name: str, dtype: torch.dtype, device=None) -> None:
         raise ValueError(f"{name} must be a 0-d {dtype} tensor, got {got}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device} (where the other arguments are), got {t.device}")
+
+
+def clip_coefficient_ref(norm: torch.Tensor, out: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``out = clamp(max_norm / (norm + 1e-6), max=1)`` with torch.nn.utils.clip_grad_norm_'s ops (a Python number
+    over a tensor is the tensor's reciprocal times the number)."""
+    return torch.add(norm, 1e-6, out=out).reciprocal_().mul_(max_norm).clamp_(max=1.0)
+
+
+def clip_coefficient_launch_spec(norm: torch.Tensor, out: torch.Tensor, max_norm: float) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`clip_coefficient_` launch, unchecked (see :mod:`._launch`)."""
+    return _clip_coefficient_kernel, (1,), (norm, out, float(max_norm)), dict(enable_fp_fusion=False)
+
+
+@traced
+def clip_coefficient_(norm: torch.Tensor, out: torch.Tensor, max_norm: float, *,
+                      backend: str | None = None) -> torch.Tensor:
+    """Write torch.nn.utils.clip_grad_norm_'s coefficient for the gradient norm ``norm`` into ``out`` (both 0-d fp32
+    tensors on one device): the bits of :func:`clip_coefficient_ref`. Returns ``out``."""
+    _check_scalar_tensor(norm, "norm", torch.float32)
+    _check_scalar_tensor(out, "out", torch.float32, norm.device)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")  # (inf: torch's clip takes it too)
+    if select_backend("clip_coefficient_", out.device, backend) is Backend.TORCH:
+        return clip_coefficient_ref(norm, out, max_norm)
+    kernel, grid, args, kwargs = clip_coefficient_launch_spec(norm, out, max_norm)
+    with _quiet_numpy():
+        kernel[grid](*args, **kwargs)
+    return out
+
+
+@traced
+def clip_coefficient_kernel(spec: tuple, launches: dict, first) -> None:
+    """``spec`` (from :func:`clip_coefficient_launch_spec`) through the BoundLaunch in ``launches``, ``first()``
+    (the checked :func:`clip_coefficient_`) where there is none yet or an argument changed
+    (:func:`._launch.launch`)."""
+    with _quiet_numpy():
+        _launch.launch(launches, "clip", spec, first)
+
+
+def _quiet_numpy():
+    """The interpreter's numpy, quiet where the GPU computes without a word, as torch's ops do: 0 * inf (a max_norm
+    of inf, torch's clip takes it, times the 0 coefficient of an infinite norm) is NaN."""
+    if not interpreter_enabled():
+        return contextlib.nullcontext()
+    import numpy  # (the interpreter's, imported only where it runs)
+    return numpy.errstate(invalid="ignore")
 
 
 def counter_table(counters: list, device) -> torch.Tensor:

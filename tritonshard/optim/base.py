@@ -624,9 +624,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._reduced_bufs = tuple(self._reduced_pair.unbind())
         self._nonfinite_buf = scalar(dtype=torch.bool)
         self._clip_buf = scalar(dtype=torch.float32)
+        self._norm_buf = scalar(dtype=torch.float32)  # (the clip's norm, which its coefficient's launch reads)
         self._not_skipped_buf = scalar(dtype=torch.float32)
         self._counter_table = None  # (the step counters, their addresses' table): _launch_step_flags
-        self._scalar_launches: dict = {}  # its bound launch
+        self._scalar_launches: dict = {}  # its bound launch, and the clip coefficient's
         self._found_long_buf = scalar(dtype=torch.int64)
         self._pinned_buf = scalar(dtype=torch.bool)
         self._persistent: dict = {}
@@ -2448,6 +2449,20 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         norm_type = float(norm_type)
         sum_sq, _ = self._reduce_grads(recheck=True)
+        if (norm_type == 2.0 and not self._clamped and self._scale is None and self._clip_coef is None
+                and not self._grad_multipliers and self._scalar_kernels_run()):
+            # the usual clip: the norm (torch's sqrt, into a buffer a bound launch reads; the user gets a copy, a new
+            # tensor at every call as torch's) and its coefficient in one launch (kernels/scalars.py): 3 small ops
+            # instead of 5, the same bits
+            self._common_multiplier()  # (None, as no torch code multiplied the gradients; it notes that)
+            norm = torch.sqrt(sum_sq, out=self._norm_buf)
+            args = (norm, self._clip_buf, max_norm)
+            _scalars.clip_coefficient_kernel(_scalars.clip_coefficient_launch_spec(*args), self._scalar_launches,
+                                             lambda: _scalars.clip_coefficient_(*args))
+            self._clip_coef = self._clip_buf
+            if self._flags.traced_reduction:  # (under torch.compile: see _adopt_traced_reduction)
+                self._flags.traced_clip_coef = self._clip_coef
+            return norm.clone()
         if norm_type == 2.0 and not self._clamped:
             total = sum_sq.sqrt()
             if self._scale is not None:
@@ -2757,7 +2772,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # not queue behind every other bucket's; a bucket updated on its own is gathered right after its update.
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
         flags_fused = (amp_found_inf is None and amp_scale is None and self._scale is None and multiplier is None
-                       and not frozen and not self._own_plan and self._step_flags_kernel_runs())
+                       and not frozen and not self._own_plan and self._scalar_kernels_run())
         if flags_fused:  # the usual step: its scalars in one launch (kernels/scalars.py), the same bits as below
             grad_scale, found_inf = self._launch_step_flags(found_inf)
             redo, idle, keep = {}, frozenset(), []
@@ -2850,10 +2865,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     #: param-group entries a captured update does not freeze: the lr is read from its device tensor
     _NOT_FROZEN = frozenset(("params", "lr", "param_names"))
 
-    def _step_flags_kernel_runs(self) -> bool:
-        """Whether a step's scalars go in :func:`~tritonshard.kernels.scalars.step_flags_`'s one launch: where the
-        Triton kernels run (compiled, or the interpreter, where the CPU tests run them), outside torch.compile
-        (which records the torch ops)."""
+    def _scalar_kernels_run(self) -> bool:
+        """Whether a step's scalars (:func:`~tritonshard.kernels.scalars.step_flags_`) and a clip's coefficient
+        (:func:`~tritonshard.kernels.scalars.clip_coefficient_`) go in one launch each: where the Triton kernels run
+        (compiled, or the interpreter, where the CPU tests run them), outside torch.compile (which records the
+        torch ops)."""
         return (compiled_path(self.device) or interpreter_enabled()) and not torch.compiler.is_compiling()
 
     def _launch_step_flags(self, found_inf: torch.Tensor) -> tuple:
