@@ -233,8 +233,8 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     row = json.loads(out.read_text())
     assert row["buckets"] == [2, 6] and row["bound_launches"] is True
     # for all buckets at once (issue 20.3): one flatten, one norm pass, one update (segmented), one finalize; and
-    # AdamW's coefficients (session 31), the step's scalars (session 34)
-    assert row["launches_per_step_at_lo"] == 6
+    # AdamW's coefficients (session 31), the clip's coefficient and the step's scalars (session 34)
+    assert row["launches_per_step_at_lo"] == 7
     assert "per bucket:" in proc.stdout
     # the per-parameter figures: every phase of each mode (overlap_comm on one rank, and with the machinery of many
     # ranks, session 33), and the iteration their sum
