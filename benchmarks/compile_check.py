@@ -79,9 +79,10 @@ KERNELS = {
     "adamw_coefficients": adamw_mod._coefficients_kernel,
     "step_flags": scalars_mod._step_flags_kernel,
     "clip_coefficient": scalars_mod._clip_coefficient_kernel,
+    "round_totals": scalars_mod._round_totals_kernel,
 }
 # one program reducing a few partials, or computing a few scalars: neither streaming nor worth vectorizing
-NOT_STREAMING = {"scale_finalize", "adamw_coefficients", "step_flags", "clip_coefficient"}
+NOT_STREAMING = {"scale_finalize", "adamw_coefficients", "step_flags", "clip_coefficient", "round_totals"}
 #: kernels whose float64 arithmetic must round each operation as torch's ops do (their results are compared bit
 #: for bit with them): no fused multiply-add, no approximate division or square root in their PTX
 IEEE_F64 = {"adamw_coefficients"}
@@ -298,6 +299,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     for clip in (False, True):
         out.append((f"step flags, clip={clip}", lambda clip=clip: _step_flags(clip)))
     out.append(("clip coefficient", lambda: scalars_mod.clip_coefficient_(torch.ones(()), torch.empty(()), 1.0)))
+    out.append(("norm totals rounded", lambda: scalars_mod.round_totals_(torch.ones(2, dtype=torch.float64),
+                                                                          torch.empty(2))))
     out.append(("adamw beta1=0.3 (lerp from the end)", lambda: adamw_step_(
         *_update_tensors(n)[:4], lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)))
     out.append(("sgd no momentum, no weight decay", lambda: sgd_step_(

@@ -10,12 +10,41 @@ from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE
 from tritonshard.kernels import _dispatch, _launch
 from tritonshard.kernels.scalars import (clip_coefficient_, clip_coefficient_launch_spec, clip_coefficient_ref,
-                                         counter_table, step_flags_, step_flags_launch_spec, step_flags_ref)
+                                         counter_table, round_totals_, round_totals_launch_spec, round_totals_ref,
+                                         step_flags_, step_flags_launch_spec, step_flags_ref)
 
 pytestmark = pytest.mark.skipif(not (_dispatch.interpreter_enabled() or DEVICE.type == "cuda"),
                                 reason="the kernels run compiled on a GPU or through the interpreter (CI sets it)")
 
 INF, NAN = float("inf"), float("nan")
+
+
+def test_the_rounded_totals_have_the_torch_ops_bits():
+    """The all-reduced fp64 totals (sum of squares, non-finite count over the ranks) as the fp32 sum and flag: sums
+    that round up, down and to even, beyond fp32's range (inf), below it (0, subnormals), inf and NaN; counts 0 to
+    4."""
+    rng = random.Random(7)
+    sums = [0.0, 1.0, 1 + 2 ** -24, 1 + 3 * 2 ** -25, 1 + 2 ** -25, 3.4028235677973366e38, 1e39, 1e-46, 1e-40, INF,
+            NAN] + [10 ** rng.uniform(-50, 40) * rng.random() for _ in range(40)]
+    out = torch.empty(2, dtype=torch.float32, device=DEVICE)
+    launches: dict = {}
+    for i, total in enumerate(sums):
+        totals = torch.tensor([total, float(i % 5)], dtype=torch.float64, device=DEVICE)
+        want = torch.empty(2, dtype=torch.float32, device=DEVICE)
+        round_totals_ref(totals, want)
+        out.fill_(-7.0)
+        round_totals_(totals, out)
+        assert_bitwise_equal(out, want, f"totals ({total!r}, {i % 5})")
+        out.fill_(-7.0)  # the launch the optimizer binds (the interpreter takes Triton's dispatch)
+        _launch.launch(launches, "totals", round_totals_launch_spec(totals, out), lambda: round_totals_(totals, out))
+        assert_bitwise_equal(out, want, f"bound: totals ({total!r}, {i % 5})")
+    # (the reference's values: the flag is 1 from one rank that found a non-finite value on, the sum rounded once)
+    round_totals_ref(torch.tensor([1 + 3 * 2 ** -25, 2.0], dtype=torch.float64), want := torch.empty(2))
+    assert want.tolist() == [1 + 2 ** -23, 1.0]
+    with pytest.raises(ValueError, match="totals must be a contiguous torch.float64 tensor of 2 elements"):
+        round_totals_(torch.zeros(2, device=DEVICE), out)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor of 2 elements"):
+        round_totals_(torch.zeros(2, dtype=torch.float64, device=DEVICE), torch.zeros(3, device=DEVICE))
 
 
 def _norms(seed: int, n: int) -> list:

@@ -4,6 +4,7 @@ gradient shard: at d = 3 (1/3 has no finite binary expansion) the update must se
 import torch
 
 from tests.distributed import run_on_ranks
+from tests.helpers import launcher_counts
 from tritonshard import ShardedSGD
 
 N = 1000
@@ -19,10 +20,16 @@ def _average_at_3(rank, world_size):
     opt = ShardedSGD([param], lr=1.0)  # from zero with lr 1: the new master is exactly -(the gradient it used)
     param.grad = _grads(rank)
     total = sum(_grads(r).double() for r in range(world_size))  # exact
-    norm = opt.clip_grad_norm_(1e9)  # no clipping; the norm of the average
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        norm = opt.clip_grad_norm_(1e9)  # no clipping; the norm of the average
+        opt.step()
+    # the scalars between the launches in one launch each (kernels/scalars.py), also on many ranks, where the
+    # all-reduced fp64 totals of the norm are rounded to fp32 by a launch of their own
+    launched = launcher_counts(prof)
+    assert all(launched[k] == 1 for k in ("round_totals_kernel", "clip_coefficient_kernel", "step_flags_kernel")), \
+        launched
     want = (total / world_size).norm()
     assert abs(float(norm) - float(want)) <= 1e-6 * float(want), (float(norm), float(want))
-    opt.step()
     master = opt.state_dict()["state"][0]["master"]
     expected = -(total.float() * (1.0 / world_size))  # fp32 product, as the kernel computes it
     # one fp32 rounding of the product at most (the sum is exact); a bf16 rounding of the average would be up to

@@ -7,6 +7,9 @@ time, and a few us of device time in a chain that the update waits for: issue 20
 shows ~20 small kernels per 125M step). These kernels do the same arithmetic in one program each, with the
 roundings of the torch ops they replace (IEEE ``div_rn``, no FMA contraction), so the same bits:
 
+* :func:`round_totals_`: with more than one rank, the all-reduced fp64 totals of the norm (sum of squares,
+  non-finite count) as the fp32 sum and flag (3 ops: ``copy_``, ``gt``, ``copy_``; on one rank the finalize stores
+  them itself);
 * :func:`clip_coefficient_`: torch.nn.utils.clip_grad_norm_'s coefficient ``clamp(max_norm / (norm + 1e-6),
   max=1)`` from the norm (4 ops: ``add``, ``reciprocal_``, ``mul_``, ``clamp_``). The norm itself stays torch's
   ``sqrt``: on a CPU tensor it is not always the correctly rounded one that the interpreter's numpy and a GPU
@@ -34,8 +37,16 @@ import triton.language as tl
 from . import _launch
 from ._dispatch import Backend, interpreter_enabled, select_backend, traced
 
-__all__ = ["clip_coefficient_", "clip_coefficient_ref", "clip_coefficient_launch_spec", "clip_coefficient_kernel",
+__all__ = ["round_totals_", "round_totals_ref", "round_totals_launch_spec", "round_totals_kernel",
+           "clip_coefficient_", "clip_coefficient_ref", "clip_coefficient_launch_spec", "clip_coefficient_kernel",
            "step_flags_", "step_flags_ref", "step_flags_launch_spec", "step_flags_kernel", "counter_table"]
+
+
+@triton.jit
+def _round_totals_kernel(totals_ptr, out_ptr):
+    # the fp64 sum rounded to fp32 once (cvt.rn, as torch's copy_), and the summed flag as 1.0 or 0.0
+    tl.store(out_ptr, tl.load(totals_ptr).to(tl.float32))
+    tl.store(out_ptr + 1, (tl.load(totals_ptr + 1) > 0).to(tl.float32))
 
 
 @triton.jit
@@ -70,6 +81,45 @@ def _check_scalar_tensor(t, name: str, dtype: torch.dtype, device=None) -> None:
         raise ValueError(f"{name} must be a 0-d {dtype} tensor, got {got}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device} (where the other arguments are), got {t.device}")
+
+
+def round_totals_ref(totals: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = (fp32(totals[0]), 1.0 if totals[1] > 0 else 0.0)``: the ops ShardedOptimizer ran after the all-reduce
+    of the norm's fp64 totals (sum of squares, non-finite count over the ranks)."""
+    out[0].copy_(totals[0])
+    out[1].copy_(torch.gt(totals[1], 0))
+
+
+def round_totals_launch_spec(totals: torch.Tensor, out: torch.Tensor) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`round_totals_` launch, unchecked (see :mod:`._launch`)."""
+    return _round_totals_kernel, (1,), (totals, out), dict(enable_fp_fusion=False)
+
+
+@traced
+def round_totals_(totals: torch.Tensor, out: torch.Tensor, *, backend: str | None = None) -> None:
+    """The norm's fp64 ``totals`` (2 elements: the sum of squares, the number of ranks that found a non-finite value)
+    as the fp32 ``out`` (2 elements: the sum rounded once, the flag 1.0 or 0.0): the bits of
+    :func:`round_totals_ref` (3 small ops)."""
+    for t, name, dtype in ((totals, "totals", torch.float64), (out, "out", torch.float32)):
+        if not isinstance(t, torch.Tensor) or t.shape != (2,) or t.dtype != dtype or not t.is_contiguous():
+            got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of 2 elements, got {got}")
+    if out.device != totals.device:
+        raise ValueError(f"out must be on {totals.device} (where totals is), got {out.device}")
+    if select_backend("round_totals_", out.device, backend) is Backend.TORCH:
+        round_totals_ref(totals, out)
+        return
+    kernel, grid, args, kwargs = round_totals_launch_spec(totals, out)
+    with _quiet_numpy():
+        kernel[grid](*args, **kwargs)
+
+
+@traced
+def round_totals_kernel(spec: tuple, launches: dict, first) -> None:
+    """``spec`` (from :func:`round_totals_launch_spec`) through the BoundLaunch in ``launches``, ``first()`` (the
+    checked :func:`round_totals_`) where there is none yet or an argument changed (:func:`._launch.launch`)."""
+    with _quiet_numpy():
+        _launch.launch(launches, "totals", spec, first)
 
 
 def clip_coefficient_ref(norm: torch.Tensor, out: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -111,11 +161,12 @@ def clip_coefficient_kernel(spec: tuple, launches: dict, first) -> None:
 
 def _quiet_numpy():
     """The interpreter's numpy, quiet where the GPU computes without a word, as torch's ops do: 0 * inf (a max_norm
-    of inf, torch's clip takes it, times the 0 coefficient of an infinite norm) is NaN."""
+    of inf, torch's clip takes it, times the 0 coefficient of an infinite norm) is NaN, and an fp64 sum beyond
+    fp32's range rounds to inf."""
     if not interpreter_enabled():
         return contextlib.nullcontext()
     import numpy  # (the interpreter's, imported only where it runs)
-    return numpy.errstate(invalid="ignore")
+    return numpy.errstate(invalid="ignore", over="ignore")
 
 
 def counter_table(counters: list, device) -> torch.Tensor:

@@ -627,7 +627,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._norm_buf = scalar(dtype=torch.float32)  # (the clip's norm, which its coefficient's launch reads)
         self._not_skipped_buf = scalar(dtype=torch.float32)
         self._counter_table = None  # (the step counters, their addresses' table): _launch_step_flags
-        self._scalar_launches: dict = {}  # its bound launch, and the clip coefficient's
+        self._scalar_launches: dict = {}  # its bound launch, the clip coefficient's, the norm totals' rounding
         self._found_long_buf = scalar(dtype=torch.int64)
         self._pinned_buf = scalar(dtype=torch.bool)
         self._persistent: dict = {}
@@ -1938,7 +1938,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 self._consume_reduced(self.buckets[i])
         # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout. On
         # one rank the finalize's store rounds (into _reduced_pair, the fp32 (sum_sq, found_inf)); with more, after
-        # the all-reduce of the fp64 totals (three small ops that one rank leaves out)
+        # the all-reduce of the fp64 totals, in one launch (kernels/scalars.py)
         many = comm.is_initialized() and self.world_size > 1
         totals = self._norm_totals if many else self._reduced_pair
         if self._hot_path():  # one launch for every bucket, bound (the same tensors every step)
@@ -1950,9 +1950,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             kernels().finalize_sum_sq_(self._norm_workspace, totals)
         if many:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
-            sum_sq, found_inf = self._reduced_bufs
-            sum_sq.copy_(totals[0])
-            found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
+            if self._scalar_kernels_run():  # (one bound launch instead of three ops, kernels/scalars.py)
+                args = (totals, self._reduced_pair)
+                _scalars.round_totals_kernel(_scalars.round_totals_launch_spec(*args), self._scalar_launches,
+                                             lambda: _scalars.round_totals_(*args))
+            else:
+                sum_sq, found_inf = self._reduced_bufs
+                sum_sq.copy_(totals[0])
+                found_inf.copy_(torch.gt(totals[1], 0, out=self._nonfinite_buf))
 
     def _after_reduce_replay(self) -> None:
         """The host state :meth:`_reduce_phase` leaves, set after a replay of its graph: every bucket launched and
