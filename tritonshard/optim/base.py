@@ -2777,7 +2777,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # not queue behind every other bucket's; a bucket updated on its own is gathered right after its update.
         # Without it, every gather is launched at once (one coalesced call) and waited for before step() returns.
         flags_fused = (amp_found_inf is None and amp_scale is None and self._scale is None and multiplier is None
-                       and not frozen and not self._own_plan and self._scalar_kernels_run())
+                       and not frozen and not self._own_plan and self._scalar_kernels_run()
+                       and bool(self._step_units))  # (no counter: no table, whose address would be 0)
         if flags_fused:  # the usual step: its scalars in one launch (kernels/scalars.py), the same bits as below
             grad_scale, found_inf = self._launch_step_flags(found_inf)
             redo, idle, keep = {}, frozenset(), []
@@ -2871,10 +2872,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     _NOT_FROZEN = frozenset(("params", "lr", "param_names"))
 
     def _scalar_kernels_run(self) -> bool:
-        """Whether a step's scalars (:func:`~tritonshard.kernels.scalars.step_flags_`) and a clip's coefficient
-        (:func:`~tritonshard.kernels.scalars.clip_coefficient_`) go in one launch each: where the Triton kernels run
-        (compiled, or the interpreter, where the CPU tests run them), outside torch.compile (which records the
-        torch ops)."""
+        """Whether a step's scalars (:func:`~tritonshard.kernels.scalars.step_flags_`), a clip's coefficient
+        (:func:`~tritonshard.kernels.scalars.clip_coefficient_`) and, with more ranks, the rounding of the norm's
+        all-reduced totals (:func:`~tritonshard.kernels.scalars.round_totals_`) go in one launch each: where the
+        Triton kernels run (compiled, or the interpreter, where the CPU tests run them), outside torch.compile
+        (which records the torch ops)."""
         return (compiled_path(self.device) or interpreter_enabled()) and not torch.compiler.is_compiling()
 
     def _launch_step_flags(self, found_inf: torch.Tensor) -> tuple:
