@@ -18,8 +18,9 @@
 #   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                35
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and
-#      400 MB; and the default step kernel by kernel (--kernels, torch.profiler's device time: the 1B step is
-#      device-bound and 0.5 ms over its target, session 32)                                                  60
+#      400 MB; the default step kernel by kernel (--kernels, torch.profiler's device time: the 1B step is
+#      device-bound and 0.5 ms over its target, session 32); and at 25 MB the step's scalars in launches against
+#      the torch ops they replaced in session 34 (--scalars-ab, side by side)                                  60
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP and ShardedAdamW
 #      with and without overlap, at 85M and 302M, two rounds each, round-robin (the host's speed drifts by up
 #      to +-30 % on that machine and every configuration is host-bound there: one run each compared the
@@ -59,7 +60,7 @@ TESTS=${TESTS:-tests/kernels}
 XDIST=${XDIST-16}
 BENCH_ARGS=${BENCH_ARGS:---sizes 4194304,67108864 --reps 5}
 MODELS=${MODELS:-125M 1B}
-STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels}
+STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels --scalars-ab 25}
 BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
 E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,sharded,sharded-overlap:2 302M:1:15:amp,sharded,sharded-overlap:2}
 TRAIN_STEPS=${TRAIN_STEPS:-300}

@@ -121,6 +121,40 @@ def _sweep_row(shapes, device, reps, cap, graphed, name) -> dict:
             "graph_replays": opt._graphs.replays if graphed else 0}
 
 
+def bench_scalars_ab(shapes, device, reps: int, cap: float) -> dict:
+    """ShardedAdamW's step with the step's scalars in single-program launches (kernels/scalars.py, session 34: the
+    clip coefficient, the flags and counters, grad_scale) against the same step with the torch ops they replace (a
+    launch each on a GPU), side by side: two optimizers on their own copies, their steps taking turns, so that the
+    host's drift (10-30 % between rounds on the H200) falls on both alike. Host and wall ms, medians."""
+    runs = {}
+    for kernels in (True, False):
+        params = bench_params(shapes, device)
+        opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=cap)
+        if not kernels:
+            opt._scalar_kernels_run = lambda: False  # (the instance's: the torch ops, as before session 34)
+        runs[kernels] = (opt, sharded_step(opt, params, bf16_grads(shapes, device)), [], [])
+    for _ in range(WARMUP):
+        for _, step, _, _ in runs.values():
+            step()
+    for _ in range(reps):
+        for _, step, host, wall in runs.values():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall.append(time.perf_counter() - t0)
+    row = {"impl": f"ShardedAdamW bucket_cap_mb={cap:g}, step scalars: kernels vs torch ops", "scalars_cap_mb": cap,
+           "buckets": len(runs[True][0].buckets)}
+    for kernels, (opt, _, host, wall) in runs.items():
+        side = "kernels" if kernels else "torch_ops"
+        row.update({f"{side}_host_ms": statistics.median(host) * 1e3, f"{side}_wall_ms": statistics.median(wall) * 1e3,
+                    f"{side}_scalar_launches": len(opt._scalar_launches)})
+    return row
+
+
 def kernel_breakdown(shapes, device, reps: int) -> dict:
     """Where one ShardedAdamW step's time goes, kernel by kernel (default ``bucket_cap_mb``): ``reps`` steps under
     torch.profiler, each kernel's device time per step (its launches summed), its launches per step, and its share
@@ -315,6 +349,9 @@ def main(argv=None):
                    help="also sweep ShardedAdamW's bucket_cap_mb over these values (host and wall ms per step)")
     p.add_argument("--graph-caps", type=float, nargs="*", default=[],
                    help="and at these bucket_cap_mb values with cuda_graph=True (CUDA only)")
+    p.add_argument("--scalars-ab", type=float, metavar="CAP",
+                   help="also, at this bucket_cap_mb, the step with its scalars in launches against the torch ops "
+                        "(side by side, steps taking turns)")
     p.add_argument("--kernels", action="store_true",
                    help="also ShardedAdamW's step kernel by kernel (torch.profiler: device ms per step on CUDA)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ours", "torch", "fsdp2", "muon", "torch_muon"],
@@ -357,6 +394,17 @@ def main(argv=None):
             print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
         rows += sweep
+    scalars_ab = []
+    if args.scalars_ab is not None:
+        try:
+            scalars_ab = [bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)]
+        except Exception as exc:  # noqa: BLE001 -- the row says why
+            scalars_ab = [{"impl": "step scalars A/B", "error": f"{type(exc).__name__}: {exc}"}]
+        for row in scalars_ab:
+            row.update(model=args.model, params=n, device=str(device))
+            print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+        rows += scalars_ab
     if args.kernels:
         try:
             breakdown = kernel_breakdown(shapes, device, min(args.reps, 5))
@@ -386,8 +434,9 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
              "| implementation | step ms | peak memory GiB | optimizer state B/param | note |", "|---|---|---|---|---|"]
     sweep = [r for r in rows if "bucket_cap_mb" in r]
     breakdowns = [r for r in rows if r.get("impl") == "ShardedAdamW per kernel"]
+    scalars_ab = [r for r in rows if "kernels_host_ms" in r]
     for r in rows:
-        if r in sweep or r in breakdowns:
+        if r in sweep or r in breakdowns or r in scalars_ab:
             continue
         if "error" in r:
             lines.append(f"| {r['impl']} | - | - | - | did not run: {r['error']} |")
@@ -403,6 +452,12 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
         lines += [f"| {r['bucket_cap_mb']:g} | {'yes (%d replays)' % r['graph_replays'] if r['cuda_graph'] else 'no'} "
                   f"| {r['buckets']} | {r['host_ms']:.2f} | {r['wall_ms']:.2f} | {r['host_us_per_bucket']:.0f} |"
                   for r in sweep]
+    for r in scalars_ab:
+        lines += ["", f"The step's scalars in launches (kernels/scalars.py) against the torch ops they replace ({model}, "
+                  f"bucket_cap_mb={r['scalars_cap_mb']:g}, {r['buckets']} buckets; two optimizers, steps taking turns; "
+                  "median):", "", "| step scalars | host ms | wall ms |", "|---|---:|---:|",
+                  f"| kernels | {r['kernels_host_ms']:.2f} | {r['kernels_wall_ms']:.2f} |",
+                  f"| torch ops | {r['torch_ops_host_ms']:.2f} | {r['torch_ops_wall_ms']:.2f} |"]
     for r in breakdowns:
         if "error" in r:
             lines += ["", f"ShardedAdamW kernel by kernel: did not run: {r['error']}"]

@@ -58,6 +58,20 @@ def test_step_benchmark_smoke(tmp_path):
     assert theirs["optimizer_bytes"] <= ours["optimizer_bytes"] <= 1.05 * theirs["optimizer_bytes"]
 
 
+def test_step_scalars_side_by_side_smoke(tmp_path):
+    # session 34's small-op work, for the next GPU run to measure: two optimizers, one with the step's scalars in
+    # launches and one with the torch ops (its own switch), taking turns
+    md = tmp_path / "results.md"
+    rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--scalars-ab", "25",
+                            "--markdown", str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon"])
+    ours, ab = rows
+    assert "error" not in ab, ab
+    assert all(ab[f"{side}_{t}_ms"] > 0 for side in ("kernels", "torch_ops") for t in ("host", "wall")), ab
+    # the kernels' side launched the clip coefficient and the flags (its bound launches' keys); the other none
+    assert ab["kernels_scalar_launches"] == 2 and ab["torch_ops_scalar_launches"] == 0, ab
+    assert "| kernels |" in md.read_text() and "| torch ops |" in md.read_text()
+
+
 def test_step_kernel_breakdown_smoke(tmp_path):
     # the 1B step is device-bound on the H200: the next GPU run says which kernel takes what (on a CPU, the
     # launchers' host ranges stand in for the device's kernels: the same table, no measurement)
