@@ -67,15 +67,22 @@ def timed_host(fn, device, reps: int) -> tuple[float, float]:
         fn()
     host, wall = [], []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall.append(time.perf_counter() - t0)
+        h, w = host_and_wall(fn, device)
+        host.append(h)
+        wall.append(w)
     return statistics.median(host), statistics.median(wall)
+
+
+def host_and_wall(fn, device) -> tuple[float, float]:
+    """One call of ``fn`` from an idle device: (seconds until it returns, seconds until the device is done too)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return host, time.perf_counter() - t0
 
 
 def bench_bucket_sweep(shapes, device, reps, caps, graph_caps=()) -> list[dict]:
@@ -138,14 +145,9 @@ def bench_scalars_ab(shapes, device, reps: int, cap: float) -> dict:
             step()
     for _ in range(reps):
         for _, step, host, wall in runs.values():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            host.append(time.perf_counter() - t0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            wall.append(time.perf_counter() - t0)
+            h, w = host_and_wall(step, device)
+            host.append(h)
+            wall.append(w)
     row = {"impl": f"ShardedAdamW bucket_cap_mb={cap:g}, step scalars: kernels vs torch ops", "scalars_cap_mb": cap,
            "buckets": len(runs[True][0].buckets)}
     for kernels, (opt, _, host, wall) in runs.items():
@@ -383,28 +385,13 @@ def main(argv=None):
         rows.append(row)
         print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
-    sweep = []
+    where = dict(model=args.model, params=n, device=str(device))
     if args.bucket_caps or args.graph_caps:
-        try:
-            sweep = bench_bucket_sweep(shapes, device, args.reps, args.bucket_caps, args.graph_caps)
-        except Exception as exc:  # noqa: BLE001 -- the row says why
-            sweep = [{"impl": "bucket sweep", "error": f"{type(exc).__name__}: {exc}"}]
-        for row in sweep:
-            row.update(model=args.model, params=n, device=str(device))
-            print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
-        rows += sweep
-    scalars_ab = []
+        rows += _measured("bucket sweep", lambda: bench_bucket_sweep(shapes, device, args.reps, args.bucket_caps,
+                                                                     args.graph_caps), where)
     if args.scalars_ab is not None:
-        try:
-            scalars_ab = [bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)]
-        except Exception as exc:  # noqa: BLE001 -- the row says why
-            scalars_ab = [{"impl": "step scalars A/B", "error": f"{type(exc).__name__}: {exc}"}]
-        for row in scalars_ab:
-            row.update(model=args.model, params=n, device=str(device))
-            print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
-        rows += scalars_ab
+        rows += _measured("step scalars A/B", lambda: [bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)],
+                          where)
     if args.kernels:
         try:
             breakdown = kernel_breakdown(shapes, device, min(args.reps, 5))
@@ -425,6 +412,20 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(markdown(rows, args.model, n, device))
+    return rows
+
+
+def _measured(label: str, make, where: dict) -> list[dict]:
+    """``make()``'s rows, or one row saying why it did not run (the other measurements still run), each with
+    ``where`` added and printed."""
+    try:
+        rows = make()
+    except Exception as exc:  # noqa: BLE001 -- the row says why
+        rows = [{"impl": label, "error": f"{type(exc).__name__}: {exc}"}]
+    for row in rows:
+        row.update(where)
+        print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
     return rows
 
 
