@@ -51,6 +51,16 @@ def interpreter_enabled() -> bool:
     return _INTERPRETED
 
 
+def quiet_interpreter(*errors: str):
+    """A context in which the interpreter's numpy ignores these floating-point ``errors`` ("divide", "invalid",
+    "over"), which a GPU computes without a word, as torch's ops do (a warning would be an error in the tests);
+    nothing where the kernels are compiled."""
+    if not _INTERPRETED:
+        return contextlib.nullcontext()
+    import numpy  # (the interpreter's, imported only where it runs)
+    return numpy.errstate(**dict.fromkeys(errors, "ignore"))
+
+
 def select_backend(op: str, device: torch.device, backend: Optional[str] = None) -> Backend:
     """Pick the backend for ``op`` on ``device`` and record it. ``backend``: None/"auto", "triton" or "torch"."""
     if backend not in (None, "auto", "triton", "torch"):

@@ -28,7 +28,6 @@ holds for the SGD and Lion kernels.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import struct
 
@@ -39,7 +38,7 @@ import triton.language as tl
 from ._common import (check_no_tensor, check_rounding, check_scalar, fill_one_minus_product, host_seed,
                       keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor, validate_update)
 from . import _launch
-from ._dispatch import Backend, interpreter_enabled, select_backend, traced
+from ._dispatch import Backend, quiet_interpreter, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
                           stochastic_bits, store_param, store_state, update_mask)
 
@@ -177,13 +176,8 @@ def adamw_coefficients_kernel(spec: tuple, launches: dict) -> None:
     # a step count of 0 (every step so far skipped for an inf) divides by 1 - beta1^0 = 0: inf, as torch's
     # reciprocal gives and a GPU computes without a word (the update is masked then); the interpreter's numpy would
     # warn
-    with _quiet_numpy() if interpreter_enabled() else contextlib.nullcontext():
+    with quiet_interpreter("divide", "invalid"):
         _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
-
-
-def _quiet_numpy():
-    import numpy  # (the interpreter's, imported only where it runs)
-    return numpy.errstate(divide="ignore", invalid="ignore")
 
 
 def _check_coefficients(coefficients, device) -> None:

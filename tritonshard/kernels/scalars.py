@@ -27,7 +27,6 @@ Stores are from thread 0 only (Triton's scalar stores): a counter's read-modify-
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -35,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._dispatch import Backend, interpreter_enabled, select_backend, traced
+from ._dispatch import Backend, quiet_interpreter, select_backend, traced
 
 __all__ = ["round_totals_", "round_totals_ref", "round_totals_launch_spec", "round_totals_kernel",
            "clip_coefficient_", "clip_coefficient_ref", "clip_coefficient_launch_spec", "clip_coefficient_kernel",
@@ -110,7 +109,7 @@ def round_totals_(totals: torch.Tensor, out: torch.Tensor, *, backend: str | Non
         round_totals_ref(totals, out)
         return
     kernel, grid, args, kwargs = round_totals_launch_spec(totals, out)
-    with _quiet_numpy():
+    with quiet_interpreter("over"):  # (an fp64 sum beyond fp32's range rounds to inf)
         kernel[grid](*args, **kwargs)
 
 
@@ -118,7 +117,7 @@ def round_totals_(totals: torch.Tensor, out: torch.Tensor, *, backend: str | Non
 def round_totals_kernel(spec: tuple, launches: dict, first) -> None:
     """``spec`` (from :func:`round_totals_launch_spec`) through the BoundLaunch in ``launches``, ``first()`` (the
     checked :func:`round_totals_`) where there is none yet or an argument changed (:func:`._launch.launch`)."""
-    with _quiet_numpy():
+    with quiet_interpreter("over"):
         _launch.launch(launches, "totals", spec, first)
 
 
@@ -145,7 +144,8 @@ def clip_coefficient_(norm: torch.Tensor, out: torch.Tensor, max_norm: float, *,
     if select_backend("clip_coefficient_", out.device, backend) is Backend.TORCH:
         return clip_coefficient_ref(norm, out, max_norm)
     kernel, grid, args, kwargs = clip_coefficient_launch_spec(norm, out, max_norm)
-    with _quiet_numpy():
+    # (a max_norm of inf, which torch's clip takes, times the 0 coefficient of an infinite norm: NaN, as torch's)
+    with quiet_interpreter("invalid"):
         kernel[grid](*args, **kwargs)
     return out
 
@@ -155,18 +155,8 @@ def clip_coefficient_kernel(spec: tuple, launches: dict, first) -> None:
     """``spec`` (from :func:`clip_coefficient_launch_spec`) through the BoundLaunch in ``launches``, ``first()``
     (the checked :func:`clip_coefficient_`) where there is none yet or an argument changed
     (:func:`._launch.launch`)."""
-    with _quiet_numpy():
+    with quiet_interpreter("invalid"):
         _launch.launch(launches, "clip", spec, first)
-
-
-def _quiet_numpy():
-    """The interpreter's numpy, quiet where the GPU computes without a word, as torch's ops do: 0 * inf (a max_norm
-    of inf, torch's clip takes it, times the 0 coefficient of an infinite norm) is NaN, and an fp64 sum beyond
-    fp32's range rounds to inf."""
-    if not interpreter_enabled():
-        return contextlib.nullcontext()
-    import numpy  # (the interpreter's, imported only where it runs)
-    return numpy.errstate(invalid="ignore", over="ignore")
 
 
 def counter_table(counters: list, device) -> torch.Tensor:
