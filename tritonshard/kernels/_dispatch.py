@@ -104,6 +104,14 @@ def compiled_path(device: torch.device) -> bool:
     return not _INTERPRETED and (device.type == "cuda" or _FORCED_COMPILE)
 
 
+def triton_kernels_run(device: torch.device) -> bool:
+    """Whether the optimizer's own launches on ``device`` run the Triton kernels, eagerly: compiled, or through the
+    interpreter (where the CPU tests run them), and not while torch.compile traces (which records the custom ops,
+    or the torch ops). What its merged and single-program launches (one flatten for every bucket, a segmented
+    update per group, the step's scalars, AdamW's coefficients) are for."""
+    return (compiled_path(device) or _INTERPRETED) and not torch.compiler.is_compiling()
+
+
 def last_backend(op: str) -> Optional[Backend]:
     """The backend the last call of ``op`` ("flatten_into", "scale_", "adamw_step_", "cast_to_bf16") used."""
     return _LAST.get(op)

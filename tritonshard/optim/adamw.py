@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import _launch
-from ..kernels._dispatch import compiled_path, interpreter_enabled
+from ..kernels._dispatch import triton_kernels_run
 from ..kernels.adamw import adamw_coefficients, adamw_coefficients_into, adamw_coefficients_launch
 from ..kernels.adamw import SEGMENTS as ADAMW_SEGMENTS
 from ..kernels.adamw import launch_spec as adamw_launch_spec
@@ -110,7 +110,7 @@ def _coefficients_kernel_runs(device: torch.device) -> bool:
     4 small ops and a launch per param group and step, instead of 13 float64 ops): where the Triton kernels run
     (compiled, or the interpreter, where the CPU tests run them), outside torch.compile (which records the torch
     ops). The same bits either way."""
-    return (compiled_path(device) or interpreter_enabled()) and not torch.compiler.is_compiling()
+    return triton_kernels_run(device)
 
 
 def _kernel_scratch(device: torch.device) -> tuple:

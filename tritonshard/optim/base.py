@@ -117,7 +117,7 @@ from .. import kernels as _eager_kernels
 from ..kernels import _launch
 from ..kernels import ops as _op_kernels
 from ..kernels import scalars as _scalars
-from ..kernels._dispatch import compiled_path, interpreter_enabled
+from ..kernels._dispatch import compiled_path, triton_kernels_run
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
 from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partials_launch_spec,
                              partials_multi_launch_spec, shared_sum_sq_workspace)
@@ -1450,7 +1450,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """Whether :meth:`_flush_buckets` flattens several buckets in one launch: on the Triton kernels (compiled,
         or the interpreter, where the CPU tests run them), outside torch.compile (whose step records each bucket's
         flatten as a custom op)."""
-        return (compiled_path(self.device) or interpreter_enabled()) and not torch.compiler.is_compiling()
+        return triton_kernels_run(self.device)
 
     def _flattenable(self, grads: list) -> bool:
         """Gradients the unchecked flatten takes: on the buffers' device, of a source dtype the kernel reads."""
@@ -2877,7 +2877,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         all-reduced totals (:func:`~tritonshard.kernels.scalars.round_totals_`) go in one launch each: where the
         Triton kernels run (compiled, or the interpreter, where the CPU tests run them), outside torch.compile
         (which records the torch ops)."""
-        return (compiled_path(self.device) or interpreter_enabled()) and not torch.compiler.is_compiling()
+        return triton_kernels_run(self.device)
 
     def _launch_step_flags(self, found_inf: torch.Tensor) -> tuple:
         """The usual step's scalars in one launch, bound (kernels/scalars.py): ``_found_inf_buf`` = ``found_inf``,
@@ -3052,8 +3052,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _segmented_path(self) -> bool:
         """Whether each param group's updates go in one segmented launch (``_merge_updates``: more than one bucket),
         on the Triton kernels (compiled, or the interpreter, where the CPU tests run them), outside torch.compile."""
-        return self._merge_updates and (compiled_path(self.device) or interpreter_enabled()) \
-            and not torch.compiler.is_compiling()
+        return self._merge_updates and triton_kernels_run(self.device)
 
     def _persistent_args(self) -> bool:
         """Whether the update launches take their per-step values from tensors that keep their storage (found_inf,
