@@ -48,16 +48,7 @@ WARMUP = 3
 def timed(fn, device, reps: int) -> float:
     for _ in range(WARMUP):
         fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(host_and_wall(fn, device)[1] for _ in range(reps))
 
 
 def timed_host(fn, device, reps: int) -> tuple[float, float]:
