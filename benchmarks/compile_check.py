@@ -72,6 +72,7 @@ KERNELS = {
     "flatten": flatten_mod._flatten_kernel,
     "scale": scale_mod._scale_kernel,
     "scale_finalize": scale_mod._finalize_kernel,
+    "norm_pass": scale_mod._partials_multi_kernel,
     "cast_to_bf16": rounding_mod._cast_kernel,
     "adamw": adamw_mod._adamw_kernel,
     "sgd": sgd_mod._sgd_kernel,
@@ -220,6 +221,19 @@ def _segmented_update(which: str, n: int) -> None:
     kernel[grid](*args, **kwargs)
 
 
+def _norm_pass(dtype: torch.dtype, aligned: bool) -> None:
+    """ShardedOptimizer's norm pass (kernels.scale.partials_multi_launch_spec): one launch over three buckets' grad
+    shards (full blocks and tails, slices of one allocation as the caching allocator lays them out), or with a
+    source one element off (the element-wise path)."""
+    whole = _t(3 * 8192 + 256, dtype)
+    xs = [whole[0:8192 + 64], whole[8192 + 128:2 * 8192 + 128], whole[2 * 8192 + 192:2 * 8192 + 208]]
+    if not aligned:
+        xs[1] = whole[8192 + 129:2 * 8192 + 129]
+    _, slices = scale_mod.shared_sum_sq_workspace([x.numel() for x in xs], torch.device("cpu"))
+    kernel, grid, args, kwargs = scale_mod.partials_multi_launch_spec(xs, 0.5, slices)
+    kernel[grid](*args, **kwargs)
+
+
 def _coefficients(weight_decay: float) -> None:
     """ShardedAdamW's per-step coefficients launch (kernels.adamw.adamw_coefficients_launch)."""
     pows = torch.empty(2, dtype=torch.float64)
@@ -258,6 +272,10 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
                         .replace("torch.", ""),
                         lambda x_dtype=x_dtype, tf=tensor_factor:
                         sum_sq_nonfinite(_t(n, x_dtype), torch.tensor([0.25]) if tf else 0.25)))
+    for x_dtype, aligned in ((torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)):
+        out.append((f"norm pass {x_dtype} aligned={aligned} (one launch over several grad shards, as ShardedOptimizer "
+                    "reduces)".replace("torch.", ""), lambda x_dtype=x_dtype, aligned=aligned: _norm_pass(x_dtype,
+                                                                                                         aligned)))
     for src_dtype in (torch.float32, torch.bfloat16, torch.float16):
         for stochastic in (False, True):
             out.append((f"cast_to_bf16 {src_dtype} stochastic={stochastic}".replace("torch.", ""),
@@ -394,7 +412,7 @@ def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes:
         return found
     if 16 not in load_bytes:
         found.append("no 16-byte global load: the compiler could not prove the source's alignment")
-    writes_data = not (kernel == "scale" and constexprs.get("WRITE") == "False")
+    writes_data = kernel != "norm_pass" and not (kernel == "scale" and constexprs.get("WRITE") == "False")
     if writes_data and 16 not in store_bytes:
         found.append("no 16-byte global store: the compiler could not prove the destination's alignment")
     return found

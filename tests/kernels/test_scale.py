@@ -182,6 +182,41 @@ def test_one_launch_writes_every_tensors_partials(dtype, aligned):
         assert together[1].tolist() == [0, 1, 0, 0, 1, 0, 0, 0]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # inf * inf in the sum of squares
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_flag_read_off_the_sum_is_the_elementwise_test(dtype, aligned):
+    # The kernels flag a block from its fp64 sum of squares (non-finite exactly when a value is), not element by
+    # element: a block of the largest finite values must stay unflagged (its sum, ~4096 * 1.2e77, is finite in
+    # fp64), and every kind of non-finite value must flag its block, in full blocks (the unmasked path) and tails.
+    from tritonshard.kernels.scale import _partials_ref, partials_multi_launch_spec, shared_sum_sq_workspace
+    big = torch.finfo(dtype).max
+    sizes = [5 * 4096 + 3, 4096 + 17]
+    xs = [randn(n + 1, 90 + i, dtype)[0 if aligned else 1:][:n] for i, n in enumerate(sizes)]
+    xs[0][:4096] = big  # block 0: every value the largest finite one, signs mixed
+    xs[0][:4096:3] = -big
+    xs[0][4096 + 7] = float("-inf")  # block 1
+    xs[0][2 * 4096 + 4095] = float("nan")  # block 2, its last element
+    xs[0][3 * 4096] = float("inf")  # block 3: inf and NaN together
+    xs[0][3 * 4096 + 1] = float("nan")
+    xs[0][4 * 4096 + 100] = torch.finfo(dtype).tiny / 4  # block 4: a subnormal, finite
+    xs[1][4096 + 16] = float("inf")  # the second tensor's tail block
+    for factor in (1.0, 0.25):
+        together, slices = shared_sum_sq_workspace(sizes, DEVICE)
+        kernel, grid, args, kwargs = partials_multi_launch_spec(xs, factor, slices)
+        kernel[grid](*args, **kwargs)
+        expected, ref_slices = shared_sum_sq_workspace(sizes, DEVICE)
+        for x, part in zip(xs, ref_slices):
+            _partials_ref(x.float() * factor, part)
+        assert together[1].tolist() == expected[1].tolist() == [0, 1, 1, 1, 0, 0, 0, 1]
+        sums, ref = together[0], expected[0]
+        assert bool(sums[0].isfinite()) and abs(float(sums[0]) / float(ref[0]) - 1) < 1e-12
+        assert [bool(v) for v in sums.isnan()] == [bool(v) for v in ref.isnan()]
+        assert [bool(v) for v in sums.isinf()] == [bool(v) for v in ref.isinf()]
+        _, nonfinite = sum_sq_nonfinite(xs[0][:4096], factor)  # (the single-tensor kernel: the same test)
+        assert float(nonfinite) == 0.0
+
+
 def test_one_launch_over_several_tensors_declines_what_it_cannot_take():
     from tritonshard.kernels.scale import partials_multi_launch_spec, shared_sum_sq_workspace
     xs = [randn(10, 1, torch.bfloat16), randn(10, 2, torch.float32)]
