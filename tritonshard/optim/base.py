@@ -603,6 +603,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._flush_queued = False
         self._grads_this_backward = False
         self._grads_consumed_event = None  # CUDA: recorded by step() after the updates (streams, rule 3)
+        self._events: dict = {}  # (_step_event's)
         # CUDA: the streams the gradients of this backward were handed over on, noted by the hook (streams, rule 4),
         # raw stream -> Stream
         self._grad_streams: dict = {}
@@ -2679,13 +2680,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         else:
             self._update_phase(found_inf, amp_scale, amp_found_inf, multiplier, frozen)
         if self.device.type == "cuda" and not compiling:  # streams, rule 3 (after the last reader of the shards)
-            self._grads_consumed_event = torch.cuda.Event()
-            self._grads_consumed_event.record(torch.cuda.current_stream(self.device))
+            self._grads_consumed_event = self._step_event("grads consumed")
         if self._scale is not None and self._overflows_at_min_host is not None and not compiling:
             # to the host without a sync: the next step() reads it if the copy has landed by then
             self._overflows_at_min_host.copy_(self._overflows_at_min, non_blocking=True)
-            self._overflows_at_min_event = torch.cuda.Event()
-            self._overflows_at_min_event.record(torch.cuda.current_stream(self.device))
+            self._overflows_at_min_event = self._step_event("overflows at min copied")
         self._reset_step_state(spent=True)  # the next flatten overwrites: no zero-fill pass
         if not self._state_exposed and not torch.compiler.is_compiling():
             self._expose_state()
@@ -2736,6 +2735,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # (two disjoint lists: the second holds parameters that require grad; the "step" handshake is in it)
         frozen = self._frozen_since_build() + self._without_grad_everywhere()
         return found_inf, amp_scale, amp_found_inf, multiplier, frozen
+
+    def _step_event(self, key: str):
+        """A CUDA event of this optimizer's (one per ``key``, made once: not an event object and a CUDA event per
+        step), recorded now on the current stream. Recording it again later is safe: a stream's wait_event, and a
+        query, concern the record made last before them."""
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _tell_peers(self, exc: BaseException, shaken: tuple) -> None:
         """``exc`` was raised on this rank before the step's collectives: tell the other ranks through the
