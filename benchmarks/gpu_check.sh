@@ -19,17 +19,21 @@
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and
 #      400 MB; the default step kernel by kernel (--kernels, torch.profiler's device time: the 1B step is
-#      device-bound and 0.5 ms over its target, session 32); and at 25 MB the step's scalars in launches against
-#      the torch ops they replaced in session 34 (--scalars-ab, side by side)                                  60
+#      device-bound and 0.5 ms over its target, session 32); at 25 MB the step's scalars in launches against
+#      the torch ops they replaced in session 34 (--scalars-ab, side by side); and the default step's host
+#      timeline, event by event (--host-timeline: each call and kernel launch from the step's start; the 125M
+#      step is host-bound, session 35)                                                                       60
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP and ShardedAdamW
 #      with and without overlap, at 85M and 302M, two rounds each, round-robin (the host's speed drifts by up
 #      to +-30 % on that machine and every configuration is host-bound there: one run each compared the
 #      machine's moods; see benchmarks/e2e.py; 12 runs of 14-19 s each on the H200). FSDP2, ShardedMuon and
 #      cuda_graph=True: add them to E2E_RUNS                                                                  230
 #   host. the host time of the GPU code path on this machine's own CPU (benchmarks.host_overhead: the dry-run
-#      driver, nothing launched; per bucket, per parameter, and the example's iteration at its 302M layout):
-#      what the development machine measures between GPU runs, measured here, so that its figures can be read
-#      as this host's (session 31; ~12 s warm with the example's iteration, session 32)                       40
+#      driver, nothing launched; per bucket, per parameter, the example's iteration at its 302M layout, and
+#      the 125M step's host timeline, stage 4's --host-timeline without CUDA: on one CPU, their difference is
+#      what only CUDA costs): what the development machine measures between GPU runs, measured here, so that
+#      its figures can be read as this host's (session 31; ~12 s warm with the example's iteration, session
+#      32; the timeline adds ~6 s, session 35)                                                               40
 #   6. (not in the default set since 2026-12-04, when it answered its question) one traced training iteration
 #      (torch.profiler, host and device timelines) of the example at 302M, with and without overlap_comm +
 #      attach; PROFILE_ARGS="... --profile-with-stack" adds the Python functions. The chrome traces are
@@ -60,7 +64,7 @@ TESTS=${TESTS:-tests/kernels}
 XDIST=${XDIST-16}
 BENCH_ARGS=${BENCH_ARGS:---sizes 4194304,67108864 --reps 5}
 MODELS=${MODELS:-125M 1B}
-STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels --scalars-ab 25}
+STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels --scalars-ab 25 --host-timeline}
 BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
 E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,sharded,sharded-overlap:2 302M:1:15:amp,sharded,sharded-overlap:2}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
@@ -134,7 +138,7 @@ if stage host; then
   ran host $?
   tail -n 12 "$WORK/host_overhead.log"
   { echo; echo "## Host time of the GPU code path on this machine's CPU (benchmarks.host_overhead, dry-run driver)"
-    echo; echo '```'; tail -n 12 "$WORK/host_overhead.log"; echo '```'; } >> "$OUT/results.md"
+    echo; echo '```'; tail -n 60 "$WORK/host_overhead.log"; echo '```'; } >> "$OUT/results.md"
 fi
 if stage 6; then
   echo "== 6. one traced iteration, with and without overlap_comm (timeout ${T6}s for both)"

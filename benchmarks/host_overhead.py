@@ -253,6 +253,20 @@ class _ModelLoop:
         return phases
 
 
+def _measure_timeline(model: str, reps: int) -> dict:
+    """benchmarks.step's host timeline of one ShardedAdamW step (default ``bucket_cap_mb``) at ``model``'s parameter
+    shapes, on the GPU code path through the dry-run driver: the CPU counterpart of ``benchmarks.step
+    --host-timeline`` on a GPU. Run on the GPU machine (the GPU check's host stage), the two tables differ by what
+    only CUDA costs there; the 125M layout holds ~125M parameters on the host (~3 GB with the optimizer's)."""
+    import tritonshard
+    from benchmarks.step import SHAPES, bench_params, bf16_grads, gpt_param_shapes, host_timeline
+    cpu = torch.device("cpu")
+    shapes = gpt_param_shapes(*SHAPES[model])
+    params = bench_params(shapes, cpu)
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+    return host_timeline(opt, params, bf16_grads(shapes, cpu), cpu, reps)
+
+
 def _measure_model_iteration(rounds: int) -> dict:
     """Host milliseconds the optimizer adds to each phase of the example's iteration (:class:`_ModelLoop`), without
     and with ``overlap_comm`` + ``attach``: each loop's minimum minus torch's alone, the loops taking turns (see
@@ -291,6 +305,10 @@ def main(argv=None) -> dict:
     p.add_argument("--param-rounds", type=int, default=60, help="rounds of the per-parameter measurement")
     p.add_argument("--model-rounds", type=int, default=20,
                    help="rounds of the example's iteration at its 302M layout (0: skip it)")
+    p.add_argument("--timeline-model", default="125M", choices=["none", "tiny", "125M", "1B"],
+                   help="the step's host timeline, event by event, at this model's parameter shapes (benchmarks.step's"
+                        "; none: skip it)")
+    p.add_argument("--timeline-reps", type=int, default=40, help="steps of the host timeline (each event's minimum)")
     p.add_argument("--out", help="write the row as JSON to this file")
     args = p.parse_args(argv)
 
@@ -324,6 +342,8 @@ def main(argv=None) -> dict:
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
             per_param = _measure_per_param(args.params, args.param_rounds) if args.params else None
             model_iteration = _measure_model_iteration(args.model_rounds) if args.model_rounds else None
+            timeline = (_measure_timeline(args.timeline_model, args.timeline_reps)
+                        if args.timeline_model != "none" else None)
     finally:
         driver._active = previous
         if own_group:
@@ -342,6 +362,7 @@ def main(argv=None) -> dict:
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
         "per_param_us": per_param, "params": args.params, "model_iteration_ms": model_iteration,
+        "timeline": timeline, "timeline_model": args.timeline_model,
         "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce and not args.overlap,
         "overlap_comm": args.overlap,
         "torch": torch.__version__, "cpu_count": os.cpu_count(),
@@ -369,6 +390,10 @@ def main(argv=None) -> dict:
               f"alone: {sum(model_iteration['bare_ms'].values()):.1f} ms; minimum of {args.model_rounds} rounds):")
         for mode in MODEL_MODES:
             print(f"    {mode:34s} " + ", ".join(f"{k} {v:.2f}" for k, v in model_iteration[mode].items()))
+    if timeline:
+        from benchmarks.step import timeline_markdown
+        print("\n".join("  " + line if line else "" for line in timeline_markdown(
+            timeline, f"the step's host timeline at the {args.timeline_model} layout")))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=1)

@@ -148,6 +148,92 @@ def bench_scalars_ab(shapes, device, reps: int, cap: float) -> dict:
     return row
 
 
+#: the optimizer's calls whose entry and exit the host timeline marks (see :func:`host_timeline`)
+TIMELINE_CALLS = ("clip_grad_norm_", "_flush_buckets", "_run_reduction", "step", "_before_update", "_update_phase",
+                  "zero_grad")
+
+
+def host_timeline(opt, params, grads, device, reps: int) -> dict:
+    """Where one step's host time goes, in order (issue 20: the 125M step is host-bound on the H200, its wall =
+    the host's time to the update's launch + the update): :func:`sharded_step`'s calls, each of ``TIMELINE_CALLS``
+    entered and left and every bound kernel launch (kernels/_launch.py), as microseconds from the step's start,
+    each event's minimum over ``reps`` steps from an idle device (the host's drift falls out; the events come in
+    the same order every steady step). The same function runs on a GPU (``--host-timeline``) and through the
+    dry-run driver on a CPU (benchmarks.host_overhead, also in the GPU check's host stage, on the GPU machine's
+    own CPU): the difference between the two on one machine is what only CUDA costs (launches, small torch ops,
+    events), between machines the CPUs' speed. The marks cost ~1 us each (a list append and a clock read)."""
+    from tritonshard.kernels import _launch
+    log = []
+    clock = time.perf_counter
+
+    def marked(name):
+        call = getattr(opt, name)
+
+        def mark(*args, **kwargs):
+            log.append((clock(), f"> {name}"))
+            try:
+                return call(*args, **kwargs)
+            finally:
+                log.append((clock(), f"< {name}"))
+        return mark
+
+    real_launch = _launch.launch
+
+    def launch(cache, key, spec, first):
+        kernel = getattr(spec[0], "fn", spec[0])
+        log.append((clock(), f"launch {getattr(kernel, '__name__', kernel)}"))
+        real_launch(cache, key, spec, first)
+
+    for name in TIMELINE_CALLS:  # (instance attributes: the class's methods again once deleted below)
+        setattr(opt, name, marked(name))
+    _launch.launch = launch
+    runs, walls = [], []
+    try:
+        for i in range(WARMUP + reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            log.clear()
+            t0 = clock()
+            for p, g in zip(params, grads):
+                _SET_GRAD(p, g)
+            log.append((clock(), "gradients set"))
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            log.append((clock(), "zero_grad returned"))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            walls.append(clock() - t0)
+            if i >= WARMUP:
+                runs.append([(t - t0, name) for t, name in log])
+    finally:
+        _launch.launch = real_launch
+        for name in TIMELINE_CALLS:
+            delattr(opt, name)
+    names = [name for _, name in runs[0]]
+    if any([name for _, name in run] != names for run in runs):
+        raise RuntimeError("the host timeline's events changed between steady steps: " + repr(names))
+    events = [{"event": name, "us": min(run[j][0] for run in runs) * 1e6} for j, name in enumerate(names)]
+    return {"impl": "ShardedAdamW host timeline", "events": events, "buckets": len(opt.buckets),
+            "tensors": len(params), "wall_us": min(walls[WARMUP:]) * 1e6, "reps": reps}
+
+
+def timeline_markdown(row: dict, title: str) -> list[str]:
+    """:func:`host_timeline`'s row as a table: each event's host microseconds from the step's start, and since the
+    event before it."""
+    if "error" in row:
+        return ["", f"{title}: did not run: {row['error']}"]
+    buckets = f"{row['buckets']} bucket" + ("s" if row["buckets"] != 1 else "")
+    lines = ["", f"{title} ({row['tensors']} tensors, {buckets}; each event's minimum over "
+             f"{row['reps']} steps from an idle device, us from the step's start; the fastest step's wall "
+             f"{row['wall_us']:.0f} us):", "", "| us | + us | event |", "|---:|---:|---|"]
+    last = 0.0
+    for e in row["events"]:
+        lines.append(f"| {e['us']:.0f} | {e['us'] - last:.0f} | {e['event']} |")
+        last = e["us"]
+    return lines
+
+
 def kernel_breakdown(shapes, device, reps: int) -> dict:
     """Where one ShardedAdamW step's time goes, kernel by kernel (default ``bucket_cap_mb``): ``reps`` steps under
     torch.profiler, each kernel's device time per step (its launches summed), its launches per step, and its share
@@ -347,6 +433,8 @@ def main(argv=None):
                         "(side by side, steps taking turns)")
     p.add_argument("--kernels", action="store_true",
                    help="also ShardedAdamW's step kernel by kernel (torch.profiler: device ms per step on CUDA)")
+    p.add_argument("--host-timeline", action="store_true",
+                   help="also where ShardedAdamW's step spends its host time, event by event (default bucket_cap_mb)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ours", "torch", "fsdp2", "muon", "torch_muon"],
                    help="implementations to leave out (a GPU check short of time)")
     args = p.parse_args(argv)
@@ -383,6 +471,12 @@ def main(argv=None):
     if args.scalars_ab is not None:
         rows += _measured("step scalars A/B", lambda: [bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)],
                           where)
+    if args.host_timeline:
+        def timeline():
+            params = bench_params(shapes, device)
+            opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+            return [host_timeline(opt, params, bf16_grads(shapes, device), device, max(args.reps, 20))]
+        rows += _measured("ShardedAdamW host timeline", timeline, where)
     if args.kernels:
         try:
             breakdown = kernel_breakdown(shapes, device, min(args.reps, 5))
@@ -427,8 +521,9 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
     sweep = [r for r in rows if "bucket_cap_mb" in r]
     breakdowns = [r for r in rows if r.get("impl") == "ShardedAdamW per kernel"]
     scalars_ab = [r for r in rows if "kernels_host_ms" in r]
+    timelines = [r for r in rows if r.get("impl") == "ShardedAdamW host timeline"]
     for r in rows:
-        if r in sweep or r in breakdowns or r in scalars_ab:
+        if r in sweep or r in breakdowns or r in scalars_ab or r in timelines:
             continue
         if "error" in r:
             lines.append(f"| {r['impl']} | - | - | - | did not run: {r['error']} |")
@@ -450,6 +545,8 @@ def markdown(rows: list[dict], model: str, n: int, device) -> str:
                   "median):", "", "| step scalars | host ms | wall ms |", "|---|---:|---:|",
                   f"| kernels | {r['kernels_host_ms']:.2f} | {r['kernels_wall_ms']:.2f} |",
                   f"| torch ops | {r['torch_ops_host_ms']:.2f} | {r['torch_ops_wall_ms']:.2f} |"]
+    for r in timelines:
+        lines += timeline_markdown(r, f"ShardedAdamW's step, host timeline ({model}, {name})")
     for r in breakdowns:
         if "error" in r:
             lines += ["", f"ShardedAdamW kernel by kernel: did not run: {r['error']}"]

@@ -167,9 +167,10 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     results, members, texts = _gpu_check(
         tmp_path, TESTS="tests/kernels/test_scale.py::test_deterministic_sum",
         BENCH_ARGS="--sizes 4099 --reps 1 --only scale_", MODELS="tiny",
-        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon --kernels", BUCKET_CAPS="25 0.01",
+        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon --kernels --host-timeline", BUCKET_CAPS="25 0.01",
         E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap:2",  # (one process, as on the GPU; two rounds)
-        HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2 --model-rounds 1",
+        HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2 --model-rounds 1 --timeline-model tiny "
+                  "--timeline-reps 2",
         STAGES="1 2 3 4 5 host 6")  # (6 is not in the default set any more)
     # (each message carries what it read: this test failed once in a full run, and its output was lost)
     assert " passed" in texts["gpu_check/kernel_tests.log"], texts["gpu_check/kernel_tests.log"][-3000:]
@@ -190,6 +191,9 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     host = results.split("## Host time of the GPU code path")[1]
     assert "per bucket:" in host and "no overlap_comm" in host and "iteration (2 micro-batches)" in host, host
     assert "the example's iteration at its 302M layout" in host and "overlap_comm + attach (many ranks)" in host, host
+    # the step's host timeline, on the CPU of the GPU machine (dry-run: the launches are marked) and in stage 4
+    assert "host timeline at the tiny layout" in host and "launch _adamw_kernel" in host, host
+    assert "host timeline (tiny" in results and "| > _update_phase |" in results, results
     for config in ("amp", "fsdp2", "sharded-overlap"):
         row = next(line for line in results.splitlines() if line.startswith(f"| {config} |"))
         assert "did not run" not in row, row
@@ -241,7 +245,8 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "host.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--buckets", "2", "6", "--reps", "3",
-                           "--params", "12", "--param-rounds", "2", "--model-rounds", "1", "--out", str(out)],
+                           "--params", "12", "--param-rounds", "2", "--model-rounds", "1", "--timeline-model", "tiny",
+                           "--timeline-reps", "3", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads(out.read_text())
@@ -250,6 +255,21 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     # AdamW's coefficients (session 31), the clip's coefficient and the step's scalars (session 34)
     assert row["launches_per_step_at_lo"] == 7
     assert "per bucket:" in proc.stdout
+    # the step's host timeline (session 35): the calls and the bound launches in the order a step makes them, each
+    # event's minimum over the steps, so never before the event it follows
+    events = row["timeline"]["events"]
+    names = [e["event"] for e in events]
+    # (the tiny model's one bucket: its norm pass is _scale_kernel's read-only mode, several buckets' one launch is
+    # _partials_multi_kernel)
+    norm = "launch _scale_kernel" if row["timeline"]["buckets"] == 1 else "launch _partials_multi_kernel"
+    order = ["gradients set", "> clip_grad_norm_", "> _flush_buckets", "launch _flatten_kernel", "< _flush_buckets",
+             norm, "launch _finalize_kernel", "launch _clip_coefficient_kernel",
+             "< clip_grad_norm_", "> step", "< _before_update", "launch _step_flags_kernel",
+             "launch _coefficients_kernel", "launch _adamw_kernel", "< step", "< zero_grad", "zero_grad returned"]
+    assert [n for n in names if n in order] == order, names
+    assert sum(n.startswith("launch ") for n in names) == row["launches_per_step_at_lo"], names
+    assert all(a["us"] <= b["us"] for a, b in zip(events, events[1:])) and events[0]["us"] > 0, events
+    assert "| us | + us | event |" in proc.stdout and "| launch _adamw_kernel |" in proc.stdout
     # the per-parameter figures: every phase of each mode (overlap_comm on one rank, and with the machinery of many
     # ranks, session 33), and the iteration their sum
     for mode in ("no overlap_comm", "overlap_comm", "overlap_comm (many ranks)"):
