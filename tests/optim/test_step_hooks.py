@@ -126,3 +126,35 @@ def test_step_with_a_closure_returns_its_loss_as_torch_optims():
         opt.zero_grad()
         results[name] = loss.item()
     assert results["tritonshard"] == results["torch"], results  # the same model, the loss before the update
+
+
+def test_a_pre_hook_may_replace_the_steps_arguments_and_the_profiler_sees_the_step_as_torch_optims():
+    # tritonshard wraps step() as torch.optim does, but enters the "Optimizer.step#<class>.step" profiler range only
+    # while a profiler records (torch's costs ~8 us per step without one): the hooks' contract is torch's either way
+    for name, make in (("tritonshard", lambda ps: ShardedAdamW(ps, lr=1e-2)),
+                       ("torch", lambda ps: torch.optim.AdamW(ps, lr=1e-2))):
+        model = _model()
+        opt = make(model.parameters())
+        ran = []
+
+        def closure():
+            ran.append(True)
+            return torch.tensor(3.0)
+
+        handle = opt.register_step_pre_hook(lambda o, args, kwargs: ((args[0],), {"closure": closure}))
+        _backward(model, 0)
+        assert float(opt.step()) == 3.0 and ran == [True], name  # the hook's closure, run by the step
+        handle.remove()
+        opt.zero_grad()
+        bad = opt.register_step_pre_hook(lambda o, args, kwargs: "not a tuple")
+        _backward(model, 1)
+        with pytest.raises(RuntimeError, match="must return None or a tuple of \\(new_args, new_kwargs\\)"):
+            opt.step()
+        bad.remove()
+        opt.zero_grad()
+        _backward(model, 2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            opt.step()
+        names = {e.name for e in prof.events()}
+        assert f"Optimizer.step#{type(opt).__name__}.step" in names, (name, sorted(names)[:20])
+        opt.zero_grad()

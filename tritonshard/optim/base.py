@@ -110,6 +110,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as _optim_hooks  # (the global step hooks: profile_hook_step)
 
 from .. import comm
 from ..buffer import COMPLETED, DEFAULT_ALIGN
@@ -2553,6 +2554,37 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         return loss * self._scale if self._scale is not None else loss
 
     # ------------------------------------------------------------------ step
+    @staticmethod
+    def profile_hook_step(func):
+        """torch.optim's wrapper of ``step`` (torch.optim.Optimizer's __init__ wraps each optimizer class's ``step``
+        with it once), with its ``Optimizer.step#<class>.step`` profiler range entered only while a profiler records
+        (torch's own wrapper then, and under torch.compile, which traces it): torch enters the range at every call,
+        ~8 us of host time per step on this repo's CPU machine with no profiler (issue 20: a host-bound step on the
+        H200). Otherwise the same: the global and the optimizer's step pre-hooks (one may return new ``(args,
+        kwargs)``), the step, torch's ``_optimizer_step_code`` (the profiler's entry point), the post-hooks."""
+        traced = torch.optim.Optimizer.profile_hook_step(func)
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
+                return traced(*args, **kwargs)
+            self = args[0]
+            for pre_hook in itertools.chain(_optim_hooks._global_optimizer_pre_hooks.values(),
+                                            self._optimizer_step_pre_hooks.values()):
+                result = pre_hook(self, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(f"{func} must return None or a tuple of (new_args, new_kwargs), but got "
+                                           f"{result}.")
+                    args, kwargs = result
+            out = func(*args, **kwargs)
+            self._optimizer_step_code()
+            for post_hook in itertools.chain(self._optimizer_step_post_hooks.values(),
+                                             _optim_hooks._global_optimizer_post_hooks.values()):
+                post_hook(self, args, kwargs)
+            return out
+        return wrapper
+
     @torch.no_grad()
     def step(self, closure=None):
         """Reduce (unless ``clip_grad_norm_`` did), update every shard, all-gather the parameters.
