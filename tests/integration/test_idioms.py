@@ -223,6 +223,20 @@ def test_converting_the_dtype_after_building_is_an_error(convert):
         opt.step()
 
 
+@pytest.mark.parametrize("convert", ["float", "half"])
+def test_gradients_set_by_hand_after_converting_the_dtype_are_an_error_at_the_clip(convert):
+    # A clip's (or step's) reduction flushes gradients set by hand without looking at each one's dtype and device
+    # (session 35): sync_from_model() runs first and refuses the converted model, so no gradient of another dtype
+    # reaches the flatten's replayed launch
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    getattr(model, convert)()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match=r"was converted to torch\.(float32|float16)"):
+        opt.clip_grad_norm_(1.0)
+
+
 # ---------------------------------------------------------------------------------------------- 3. clipping
 def _torch_clip_vs_reference(rank, world_size, how="clip_grad_norm_"):
     model = make_model(0)
