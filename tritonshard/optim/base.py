@@ -1872,8 +1872,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             now = list(map(_GRAD, params))
         own = list(map(operator.is_, now, self._placeholder_list))
         held = own.count(True)  # (not now.count(None): list.count compares with ==, which a placeholder refuses)
-        empty = list(map(operator.is_, now, itertools.repeat(None))).count(True)
         placed = sum(len(b.placed) for b in self.buckets)
+        if held == placed == len(now) and mode != "forget":  # (the usual step: every one its placeholder still)
+            return True
+        empty = list(map(operator.is_, now, itertools.repeat(None))).count(True)
         set_since = len(now) - empty - held  # (gradients that are neither None nor the parameter's placeholder)
         unchanged = held == placed and set_since == 0
         if unchanged and mode != "forget":

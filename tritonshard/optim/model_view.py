@@ -26,6 +26,7 @@ from .bucket import plain_attrs as _PLAIN_ATTRS
 
 _DATA_PTR = torch.Tensor.data_ptr
 _VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 __all__ = ["ModelViewMixin"]
 
@@ -303,6 +304,8 @@ class ModelViewMixin:
         if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
             return []
         with _PLAIN_ATTRS():
+            if all(map(_REQUIRES_GRAD, self._param_list)):  # (the usual step: one C-level pass)
+                return []
             return [p for p in self._param_list if not p.requires_grad and p not in self._bucket_of[p][0].placed]
 
     def _step_settings(self) -> tuple:
