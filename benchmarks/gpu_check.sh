@@ -20,9 +20,9 @@
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and
 #      400 MB; the default step kernel by kernel (--kernels, torch.profiler's device time: the 1B step is
 #      device-bound and 0.5 ms over its target, session 32); at 25 MB the step's scalars in launches against
-#      the torch ops they replaced in session 34 (--scalars-ab, side by side); and the default step's host
-#      timeline, event by event (--host-timeline: each call and kernel launch from the step's start; the 125M
-#      step is host-bound, session 35)                                                                       60
+#      the torch ops they replaced in session 34 (--scalars-ab, side by side); and for the models in
+#      TIMELINE_MODELS (125M) the default step's host timeline, event by event (--host-timeline: each call and
+#      kernel launch from the step's start; the 125M step is host-bound, session 35)                          60
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP and ShardedAdamW
 #      with and without overlap, at 85M and 302M, two rounds each, round-robin (the host's speed drifts by up
 #      to +-30 % on that machine and every configuration is host-bound there: one run each compared the
@@ -49,7 +49,8 @@
 # benchmarks.run arguments), MODELS (benchmarks.step models), STEP_ARGS (extra benchmarks.step arguments),
 # BUCKET_CAPS (the sweep), E2E_RUNS ("model:nproc:steps:configs[:rounds]" items, configs comma-separated), TRAIN_STEPS,
 # TRAIN_ARGS, PROFILE_ARGS (the traced model), PROFILE_STEPS (the traced step, the last), PROFILE_MODES (overlap
-# no-overlap), HOST_ARGS (benchmarks.host_overhead arguments), STAGES (which of 1 2 3 4 5 host 6 train to run),
+# no-overlap), HOST_ARGS (benchmarks.host_overhead arguments), TIMELINE_MODELS (stage 4's models with a host
+# timeline), STAGES (which of 1 2 3 4 5 host 6 train to run),
 # T1..T6, THOST, TTRAIN (the stage timeouts).
 # Where a machine lacks pytest/hypothesis: pip install --target .gpu_deps pytest hypothesis, and carry .gpu_deps.
 set -uo pipefail
@@ -64,7 +65,8 @@ TESTS=${TESTS:-tests/kernels}
 XDIST=${XDIST-16}
 BENCH_ARGS=${BENCH_ARGS:---sizes 4194304,67108864 --reps 5}
 MODELS=${MODELS:-125M 1B}
-STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels --scalars-ab 25 --host-timeline}
+STEP_ARGS=${STEP_ARGS:---reps 5 --graph-caps 25 400 --kernels --scalars-ab 25}
+TIMELINE_MODELS=${TIMELINE_MODELS:-125M}  # (the models whose step also gets --host-timeline: the host-bound one)
 BUCKET_CAPS=${BUCKET_CAPS:-25 100 400 2000}
 E2E_RUNS=${E2E_RUNS:-85M:1:15:amp,sharded,sharded-overlap:2 302M:1:15:amp,sharded,sharded-overlap:2}
 TRAIN_STEPS=${TRAIN_STEPS:-300}
@@ -113,8 +115,10 @@ if stage 4; then
   deadline=$((SECONDS + T4))
   for model in $MODELS; do
     left=$((deadline - SECONDS)); [ "$left" -gt 0 ] || { ran "4 ($model)" 124; continue; }
+    timeline=""
+    case " $TIMELINE_MODELS " in *" $model "*) timeline="--host-timeline" ;; esac
     timeout "$left" $PY -m benchmarks.step --model "$model" --out "$WORK" --markdown "$OUT/results.md" \
-      --bucket-caps $BUCKET_CAPS $STEP_ARGS >> "$WORK/step.log" 2>&1
+      --bucket-caps $BUCKET_CAPS $STEP_ARGS $timeline >> "$WORK/step.log" 2>&1
     ran "4 ($model)" $?
   done
   tail -n 12 "$WORK/step.log"

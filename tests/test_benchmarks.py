@@ -167,7 +167,7 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     results, members, texts = _gpu_check(
         tmp_path, TESTS="tests/kernels/test_scale.py::test_deterministic_sum",
         BENCH_ARGS="--sizes 4099 --reps 1 --only scale_", MODELS="tiny",
-        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon --kernels --host-timeline", BUCKET_CAPS="25 0.01",
+        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon --kernels", BUCKET_CAPS="25 0.01", TIMELINE_MODELS="tiny",
         E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap:2",  # (one process, as on the GPU; two rounds)
         HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2 --model-rounds 1 --timeline-model tiny "
                   "--timeline-reps 2",
