@@ -8,6 +8,10 @@ memory and, for Muon, the Newton-Schulz share of the step.
 One process, a 1-rank process group (world size 1): the step is flatten -> reduce-scatter -> scale -> update ->
 all-gather with trivial collectives, i.e. the kernels' share of a real step. Gradients are set as ``param.grad``
 before every timed step (the flatten is part of the step, as when grads arrive from backward).
+
+Order: ShardedAdamW, fused torch AdamW, then ShardedAdamW's kernel table, bucket sweep, host timeline and scalars'
+side by side, then FSDP2 and the Muons; SIGTERM (the GPU check's ``timeout``) or Ctrl-C stops it, and what was
+measured is still written (JSON and ``--markdown``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import time
 
@@ -451,44 +456,67 @@ def main(argv=None):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
     rows = []
+    where = dict(model=args.model, params=n, device=str(device))
     benches = {"ours": bench_ours, "torch": bench_torch, "fsdp2": bench_fsdp2, "muon": bench_muon,
                "torch_muon": bench_torch_muon}
-    for key, fn in benches.items():
-        if key in args.skip:
-            continue
-        try:
-            row = fn(shapes, device, args.reps)
-        except Exception as exc:  # report, do not hide: the row says why it did not run
-            row = {"impl": fn.__name__, "error": f"{type(exc).__name__}: {exc}"}
-        row.update(model=args.model, params=n, device=str(device))
-        rows.append(row)
-        print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              flush=True)
-    where = dict(model=args.model, params=n, device=str(device))
-    if args.bucket_caps or args.graph_caps:
-        rows += _measured("bucket sweep", lambda: bench_bucket_sweep(shapes, device, args.reps, args.bucket_caps,
-                                                                     args.graph_caps), where)
-    if args.scalars_ab is not None:
-        rows += _measured("step scalars A/B", lambda: [bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)],
-                          where)
-    if args.host_timeline:
-        def timeline():
-            params = bench_params(shapes, device)
-            opt = tritonshard.ShardedAdamW(params, lr=1e-4)
-            return [host_timeline(opt, params, bf16_grads(shapes, device), device, max(args.reps, 20))]
-        rows += _measured("ShardedAdamW host timeline", timeline, where)
-    if args.kernels:
+
+    def implementations(keys):
+        for key in keys:
+            if key in args.skip:
+                continue
+            fn = benches[key]
+            try:
+                row = fn(shapes, device, args.reps)
+            except Exception as exc:  # report, do not hide: the row says why it did not run
+                row = {"impl": fn.__name__, "error": f"{type(exc).__name__}: {exc}"}
+            row.update(where)
+            rows.append(row)
+            print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+
+    def kernels():
         try:
             breakdown = kernel_breakdown(shapes, device, min(args.reps, 5))
         except Exception as exc:  # noqa: BLE001 -- the row says why
             breakdown = {"impl": "ShardedAdamW per kernel", "error": f"{type(exc).__name__}: {exc}"}
-        breakdown.update(model=args.model, params=n, device=str(device))
+        breakdown.update(where)
         for k in breakdown.get("kernels", ()):
             print(f"  kernel {k['kernel'][:70]}: {k['ms_per_step']:.3f} ms per step, {k['launches_per_step']:g} "
                   f"launches, {100 * k['share']:.1f} %", flush=True)
         if "error" in breakdown:
             print(f"  kernel breakdown did not run: {breakdown['error']}", flush=True)
         rows.append(breakdown)
+
+    def timeline():
+        params = bench_params(shapes, device)
+        opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+        return [host_timeline(opt, params, bf16_grads(shapes, device), device, max(args.reps, 20))]
+
+    # What the GPU check needs most comes first (ours against fused torch AdamW, where its time goes, the sweep),
+    # the other implementations last: its stage shares one budget between the models, and a run stopped by
+    # `timeout` (SIGTERM) or Ctrl-C still writes what it measured.
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        implementations(("ours", "torch"))
+        if args.kernels:
+            kernels()
+        if args.bucket_caps or args.graph_caps:
+            rows.extend(_measured("bucket sweep", lambda: bench_bucket_sweep(
+                shapes, device, args.reps, args.bucket_caps, args.graph_caps), where))
+        if args.host_timeline:
+            rows.extend(_measured("ShardedAdamW host timeline", timeline, where))
+        if args.scalars_ab is not None:
+            rows.extend(_measured("step scalars A/B", lambda: [
+                bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)], where))
+        implementations(("fsdp2", "muon", "torch_muon"))
+    except KeyboardInterrupt:
+        rows.append({"impl": "the rest", "error": "not measured: stopped (SIGTERM or Ctrl-C)", **where})
+        print("  stopped (SIGTERM or Ctrl-C): writing what was measured", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if own_group:
         comm.destroy_process_group()  # (a collection first: see there)
     os.makedirs(args.out, exist_ok=True)

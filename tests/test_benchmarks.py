@@ -89,6 +89,29 @@ def test_step_kernel_breakdown_smoke(tmp_path):
     assert "kernel by kernel (tiny" in md.read_text() and "| `" in md.read_text()
 
 
+def test_step_benchmark_stopped_by_timeout_writes_what_it_measured(tmp_path, monkeypatch):
+    # the GPU check's stage 4 shares one budget between its models, under `timeout` (SIGTERM): a 1B run stopped
+    # there must still leave ours against torch, the kernel table and the sweep in results.md, measured first
+    md = tmp_path / "results.md"
+
+    def stopped(*args):
+        raise KeyboardInterrupt  # what the SIGTERM handler raises when `timeout` stops the run
+
+    monkeypatch.setattr(bench_step, "bench_scalars_ab", stopped)
+    handler = signal.getsignal(signal.SIGTERM)
+    rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--kernels", "--bucket-caps",
+                            "25", "--scalars-ab", "25", "--markdown", str(md)])
+    assert signal.getsignal(signal.SIGTERM) is handler
+    impls = [r["impl"] for r in rows]
+    assert impls[0].startswith("tritonshard.ShardedAdamW") and impls[1].startswith("torch.optim.AdamW"), impls
+    assert "ShardedAdamW per kernel" in impls and any("bucket_cap_mb" in r for r in rows), impls
+    assert rows[-1]["impl"] == "the rest" and "stopped" in rows[-1]["error"], rows[-1]
+    assert not any(r.get("impl", "").startswith(("FSDP2", "tritonshard.ShardedMuon")) for r in rows), impls
+    text = md.read_text()
+    assert "kernel by kernel (tiny" in text and "| 25 |" in text and "not measured: stopped" in text, text
+    assert json.loads((tmp_path / "step-tiny.json").read_text())[-1]["impl"] == "the rest"
+
+
 def test_overlap_benchmark_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "benchmarks.overlap", "--tiny", "--out", str(tmp_path)], cwd=REPO,
