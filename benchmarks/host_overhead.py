@@ -20,8 +20,10 @@ end-of-backward flush, the step's per-parameter work), by phase, with and withou
 a GPU every configuration was host-bound (issue 20), and the 302M GPT of the example has 292 parameters, each
 passing through the hooks in every backward. Last, the example's own iteration (its GPT at the 302M layout: 24
 layers, 292 parameters, 26 buckets, but 32 wide), phase by phase, with and without ``overlap_comm`` + ``attach``:
-what is per bucket and per module there (the forward pre-hooks, the flushes in the backward hooks). Needs
-TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
+what is per bucket and per module there (the forward pre-hooks, the flushes in the backward hooks). Then the
+125M step's host timeline, event by event (``--timeline-model``; benchmarks.step's ``host_timeline``, which
+``benchmarks.step --host-timeline`` measures on a GPU: on one machine the two differ by what only CUDA costs).
+Needs TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
 
 One rank has nothing to overlap, and since session 33 an optimizer there leaves overlap_comm's per-bucket machinery
 out (ShardedOptimizer._overlap_machinery): the rows "(many ranks)" and ``--overlap`` build it anyway, in this one
