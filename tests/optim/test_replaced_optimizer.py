@@ -233,6 +233,32 @@ def test_a_new_optimizer_applies_the_zeroed_gradients_it_finds(maker, zeroed_by)
 
 
 @pytest.mark.parametrize("maker", list(_MAKERS))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_hand_set_gradient_zeroed_before_a_gradient_only_backward_is_the_new_optimizers(maker, overlap):
+    """A gradient set by hand, zeroed by ``opt.zero_grad(set_to_none=False)``, then ``torch.autograd.grad`` through
+    the attached model (a metric's gradient: it accumulates nothing): torch.optim keeps the zeros in param.grad and
+    a new optimizer's first step applies them. Until session 35 the end of that backward flushed the zeros into
+    the old optimizer's buffer, and the new optimizer was refused as built 'between a backward and its step()'
+    (found by tests.optim.loop_fuzz_long's OverlappedTrainingLoop)."""
+    ours, theirs = _MAKERS[maker]
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+    old.attach(model)
+    _train(model, old, range(1))
+    model[0].weight.grad = torch.randn(model[0].weight.shape).to(torch.bfloat16)
+    old.zero_grad(set_to_none=False)
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    torch.autograd.grad(model(x).float().sum(), list(model.parameters()))
+    grads = [None if p.grad is None else torch.zeros(p.shape) for p in model.parameters()]
+    assert sum(g is not None for g in grads) == 1
+    new = ours(list(model.parameters()))
+    masters, ropt = _torch_reference(model, grads, theirs)
+    new.step()
+    ropt.step()
+    _assert_as_torch(model, new, masters, ropt, f"{maker}, overlap_comm={overlap}: first step")
+
+
+@pytest.mark.parametrize("maker", list(_MAKERS))
 @pytest.mark.parametrize("then", ["nothing", "model.zero_grad(set_to_none=False), the old optimizer gone",
                                   "new.zero_grad(set_to_none=False)"])
 def test_a_frozen_parameter_holding_the_old_optimizers_marker_is_taken_over_with_it(maker, then):

@@ -1341,7 +1341,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         got_grads, self._grads_this_backward = self._grads_this_backward, False
         if self._frozen_at_build:  # (parameters unfrozen since: their buckets are flushed and launched below)
             self._adopt_unfrozen()
-        self._flush_buckets(self.buckets)  # buckets some of whose parameters got no gradient in this backward
+        if got_grads:  # buckets some of whose parameters got no gradient in this backward
+            self._flush_buckets(self.buckets)
+        # (none of ours got one, e.g. torch.autograd.grad through the model: gradients set by hand stay in param.grad
+        # as torch.optim leaves them, for the next flush or the reduction's; until session 35 this flush took them,
+        # and a hand-set gradient zeroed by zero_grad(set_to_none=False) became a placeholder that refused a new
+        # optimizer over the parameters "between a backward and its step()", found by tests.optim.loop_fuzz_long)
         unwaited = None
         for b in self.buckets:
             if b.ready:  # (overlap_comm: gradients of this backward)
