@@ -295,6 +295,33 @@ def test_a_clip_compiled_in_a_graph_without_its_step_reaches_the_step(how):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: compiled != eager"
 
 
+def test_a_compiled_clip_after_an_eager_read_of_each_gradients_norm_gives_the_eager_weights():
+    # A log line reading each parameter's gradient norm (p.grad.norm()) after a compiled clip takes that traced
+    # reduction back eagerly; the next compiled clip of the step must then run eagerly, as after any eager
+    # reduction (it looks at param.grad again). Until session 35 it traced that look and failed in dynamo
+    # (found by tests.optim.loop_fuzz_long's TracedTrainingLoop)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = make_model(0)
+        opt = FACTORIES["adamw"](model)
+        clip = torch.compile(opt.clip_grad_norm_, backend="eager") if compiled else opt.clip_grad_norm_
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        norms = []
+        for k in range(3):
+            (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
+            norms.append(clip(0.5))
+            norms += [p.grad.norm() for p in model.parameters() if p.grad is not None]
+            norms.append(clip(0.5))
+            step()
+            opt.zero_grad()
+        results.append((torch.stack(norms), [p.detach().clone() for p in model.parameters()]))
+    (norms, params), (cnorms, cparams) = results
+    assert torch.equal(norms, cnorms)
+    for a, b in zip(params, cparams):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "compiled != eager"
+
+
 @pytest.mark.parametrize("compiled_step", [False, True])
 def test_gradients_zeroed_through_the_model_after_a_compiled_step_are_zeros(compiled_step):
     # model.zero_grad(set_to_none=False) right after a traced step zeroes its placeholders: they are that step's

@@ -2667,7 +2667,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if flags.traced_clip_coef is not None:
             self._clip_coef = flags.traced_clip_coef
         if not torch.compiler.is_compiling():
-            self._reduced_early = True
+            # (and so the next compiled clip, norm or step runs eagerly: its look at the gradients again reads
+            # param.grad, which dynamo cannot trace; until session 35 a compiled clip after an eager per-parameter
+            # norm read traced it and failed, found by tests.optim.loop_fuzz_long's TracedTrainingLoop)
+            self._reduced_early = self._flags.eager_step_needed = True
 
     def _finish_compiled_step(self) -> None:
         """What a step traced by torch.compile left undone, since it needs the parameters (dynamo would wrap them),
