@@ -301,10 +301,7 @@ def test_a_compiled_clip_after_an_eager_read_of_each_gradients_norm_gives_the_ea
     # reduction (it looks at param.grad again). Until session 35 it traced that look and failed in dynamo
     # (found by tests.optim.loop_fuzz_long's TracedTrainingLoop)
     results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        model = make_model(0)
-        opt = FACTORIES["adamw"](model)
+    for compiled, model, opt in _eager_then_compiled("adamw"):
         clip = torch.compile(opt.clip_grad_norm_, backend="eager") if compiled else opt.clip_grad_norm_
         step = torch.compile(opt.step, backend="eager") if compiled else opt.step
         norms = []

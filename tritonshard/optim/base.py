@@ -1407,7 +1407,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         else:
             kernels().flatten_into(b.grad_buffer.get_data(), grads, offsets, accumulate=b.has_grads)
         self._release_to_grad_streams(others)
-        self._place_placeholders(b, pending)
+        self._place_all_placeholders([(b, pending)])
 
     def _flush_buckets(self, buckets, launches: Optional[dict] = None, model_checked: bool = False) -> None:
         """:meth:`_flush_bucket` for each of ``buckets``, with one flatten launch for all of them (per accumulate
@@ -1457,9 +1457,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._place_all_placeholders(flushed)
 
     def _place_all_placeholders(self, flushed: list) -> None:
-        """:meth:`_place_placeholders` for each ``(bucket, pending)`` of a flush, the usual buckets (each of their
-        parameters in ``pending``) in one loop under one context (~3 us of host time less per bucket than a call
-        each); any other, or one where torch's setter refuses a placeholder, through the call."""
+        """The second half of every flush: :meth:`_place_placeholders` for each ``(bucket, pending)``, the usual
+        buckets (each of their parameters in ``pending``) in one loop under one context (~3 us of host time less
+        per bucket than a call each); any other, or one where torch's setter refuses a placeholder, through it."""
         if torch.compiler.is_compiling():
             for b, pending in flushed:
                 self._place_placeholders(b, pending)
@@ -1575,7 +1575,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _place_placeholders(self, b: _Bucket, pending: list) -> None:
         """The second half of a flush, once ``pending`` (from :meth:`_take_pending`) is in the buffer:
-        ``param.grad`` lets the gradients go."""
+        ``param.grad`` lets the gradients go. The general case (under torch.compile, some of the bucket's
+        parameters only, a placeholder torch's setter refuses), reached through :meth:`_place_all_placeholders`."""
         if torch.compiler.is_compiling():
             for p in b.params:
                 p.grad = None
