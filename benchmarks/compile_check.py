@@ -234,12 +234,16 @@ def _norm_pass(dtype: torch.dtype, aligned: bool) -> None:
     kernel[grid](*args, **kwargs)
 
 
-def _coefficients(weight_decay: float) -> None:
-    """ShardedAdamW's per-step coefficients launch (kernels.adamw.adamw_coefficients_launch)."""
+def _coefficients(weight_decay: float, pow_in_kernel: bool = True, lr_in_memory: bool = False) -> None:
+    """ShardedAdamW's per-step coefficients launch (kernels.adamw.adamw_coefficients_launch): compiled, the powers
+    in the kernel and the lr a kernel argument (a captured step: read from its float64 tensor); without the powers,
+    the interpreter's arithmetic, whose float64 ops alone show there is no contraction (libdevice's pow has fused
+    multiply-adds of its own: problems() exempts that specialization's)."""
     pows = torch.empty(2, dtype=torch.float64)
+    lr = torch.tensor(1e-3, dtype=torch.float64) if lr_in_memory else 1e-3
     adamw_mod.adamw_coefficients_launch(torch.empty(3), (torch.empty((), dtype=torch.float64), pows, pows.unbind()),
-                                        torch.tensor(1e-3, dtype=torch.float64), torch.tensor(3.0), 0.9, 0.999,
-                                        weight_decay, {})
+                                        lr, torch.tensor(3.0), 0.9, 0.999, weight_decay, {},
+                                        pow_in_kernel=pow_in_kernel)
 
 
 def _step_flags(clip: bool) -> None:
@@ -314,9 +318,14 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
                     "steps without overlap_comm)", lambda which=which: _segmented_update(which, n)))
     for weight_decay in (0.0, 0.1):  # (its bits: 0 is an int32 argument, 0.1's an int64: two specializations)
         out.append((f"adamw coefficients, weight_decay={weight_decay}", lambda wd=weight_decay: _coefficients(wd)))
+    out.append(("adamw coefficients, the lr in memory (a captured step)", lambda: _coefficients(0.1, True, True)))
+    out.append(("adamw coefficients, the powers from memory (the interpreter's path)",
+                lambda: _coefficients(0.1, False)))
     for clip in (False, True):
         out.append((f"step flags, clip={clip}", lambda clip=clip: _step_flags(clip)))
     out.append(("clip coefficient", lambda: scalars_mod.clip_coefficient_(torch.ones(()), torch.empty(()), 1.0)))
+    out.append(("clip coefficient and the norm's sqrt (as ShardedOptimizer.clip_grad_norm_ launches it compiled)",
+                lambda: scalars_mod.clip_coefficient_(torch.empty(()), torch.empty(()), 1.0, sum_sq=torch.ones(()))))
     out.append(("norm totals rounded", lambda: scalars_mod.round_totals_(torch.ones(2, dtype=torch.float64),
                                                                           torch.empty(2))))
     out.append(("adamw beta1=0.3 (lerp from the end)", lambda: adamw_step_(
@@ -399,7 +408,9 @@ def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes:
     if local_bytes:
         found.append(f"spills {local_bytes} bytes to local memory")
     if kernel in IEEE_F64:
-        if re.search(r"\bfma\.|\.approx\b", ptx):
+        # (libdevice's pow, inlined where POW_IN_KERNEL, rounds as torch's CUDA pow does, fused multiply-adds
+        # included: its own code, the same as torch's; the specialization without it holds the rest of the math)
+        if re.search(r"\bfma\.|\.approx\b", ptx) and constexprs.get("POW_IN_KERNEL") != "True":
             found.append("a fused multiply-add or an approximate operation in float64 math compared bit for bit")
         if "div.rn.f64" not in ptx or "sqrt.rn.f64" not in ptx:
             found.append("no correctly rounded float64 division or square root")
@@ -408,6 +419,8 @@ def problems(kernel: str, constexprs: dict, local_bytes: int | None, load_bytes:
             found.append("a fused multiply-add or an approximate operation in fp32 math compared bit for bit")
         if "div.rn.f32" not in ptx:
             found.append("no correctly rounded fp32 division")
+        if constexprs.get("SQRT") == "True" and "sqrt.rn.f32" not in ptx:
+            found.append("no correctly rounded fp32 square root")
     if kernel in NOT_STREAMING or constexprs.get("ALIGNED") == "False":
         return found
     if 16 not in load_bytes:

@@ -184,10 +184,10 @@ def host_timeline(opt, params, grads, device, reps: int) -> dict:
 
     real_launch = _launch.launch
 
-    def launch(cache, key, spec, first):
+    def launch(cache, key, spec, first, **options):
         kernel = getattr(spec[0], "fn", spec[0])
         log.append((clock(), f"launch {getattr(kernel, '__name__', kernel)}"))
-        real_launch(cache, key, spec, first)
+        real_launch(cache, key, spec, first, **options)
 
     for name in TIMELINE_CALLS:  # (instance attributes: the class's methods again once deleted below)
         setattr(opt, name, marked(name))

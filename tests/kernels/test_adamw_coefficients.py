@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from triton.runtime.jit import mangle_type
 
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE
@@ -31,8 +32,11 @@ def _cases(seed: int, n: int):
     return fixed + randoms
 
 
+@pytest.mark.parametrize("lr_in_memory", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_kernel_gives_the_torch_ops_bits(seed):
+def test_the_kernel_gives_the_torch_ops_bits(seed, lr_in_memory):
+    """The lr as a kernel argument (the usual step: a new value every step replays the bound launch with it), or
+    read from its float64 tensor (a captured step's); compiled, the powers come from libdevice's pow."""
     step64 = torch.empty((), dtype=torch.float64, device=DEVICE)
     pows = torch.empty(2, dtype=torch.float64, device=DEVICE)
     scratch = (step64, pows, tuple(pows.unbind()))
@@ -45,7 +49,8 @@ def test_the_kernel_gives_the_torch_ops_bits(seed):
         want = torch.empty(3, dtype=torch.float32, device=DEVICE)
         adamw_coefficients_into(tuple(want.unbind()), ref_scratch, lr, step_t, beta1, beta2, weight_decay)
         out.fill_(float("nan"))
-        adamw_coefficients_launch(out, scratch, lr_t, step_t, beta1, beta2, weight_decay, launches)
+        adamw_coefficients_launch(out, scratch, lr_t if lr_in_memory else lr, step_t, beta1, beta2, weight_decay,
+                                  launches)
         assert_bitwise_equal(out, want, f"coefficients at lr={lr!r} betas=({beta1!r}, {beta2!r}) wd={weight_decay!r} "
                                         f"step={step}")
     # the values themselves, from Python's float64 arithmetic (a check of the reference, with the last case's
@@ -75,3 +80,30 @@ def test_a_step_count_of_zero_gives_torchs_infinity_without_a_warning():
                                       {})
         assert want[2] == 0 and not torch.isfinite(want[1]), want  # (the case described above)
         assert_bitwise_equal(out, want, f"coefficients at step 0, lr {lr}")
+
+
+def test_a_new_lr_at_every_call_replays_the_bound_launch_with_it():
+    """A scheduler's lr, new at every step, with the betas and the weight decay fixed: each call after the first
+    replays the bound launch with this call's lr (kernels/_launch.py's ``live``; under the interpreter, Triton's
+    path with this call's arguments), which must give this lr's bits, not the first call's. An lr of 0 is another
+    Triton type for its bits (i32, not i64): bound anew, and the same bits."""
+    from tritonshard.kernels import _launch
+    pows = torch.empty(2, dtype=torch.float64, device=DEVICE)
+    scratch = (torch.empty((), dtype=torch.float64, device=DEVICE), pows, tuple(pows.unbind()))
+    ref_scratch = tuple(torch.empty((), dtype=torch.float64, device=DEVICE) for _ in range(3))
+    launches: dict = {}
+    out, want = torch.empty(3, device=DEVICE), torch.empty(3, device=DEVICE)
+    lrs = [1e-3 * (1 + step) ** -0.5 for step in range(5)] + [0.0, 2e-4]
+    bound = []
+    step_t = torch.zeros((), device=DEVICE)  # (the optimizer's counter: one tensor, advanced in place)
+    for step, lr in enumerate(lrs, start=1):
+        step_t.fill_(step)
+        adamw_coefficients_into(tuple(want.unbind()), ref_scratch, lr, step_t, 0.9, 0.95, 0.1)
+        out.fill_(float("nan"))
+        adamw_coefficients_launch(out, scratch, lr, step_t, 0.9, 0.95, 0.1, launches)
+        assert_bitwise_equal(out, want, f"coefficients at step {step}, lr {lr!r}")
+        bound.append(launches["coefficients"])
+    assert all(b is bound[0] for b in bound[:5]), "a new lr bound the launch anew"
+    assert bound[5] is not bound[4] and bound[6] is not bound[5], "an lr whose bits change Triton's type must rebind"
+    assert all(_launch._int_type(v) == mangle_type(v) for v in (0, 1, -1, 2 ** 31 - 1, 2 ** 31, -2 ** 31,
+                                                                -2 ** 31 - 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1))

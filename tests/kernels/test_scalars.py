@@ -1,6 +1,7 @@
 """kernels.scalars (the step's scalars in one launch each) against the torch ops they replace in
 ShardedOptimizer.step, bit for bit: compiled on a GPU, through the interpreter here."""
 
+import math
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE
 from tritonshard.kernels import _dispatch, _launch
-from tritonshard.kernels.scalars import (clip_coefficient_, clip_coefficient_launch_spec, clip_coefficient_ref,
+from tritonshard.kernels.scalars import (CLIP_NORM_ARG, clip_coefficient_, clip_coefficient_launch_spec, clip_coefficient_ref,
                                          counter_table, round_totals_, round_totals_launch_spec, round_totals_ref,
                                          step_flags_, step_flags_launch_spec, step_flags_ref)
 
@@ -75,6 +76,44 @@ def test_the_clip_coefficient_has_the_torch_ops_bits(seed):
     assert clip_coefficient_(torch.tensor(4.0, device=DEVICE), out, 1.0).item() == pytest.approx(1 / 4, rel=1e-6)
     assert clip_coefficient_(torch.tensor(4.0, device=DEVICE), out, 100.0).item() == 1.0
     assert clip_coefficient_(torch.tensor(INF, device=DEVICE), out, 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_norm_and_its_clip_coefficient_in_one_launch(seed):
+    """With ``sum_sq`` (as ShardedOptimizer.clip_grad_norm_ launches it compiled): the norm, written into a new
+    tensor per call (the bound launch takes it afresh), is the correctly rounded sqrt of the sum of squares (a
+    GPU's torch.sqrt; sqrt in float64 rounded to fp32 is that) and the coefficient is the torch ops' of that norm.
+    Sums: exact squares, the value where torch's CPU sqrt is 1 ulp off, subnormals, inf, NaN, fresh random ones."""
+    rng = random.Random(200 + seed)
+    sums = [0.0, 1e-45, 4.0, 319006.15625, 0.999998, 1.0, 3.4e38, INF, NAN] + [
+        10 ** rng.uniform(-40, 38) for _ in range(20)]
+    coef = torch.empty((), dtype=torch.float32, device=DEVICE)
+    launches: dict = {}
+    norms = []
+    for value in sums:
+        sum_sq = torch.tensor(value, dtype=torch.float32, device=DEVICE)
+        want_norm = torch.tensor(_f64_sqrt(value), dtype=torch.float64).float().to(DEVICE)
+        want = clip_coefficient_ref(want_norm, torch.empty((), dtype=torch.float32, device=DEVICE), 1.0)
+        norm = torch.full((), -7.0, device=DEVICE)
+        coef.fill_(-7.0)
+        _launch.launch(launches, "clip", clip_coefficient_launch_spec(norm, coef, 1.0, sum_sq),
+                       lambda: clip_coefficient_(norm, coef, 1.0, sum_sq=sum_sq), live=(CLIP_NORM_ARG,))
+        assert_bitwise_equal(norm, want_norm, f"norm of sum_sq={value!r}")
+        assert_bitwise_equal(coef, want, f"coefficient of sum_sq={value!r}")
+        norms.append(norm)  # (kept: each call's norm is its own tensor, as the loop may keep it)
+    assert norms[2].item() == 2.0 and len({n.data_ptr() for n in norms}) == len(sums)  # (each written where asked)
+    # the reference backend: the same bits
+    norm = torch.empty((), device=DEVICE)
+    clip_coefficient_(norm, coef, 0.5, sum_sq=torch.tensor(319006.15625, device=DEVICE), backend="torch")
+    assert_bitwise_equal(norm, torch.tensor(_f64_sqrt(319006.15625), dtype=torch.float64).float().to(DEVICE),
+                         "the reference backend's norm")
+
+
+def _f64_sqrt(value: float) -> float:
+    """math.sqrt of ``value`` as an fp32 holds it (a NaN stays one): rounded to fp32 afterwards, the correctly
+    rounded fp32 square root (float64's 53 bits are more than twice fp32's 24 + 2)."""
+    x = float(torch.tensor(value, dtype=torch.float32))
+    return math.sqrt(x) if x == x else NAN
 
 
 @pytest.mark.parametrize("bad, match", [

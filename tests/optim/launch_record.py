@@ -116,15 +116,16 @@ def _stepper(rec, opt, sched, params, grads):
 
     def step(clip=True):
         before = _launch.replays
+        lrs = [float(g["lr"]) for g in opt.param_groups]  # (this step's: the scheduler steps after it)
         for p, g in zip(params, grads):
             p.grad = g
-        if clip:
-            opt.clip_grad_norm_(1.0)
+        norm = opt.clip_grad_norm_(1.0) if clip else None  # (a new tensor per clip, which its launch writes)
         opt.step()
         sched.step()
         opt.zero_grad()
         calls, rec.calls = rec.calls, []
-        return {"launches": _launches(calls), "replays": _launch.replays - before}
+        return {"launches": _launches(calls), "replays": _launch.replays - before, "lrs": lrs,
+                "norm": None if norm is None else _normal(norm)}
     return step
 
 

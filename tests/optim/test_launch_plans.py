@@ -11,6 +11,7 @@ dispatch, launch by launch, and must really be replays.
 import pytest
 
 from tests.helpers import run_compiled_record
+from tritonshard.kernels.adamw import _double_bits
 # 1 flatten of every bucket's gradients + 1 norm pass over every bucket's shard + 2 param groups' updates (group
 # 1's two buckets in one segmented launch) + 1 finalize (issue 20.3) + 2 param groups' AdamW coefficients (session 31)
 # + 1 launch of the step's scalars and 1 of the clip's coefficient (kernels/scalars.py, session 34)
@@ -18,6 +19,29 @@ LAUNCHES_PER_STEP = 9
 BOUND_PER_STEP = 9       # every one, the finalize, the coefficients and the scalars too
 BOUND_WITHOUT_CLIP = 8   # (a step the loop did not clip: no clip coefficient)
 BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kernel's beta1
+LR_ARG = 9 + 2           # ... _coefficients_kernel's lr (its double's bits)
+NORM_ARG = 9 + 0         # ... _clip_coefficient_kernel's norm (the tensor the clip returns)
+
+
+def _lr_checked(step: dict) -> list:
+    """``step``'s launches with the arguments that change at every step checked and then blanked, so that steps
+    compare argument by argument: each AdamW coefficients launch's lr, against its group's lr at that step (the
+    groups in order; the scheduler changes it every step), and the clip's norm, the tensor the clip returned (a new
+    one per call). A bound launch takes both afresh at each call (kernels/_launch.py's ``live``)."""
+    lrs = iter(step["lrs"])
+    out = []
+    for name, args in step["launches"]:
+        if name == "_coefficients_kernel":
+            lr = next(lrs)
+            assert args[LR_ARG] == _double_bits(lr), f"the coefficients launch's lr is not {lr!r}, this step's"
+            args = args[:LR_ARG] + ["this step's lr"] + args[LR_ARG + 1:]
+        elif name == "_clip_coefficient_kernel":
+            assert args[NORM_ARG] == step["norm"], "the clip's launch did not write the norm the clip returned"
+            args = args[:NORM_ARG] + ["this clip's norm"] + args[NORM_ARG + 1:]
+        out.append([name, args])
+    if any(name == "_coefficients_kernel" for name, _ in out):  # (AdamW's: SGD and Lion have none)
+        assert next(lrs, None) is None, "a group without its coefficients launch"
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -35,40 +59,40 @@ def _diff(a, b) -> str:
 
 def test_replayed_launches_equal_tritons_dispatch(record):
     assert record["buckets"] == 3
-    dispatch = record["triton_dispatch"][1]["launches"]
+    dispatch = _lr_checked(record["triton_dispatch"][1])
     assert len(dispatch) == LAUNCHES_PER_STEP
     assert record["triton_dispatch"][1]["replays"] == 0
     for step in record["bound"]:
         assert step["replays"] == BOUND_PER_STEP, "the bound steps must replay, not dispatch"
-        assert step["launches"] == dispatch, _diff(dispatch, step["launches"])
+        assert _lr_checked(step) == dispatch, _diff(dispatch, _lr_checked(step))
     # the launches were bound (checked once) while dispatching; the first step with replays on records them while
     # launching through Triton's dispatch, the next replays
     assert [s["replays"] for s in record["binding"]] == [0, BOUND_PER_STEP]
     for step in record["binding"]:
-        assert step["launches"] == dispatch, _diff(dispatch, step["launches"])
+        assert _lr_checked(step) == dispatch, _diff(dispatch, _lr_checked(step))
+    assert len({lr for s in record["bound"] + record["binding"] for lr in s["lrs"]}) >= 4, "the lr must change"
 
 
 def test_a_changed_hyperparameter_rebinds(record):
     first, second, third = record["new_betas"]
     # new betas: the updates go through the checked launcher (not a replay of the old launch), one per bucket, then
     # the segmented launch of group 1's two buckets is recorded, then replayed; the flatten and norm launches, whose
-    # arguments did not change, still replay, and so do the coefficients' (the betas' powers are torch ops before
-    # them, which they read from memory)
-    assert first["replays"] == BOUND_PER_STEP - 2
+    # arguments did not change, still replay; the coefficients', whose arguments hold the betas, are bound anew too
+    assert first["replays"] == BOUND_PER_STEP - 4
     counts = []
     for step in (first, second, third):
         updates = [args for name, args in step["launches"] if name == "_adamw_kernel"]
         counts.append(len(updates))
         assert all(args[BETA1_ARG] == ["float", (0.8).hex()] for args in updates)
     assert counts == [3, 2, 2]
-    assert third["replays"] == BOUND_PER_STEP and third["launches"] == second["launches"]
+    assert third["replays"] == BOUND_PER_STEP and _lr_checked(third) == _lr_checked(second)
 
 
 def test_grad_scale_turning_into_a_number_rebinds_to_the_same_launch_as_dispatch(record):
     *_, last_bound = record["no_clip"]
     (dispatch,) = record["no_clip_triton_dispatch"]
     assert last_bound["replays"] == BOUND_WITHOUT_CLIP
-    assert last_bound["launches"] == dispatch["launches"], _diff(dispatch["launches"], last_bound["launches"])
+    assert _lr_checked(last_bound) == _lr_checked(dispatch), _diff(_lr_checked(dispatch), _lr_checked(last_bound))
 
 
 def test_the_flatten_plan_is_not_reused_for_a_non_contiguous_gradient_at_the_same_address(record):
@@ -113,4 +137,5 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == 1
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step, "every launch must replay"
-    assert replayed["launches"] == dispatch, _diff(dispatch, replayed["launches"])
+    assert _lr_checked(replayed) == _lr_checked(rec["dispatch"][-1]), _diff(_lr_checked(rec["dispatch"][-1]),
+                                                                            _lr_checked(replayed))

@@ -24,11 +24,12 @@ def record():
 def test_a_steady_step_allocates_only_the_returned_norm_and_copies_nothing_from_the_host(record, name):
     r = record[name]
     assert r["buckets"] == 3
-    # two recorded steps: clip_grad_norm_'s return value, one per step: a copy of sqrt(sum of squares), which the
-    # clip coefficient's bound launch reads from a buffer (session 34); with loss scaling the norm's sqrt divided by
-    # the scale (the norm of the true gradients), by torch ops. It must be a tensor of its own: torch's
-    # clip_grad_norm_ returns a new one, and a loop that keeps the norms (to log them later) must see each step's
-    returned = {"aten.sqrt": 2, "aten.div": 2} if "loss scaling" in name else {"aten.clone": 2}
+    # two recorded steps: clip_grad_norm_'s return value, one per step: a new 0-d tensor where the clip
+    # coefficient's bound launch writes sqrt(sum of squares) (session 36; a clone of a buffer's sqrt before); with
+    # loss scaling the norm's sqrt divided by the scale (the norm of the true gradients), by torch ops. It must be a
+    # tensor of its own: torch's clip_grad_norm_ returns a new one, and a loop that keeps the norms (to log them
+    # later) must see each step's
+    returned = {"aten.sqrt": 2, "aten.div": 2} if "loss scaling" in name else {"aten.empty": 2}
     assert r["allocations"] == returned, r["allocations"]
     assert r["from_host"] == {}, r["from_host"]
     assert r["distinct_norms"] == r["norms"]

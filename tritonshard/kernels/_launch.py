@@ -80,37 +80,46 @@ class BoundLaunch:
     not their storage) and Python scalars that do not change (the caller rebinds when one does).
     """
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "_launcher", "_recorded", "_device", "_unbindable")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "live", "_launcher", "_recorded", "_device", "_unbindable")
 
-    def __init__(self, kernel, grid: tuple, args: tuple, kwargs: dict):
+    def __init__(self, kernel, grid: tuple, args: tuple, kwargs: dict, live: tuple = ()):
         self.kernel, self.grid, self.args, self.kwargs = kernel, grid, args, kwargs
+        self.live = live  # positions in args of integers the kernel does not specialize on, new at each call
         self._launcher: Optional[Callable] = None
         self._recorded: Optional[tuple] = None
         self._device = None
         self._unbindable = False  # recording failed once (an unknown Triton, the interpreter): never try again
 
-    def __call__(self) -> None:
+    def __call__(self, args: Optional[tuple] = None) -> None:
+        """Launch; ``args``: this call's arguments where the ``live`` ones may differ from the bound ones (the
+        rest are the bound ones, which :func:`launch` checked)."""
         if _ENABLED and not self._unbindable and _no_launch_hooks():
             if self._recorded is not None:
                 global replays
                 replays += 1
-                args = self._recorded
+                recorded = self._recorded
+                if args is not None and self.live:
+                    recorded = list(recorded)
+                    for i in self.live:
+                        recorded[_LEADING + i] = args[i]
                 stream = driver.active.get_current_stream(self._device)
-                self._launcher(args[0], args[1], args[2], stream, *args[4:])
+                self._launcher(recorded[0], recorded[1], recorded[2], stream, *recorded[4:])
             else:
-                self._record()
+                self._record(args)
             return
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        self.kernel[self.grid](*(self.args if args is None else args), **self.kwargs)
 
-    def _record(self) -> None:
-        """The first launch: Triton's normal path, with the compiled kernel's launcher recording its arguments."""
+    def _record(self, args: Optional[tuple] = None) -> None:
+        """The first launch: Triton's normal path, with the compiled kernel's launcher recording its arguments.
+        ``args``: this call's (see :meth:`__call__`), launched and recorded; the bound ones by default."""
+        args = self.args if args is None else args
         try:
-            compiled = self.kernel.warmup(*self.args, grid=self.grid, **self.kwargs)  # compiles; launches nothing
+            compiled = self.kernel.warmup(*args, grid=self.grid, **self.kwargs)  # compiles; launches nothing
         except (TypeError, AttributeError):  # a Triton whose warmup() differs, the interpreter: the normal path
             compiled = None
         if compiled is None or not hasattr(compiled, "_run") or not hasattr(compiled, "run"):
             self._unbindable = True
-            self.kernel[self.grid](*self.args, **self.kwargs)  # an unknown Triton: keep the normal path
+            self.kernel[self.grid](*args, **self.kwargs)  # an unknown Triton: keep the normal path
             return
         launcher = compiled.run  # initializes the handles (loads the module) once
         calls: list[tuple] = []
@@ -121,10 +130,14 @@ class BoundLaunch:
 
         compiled._run = record
         try:
-            self.kernel[self.grid](*self.args, **self.kwargs)
+            self.kernel[self.grid](*args, **self.kwargs)
         finally:
             compiled._run = launcher
-        if len(calls) == 1 and len(calls[0]) >= 9:  # (grid x3, stream, function, metadata, launch md, 2 hooks, ...)
+        # (grid x3, stream, function, metadata, launch metadata, 2 hooks, then the kernel's arguments in its
+        # signature's order: a live argument is substituted there, where it must be what was passed)
+        if (len(calls) == 1 and len(calls[0]) >= _LEADING
+                and all(len(calls[0]) > _LEADING + i and _same_object(calls[0][_LEADING + i], args[i])
+                        for i in self.live)):
             self._launcher, self._recorded = launcher, calls[0]
             self._device = driver.active.get_current_device()
         else:
@@ -143,19 +156,33 @@ def _no_launch_hooks() -> bool:
     return True
 
 
-def launch(cache: dict, key, spec: tuple, first: Callable[[], None]) -> None:
+def launch(cache: dict, key, spec: tuple, first: Callable[[], None], live: tuple = ()) -> None:
     """Launch ``spec`` = (kernel, grid, args, kwargs) through the BoundLaunch in ``cache`` under ``key``.
 
     When there is none, or its arguments differ from ``spec``'s (tensors compared by identity, the rest by value),
     ``first()`` runs instead, the public launcher with its argument checks (which launches), and a BoundLaunch of
-    ``spec`` is stored for the next call: every new binding has been validated once."""
+    ``spec`` is stored for the next call: every new binding has been validated once. ``live``: positions of
+    arguments that may change at every call, each an integer the kernel does not specialize on
+    (``do_not_specialize``: the lr's bits) or a tensor (a new 0-d output per call: the clip's norm): another one
+    there replays the bound launch with it, unless Triton would specialize it otherwise (an int's type, i32 / i64
+    / u64 by its range; a tensor's dtype, device, or 16-byte alignment), which binds anew."""
     kernel, grid, args, kwargs = spec
     bound = cache.get(key)
-    if bound is not None and bound.grid == grid and _same(bound.args, args) and bound.kwargs == kwargs:
-        bound()
-        return
+    if bound is not None and bound.grid == grid and bound.kwargs == kwargs and bound.live == live:
+        if not live:
+            if _same(bound.args, args):
+                bound()
+                return
+        elif _same_but_live(bound.args, args, live):
+            bound(args)
+            return
     first()
-    cache[key] = BoundLaunch(kernel, grid, args, kwargs)
+    cache[key] = BoundLaunch(kernel, grid, args, kwargs, live)
+
+
+#: the compiled launcher's leading arguments before the kernel's own (grid x3, stream, function, packed metadata,
+#: launch metadata, enter hook, exit hook)
+_LEADING = 9
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -168,6 +195,38 @@ def _same(a: tuple, b: tuple) -> bool:
         if type(x) is not type(y) or isinstance(x, torch.Tensor) or x != y:
             return False
     return True
+
+
+def _int_type(x: int) -> str:
+    """The type Triton gives an int argument it does not specialize on (triton.runtime.jit.mangle_type's rule)."""
+    if -2 ** 31 <= x < 2 ** 31:
+        return "i32"
+    return "u64" if 2 ** 63 <= x < 2 ** 64 else "i64"
+
+
+def _same_but_live(a: tuple, b: tuple, live: tuple) -> bool:
+    """:func:`_same` but at the ``live`` positions, where both must be ints of the same Triton type, or tensors
+    of the same dtype and device, both 16-byte aligned or both not (Triton's specialization of a pointer)."""
+    if len(a) != len(b):
+        return False
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is y:
+            continue
+        if i in live:
+            if type(x) is int and type(y) is int:
+                if _int_type(x) != _int_type(y):
+                    return False
+            elif not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                      and x.device == y.device and (x.data_ptr() % 16 == 0) == (y.data_ptr() % 16 == 0)):
+                return False
+        elif type(x) is not type(y) or isinstance(x, torch.Tensor) or x != y:
+            return False
+    return True
+
+
+def _same_object(recorded, passed) -> bool:
+    """Whether the launcher got ``passed`` at a live argument's place: the tensor itself, or the int's value."""
+    return recorded is passed or (type(recorded) is int and type(passed) is int and recorded == passed)
 
 
 #: int64 columns per segment in a segmented launch's table (see _update_jit): up to 7 role offsets, then the numel

@@ -34,11 +34,12 @@ import struct
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ._common import (check_no_tensor, check_rounding, check_scalar, fill_one_minus_product, host_seed,
                       keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor, validate_update)
 from . import _launch
-from ._dispatch import Backend, quiet_interpreter, select_backend, traced
+from ._dispatch import Backend, interpreter_enabled, quiet_interpreter, select_backend, traced
 from ._update_jit import (load_grad, load_param, load_state, program_block, scalar_arg, segment_numel, segment_ptr,
                           stochastic_bits, store_param, store_state, update_mask)
 
@@ -130,16 +131,31 @@ def adamw_coefficients_into(out: tuple, scratch: tuple, lr, step: torch.Tensor, 
     out[2].copy_(bc2_sqrt)
 
 
-@triton.jit(do_not_specialize=["weight_decay_bits"])
-def _coefficients_kernel(out_ptr, lr_ptr, pows_ptr, weight_decay_bits):
-    """``out`` (fp32) = (1 - lr*wd, (1 / (1 - beta1^t)) * lr, sqrt(1 - beta2^t)) from the float64 ``lr`` and
-    ``pows`` = (beta1^t, beta2^t): :func:`adamw_coefficients_into`'s float64 ops, each rounded once (compiled for
-    sm_90 with fp fusion off: mul.rn, sub.rn, div.rn, sqrt.rn .f64, then cvt.rn.f32.f64), so the same bits. The
-    weight decay comes as the int64 bit pattern of its double (a float argument would be fp32)."""
-    lr = tl.load(lr_ptr)
+@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "weight_decay_bits"])
+def _coefficients_kernel(out_ptr, lr_ptr, lr_bits, pows_ptr, step_ptr, beta1_bits, beta2_bits, weight_decay_bits,
+                         LR_IN_MEMORY: tl.constexpr, POW_IN_KERNEL: tl.constexpr):
+    """``out`` (fp32) = (1 - lr*wd, (1 / (1 - beta1^t)) * lr, sqrt(1 - beta2^t)): :func:`adamw_coefficients_into`'s
+    float64 ops, each rounded once (compiled for sm_90 with fp fusion off: mul.rn, sub.rn, div.rn, sqrt.rn .f64,
+    then cvt.rn.f32.f64), so the same bits. Doubles come as the int64 bit patterns of their values (a float argument
+    would be fp32): the weight decay, the betas, and the lr unless ``LR_IN_MEMORY`` (a captured step reads it from
+    the group's float64 tensor at ``lr_ptr``, which the host rewrites before each replay).
+
+    The powers ``beta^t``: with ``POW_IN_KERNEL`` (compiled) libdevice's ``pow`` of the float64 betas and of the
+    fp32 step count at ``step_ptr`` widened to float64, the function torch's CUDA ``pow`` calls for the same
+    float64 arguments (``__nv_pow``); without it (the interpreter, which has no libdevice) read at ``pows_ptr``,
+    where the caller's torch ops wrote them."""
+    if LR_IN_MEMORY:
+        lr = tl.load(lr_ptr)
+    else:
+        lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
     weight_decay = weight_decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    beta1_pow = tl.load(pows_ptr)
-    beta2_pow = tl.load(pows_ptr + 1)
+    if POW_IN_KERNEL:
+        step = tl.load(step_ptr).to(tl.float64)
+        beta1_pow = libdevice.pow(beta1_bits.to(tl.int64).to(tl.float64, bitcast=True), step)
+        beta2_pow = libdevice.pow(beta2_bits.to(tl.int64).to(tl.float64, bitcast=True), step)
+    else:
+        beta1_pow = tl.load(pows_ptr)
+        beta2_pow = tl.load(pows_ptr + 1)
     decay = 1.0 - lr * weight_decay
     step_size = (1.0 / (1.0 - beta1_pow)) * lr
     bc2_sqrt = tl.sqrt(1.0 - beta2_pow)
@@ -150,34 +166,52 @@ def _coefficients_kernel(out_ptr, lr_ptr, pows_ptr, weight_decay_bits):
 
 def _double_bits(x: float) -> int:
     """The IEEE-754 bit pattern of the double ``x`` as a signed 64-bit integer."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+    return _DOUBLE_BITS.unpack(_DOUBLE.pack(float(x)))[0]
 
 
-def adamw_coefficients_launch(out: torch.Tensor, scratch: tuple, lr: torch.Tensor, step: torch.Tensor,
-                              beta1: float, beta2: float, weight_decay: float, launches: dict) -> None:
-    """:func:`adamw_coefficients_into` where the Triton kernels run: the two powers in torch (float64, as there),
-    the rest in one single-program launch (:func:`_coefficients_kernel`), bound in ``launches`` (:mod:`._launch`):
-    4 small ops and a launch instead of 13 ops. ``out`` is the fp32 coefficients tensor (3 elements), ``lr`` the
-    float64 0-d device tensor holding the lr, ``scratch`` = (a float64 0-d tensor for the step, a float64 tensor of
-    2 elements for the powers, and its two 0-d views), made once by the caller. The same bits as
-    :func:`adamw_coefficients_into` (tests/kernels/test_adamw_coefficients.py)."""
+_DOUBLE, _DOUBLE_BITS = struct.Struct("<d"), struct.Struct("<q")
+#: the argument of _coefficients_kernel a bound launch takes afresh at every call (the lr a scheduler changes)
+_LR_BITS_ARG = 2
+
+
+def adamw_coefficients_launch(out: torch.Tensor, scratch: tuple, lr, step: torch.Tensor, beta1: float,
+                              beta2: float, weight_decay: float, launches: dict,
+                              pow_in_kernel: bool | None = None) -> None:
+    """:func:`adamw_coefficients_into` where the Triton kernels run, in one single-program launch
+    (:func:`_coefficients_kernel`), bound in ``launches`` (:mod:`._launch`): no torch op, where 13 float64 ops did
+    it once. ``out`` is the fp32 coefficients tensor (3 elements); ``lr`` the Python number (a kernel argument,
+    which the bound launch takes afresh at each call: a scheduler's new lr every step rebinds nothing) or the
+    float64 0-d device tensor holding it (what a captured step reads); ``scratch`` = (a float64 0-d tensor for the
+    step, a float64 tensor of 2 elements for the powers, and its two 0-d views), made once by the caller, used
+    where the powers are torch ops. ``pow_in_kernel``: the powers in the kernel (default: where it runs compiled;
+    the interpreter has no libdevice ``pow``, and there the step's copy and two torch ``pow`` s write them). The
+    same bits as :func:`adamw_coefficients_into` (tests/kernels/test_adamw_coefficients.py; compiled in the GPU
+    check's stage 1)."""
     step64, pows, (beta1_pow, beta2_pow) = scratch
-    step64.copy_(step)
-    torch.pow(beta1, step64, out=beta1_pow)
-    torch.pow(beta2, step64, out=beta2_pow)
-    adamw_coefficients_kernel((_coefficients_kernel, (1,), (out, lr, pows, _double_bits(weight_decay)),
-                                dict(enable_fp_fusion=False)), launches)
+    if pow_in_kernel is None:
+        pow_in_kernel = not interpreter_enabled()
+    if not pow_in_kernel:
+        step64.copy_(step)
+        torch.pow(beta1, step64, out=beta1_pow)
+        torch.pow(beta2, step64, out=beta2_pow)
+    in_memory = isinstance(lr, torch.Tensor)
+    args = (out, lr if in_memory else out, 0 if in_memory else _double_bits(lr), pows, step, _double_bits(beta1),
+            _double_bits(beta2), _double_bits(weight_decay))
+    adamw_coefficients_kernel((_coefficients_kernel, (1,), args, dict(LR_IN_MEMORY=in_memory,
+                                                                      POW_IN_KERNEL=pow_in_kernel,
+                                                                      enable_fp_fusion=False)), launches)
 
 
 @traced
 def adamw_coefficients_kernel(spec: tuple, launches: dict) -> None:
-    """The launch of :func:`adamw_coefficients_launch`, bound (in a kernel's profiler range, as every launcher)."""
+    """The launch of :func:`adamw_coefficients_launch`, bound (in a kernel's profiler range, as every launcher);
+    the lr's argument may change between calls (:func:`._launch.launch`'s ``live``)."""
     kernel, grid, args, kwargs = spec
     # a step count of 0 (every step so far skipped for an inf) divides by 1 - beta1^0 = 0: inf, as torch's
     # reciprocal gives and a GPU computes without a word (the update is masked then); the interpreter's numpy would
     # warn
     with quiet_interpreter("divide", "invalid"):
-        _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs))
+        _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs), live=(_LR_BITS_ARG,))
 
 
 def _check_coefficients(coefficients, device) -> None:

@@ -11,10 +11,11 @@ roundings of the torch ops they replace (IEEE ``div_rn``, no FMA contraction), s
   non-finite count) as the fp32 sum and flag (3 ops: ``copy_``, ``gt``, ``copy_``; on one rank the finalize stores
   them itself);
 * :func:`clip_coefficient_`: torch.nn.utils.clip_grad_norm_'s coefficient ``clamp(max_norm / (norm + 1e-6),
-  max=1)`` from the norm (4 ops: ``add``, ``reciprocal_``, ``mul_``, ``clamp_``). The norm itself stays torch's
-  ``sqrt``: on a CPU tensor it is not always the correctly rounded one that the interpreter's numpy and a GPU
-  compute (torch 2.13: sqrt(319006.15625) comes out 1 ulp above), so a kernel's would differ from torch's clip on
-  a CPU;
+  max=1)`` from the norm (4 ops: ``add``, ``reciprocal_``, ``mul_``, ``clamp_``), and where the kernels run
+  compiled the norm itself in the same launch, ``sqrt`` of the sum of squares into the tensor the clip returns.
+  Under the interpreter the norm stays torch's ``sqrt``: on a CPU tensor it is not always the correctly rounded
+  one that numpy and a GPU compute (torch 2.13: sqrt(319006.15625) comes out 1 ulp above), so a kernel's would
+  differ from torch's clip on a CPU;
 * :func:`step_flags_`: from the step's ``found_inf``, its copy that the update launches read, ``1 - found_inf``,
   every step counter advanced by it, ``skipped_steps += found_inf``, ``last_step_skipped = found_inf > 0``, and,
   when the loop clipped, ``grad_scale = clip_coef * average`` (8 ops, one more per counter).
@@ -49,11 +50,17 @@ def _round_totals_kernel(totals_ptr, out_ptr):
 
 
 @triton.jit
-def _clip_coefficient_kernel(norm_ptr, coef_ptr, max_norm):
-    # torch's ops, one rounding each: + 1e-6 (an fp32 constant, as torch casts the Python number), 1 / x (IEEE
-    # division, as torch's reciprocal), * max_norm (the fp32 argument, as torch casts it), then min(x, 1) keeping a
-    # NaN (torch's clamp)
-    shifted = tl.load(norm_ptr) + 1e-6
+def _clip_coefficient_kernel(norm_ptr, coef_ptr, max_norm, sum_sq_ptr, SQRT: tl.constexpr):
+    # with SQRT the norm first, the correctly rounded square root of the sum of squares (a GPU's torch.sqrt), stored
+    # for the caller; then torch's ops, one rounding each: + 1e-6 (an fp32 constant, as torch casts the Python
+    # number), 1 / x (IEEE division, as torch's reciprocal), * max_norm (the fp32 argument, as torch casts it), then
+    # min(x, 1) keeping a NaN (torch's clamp)
+    if SQRT:
+        norm = tl.sqrt_rn(tl.load(sum_sq_ptr))
+        tl.store(norm_ptr, norm)
+    else:
+        norm = tl.load(norm_ptr)
+    shifted = norm + 1e-6
     coef = tl.div_rn(tl.full(shifted.shape, 1.0, tl.float32), shifted) * max_norm
     tl.store(coef_ptr, tl.where(coef > 1.0, 1.0, coef))
 
@@ -127,23 +134,43 @@ def clip_coefficient_ref(norm: torch.Tensor, out: torch.Tensor, max_norm: float)
     return torch.add(norm, 1e-6, out=out).reciprocal_().mul_(max_norm).clamp_(max=1.0)
 
 
-def clip_coefficient_launch_spec(norm: torch.Tensor, out: torch.Tensor, max_norm: float) -> tuple:
+def clip_coefficient_launch_spec(norm: torch.Tensor, out: torch.Tensor, max_norm: float,
+                                 sum_sq: torch.Tensor | None = None) -> tuple:
     """(kernel, grid, args, kwargs) of one :func:`clip_coefficient_` launch, unchecked (see :mod:`._launch`)."""
-    return _clip_coefficient_kernel, (1,), (norm, out, float(max_norm)), dict(enable_fp_fusion=False)
+    # (without sum_sq, the kernel reads none: ``out`` stands there, the same tensor at every call of a bound launch)
+    return (_clip_coefficient_kernel, (1,), (norm, out, float(max_norm), out if sum_sq is None else sum_sq),
+            dict(SQRT=sum_sq is not None, enable_fp_fusion=False))
+
+
+#: the argument of a clip_coefficient_launch_spec a bound launch takes afresh at each call: the norm (a new tensor
+#: per clip, handed to the loop, where the kernel writes the square root of ``sum_sq``)
+CLIP_NORM_ARG = 0
+
+
+def _correctly_rounded_sqrt(sum_sq: torch.Tensor) -> torch.Tensor:
+    """sqrt of an fp32 tensor, rounded once (in float64, then to fp32: exact for a square root, whose float64
+    result rounds to the same fp32 as the exact one): a GPU's ``torch.sqrt``; a CPU's is not always (see above)."""
+    return sum_sq.double().sqrt().float()
 
 
 @traced
-def clip_coefficient_(norm: torch.Tensor, out: torch.Tensor, max_norm: float, *,
+def clip_coefficient_(norm: torch.Tensor, out: torch.Tensor, max_norm: float, *, sum_sq: torch.Tensor | None = None,
                       backend: str | None = None) -> torch.Tensor:
     """Write torch.nn.utils.clip_grad_norm_'s coefficient for the gradient norm ``norm`` into ``out`` (both 0-d fp32
-    tensors on one device): the bits of :func:`clip_coefficient_ref`. Returns ``out``."""
+    tensors on one device): the bits of :func:`clip_coefficient_ref`. With ``sum_sq`` (0-d fp32, the sum of the
+    squares), ``norm`` is written first, its correctly rounded square root (what torch.sqrt gives on a GPU), in the
+    same launch. Returns ``out``."""
     _check_scalar_tensor(norm, "norm", torch.float32)
     _check_scalar_tensor(out, "out", torch.float32, norm.device)
+    if sum_sq is not None:
+        _check_scalar_tensor(sum_sq, "sum_sq", torch.float32, norm.device)
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")  # (inf: torch's clip takes it too)
     if select_backend("clip_coefficient_", out.device, backend) is Backend.TORCH:
+        if sum_sq is not None:
+            norm.copy_(_correctly_rounded_sqrt(sum_sq))
         return clip_coefficient_ref(norm, out, max_norm)
-    kernel, grid, args, kwargs = clip_coefficient_launch_spec(norm, out, max_norm)
+    kernel, grid, args, kwargs = clip_coefficient_launch_spec(norm, out, max_norm, sum_sq)
     # (a max_norm of inf, which torch's clip takes, times the 0 coefficient of an infinite norm: NaN, as torch's)
     with quiet_interpreter("invalid"):
         kernel[grid](*args, **kwargs)
@@ -154,9 +181,9 @@ def clip_coefficient_(norm: torch.Tensor, out: torch.Tensor, max_norm: float, *,
 def clip_coefficient_kernel(spec: tuple, launches: dict, first) -> None:
     """``spec`` (from :func:`clip_coefficient_launch_spec`) through the BoundLaunch in ``launches``, ``first()``
     (the checked :func:`clip_coefficient_`) where there is none yet or an argument changed
-    (:func:`._launch.launch`)."""
+    (:func:`._launch.launch`; the norm, a new tensor at each clip, is taken afresh)."""
     with quiet_interpreter("invalid"):
-        _launch.launch(launches, "clip", spec, first)
+        _launch.launch(launches, "clip", spec, first, live=(CLIP_NORM_ARG,))
 
 
 def counter_table(counters: list, device) -> torch.Tensor:

@@ -107,7 +107,8 @@ def adamw_update_slice(bucket: _Bucket, group: dict, sl: slice, step: torch.Tens
 
 def _coefficients_kernel_runs(device: torch.device) -> bool:
     """Whether a bound update's coefficients come from one kernel launch (kernels.adamw.adamw_coefficients_launch:
-    4 small ops and a launch per param group and step, instead of 13 float64 ops): where the Triton kernels run
+    one launch per param group and step where the kernels run compiled, with 3 small ops before it under the
+    interpreter, instead of 13 float64 ops): where the Triton kernels run
     (compiled, or the interpreter, where the CPU tests run them), outside torch.compile (which records the torch
     ops). The same bits either way."""
     return triton_kernels_run(device)
@@ -139,10 +140,11 @@ def adamw_launch(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale
                                      lambda: torch.empty(3, dtype=torch.float32, device=opt.device))
         if isinstance(lr, torch.Tensor):
             return out.copy_(coef)
-        if _coefficients_kernel_runs(opt.device):  # (the lr in its float64 device tensor, 1 fill; see there)
+        if _coefficients_kernel_runs(opt.device):  # (the lr a kernel argument, or its float64 device tensor where
+            # a captured phase reads it: no torch op where the kernel runs compiled; see there)
             scratch, launches = opt._persistent_tensor(("adamw kernel scratch", counter), lambda: (
                 _kernel_scratch(opt.device), {}))
-            adamw_coefficients_launch(out, scratch, opt._lr_tensor(group, gi), bucket.step, beta1, beta2,
+            adamw_coefficients_launch(out, scratch, opt._lr_source(group, gi), bucket.step, beta1, beta2,
                                       group["weight_decay"], launches)
             return out
         views, scratch = opt._persistent_tensor(("adamw views", counter), lambda: (

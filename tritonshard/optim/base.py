@@ -626,7 +626,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._reduced_bufs = tuple(self._reduced_pair.unbind())
         self._nonfinite_buf = scalar(dtype=torch.bool)
         self._clip_buf = scalar(dtype=torch.float32)
-        self._norm_buf = scalar(dtype=torch.float32)  # (the clip's norm, which its coefficient's launch reads)
         self._not_skipped_buf = scalar(dtype=torch.float32)
         self._counter_table = None  # (the step counters, their addresses' table): _launch_step_flags
         self._scalar_launches: dict = {}  # its bound launch, the clip coefficient's, the norm totals' rounding
@@ -2496,18 +2495,23 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         sum_sq, _ = self._reduce_grads(recheck=True)
         if (norm_type == 2.0 and not self._clamped and self._scale is None and self._clip_coef is None
                 and not self._grad_multipliers and self._scalar_kernels_run()):
-            # the usual clip: the norm (torch's sqrt, into a buffer a bound launch reads; the user gets a copy, a new
-            # tensor at every call as torch's) and its coefficient in one launch (kernels/scalars.py): 3 small ops
-            # instead of 5, the same bits
+            # the usual clip: the norm, a new tensor at every call as torch's (which the bound launch takes afresh),
+            # and its coefficient in one launch (kernels/scalars.py), the same bits as torch's ops: compiled, the
+            # norm's sqrt is in it too (no torch op; until session 36 a sqrt and a clone), under the interpreter it
+            # is torch's (on a CPU tensor not always correctly rounded: see there)
             self._common_multiplier()  # (None, as no torch code multiplied the gradients; it notes that)
-            norm = torch.sqrt(sum_sq, out=self._norm_buf)
-            args = (norm, self._clip_buf, max_norm)
-            _scalars.clip_coefficient_kernel(_scalars.clip_coefficient_launch_spec(*args), self._scalar_launches,
-                                             lambda: _scalars.clip_coefficient_(*args))
+            if compiled_path(self.device):
+                norm = torch.empty((), dtype=torch.float32, device=self.device)
+                args, options = (norm, self._clip_buf, max_norm), dict(sum_sq=sum_sq)
+            else:
+                norm = torch.sqrt(sum_sq)
+                args, options = (norm, self._clip_buf, max_norm), {}
+            _scalars.clip_coefficient_kernel(_scalars.clip_coefficient_launch_spec(*args, **options),
+                                             self._scalar_launches, lambda: _scalars.clip_coefficient_(*args, **options))
             self._clip_coef = self._clip_buf
             if self._flags.traced_reduction:  # (under torch.compile: see _adopt_traced_reduction)
                 self._flags.traced_clip_coef = self._clip_coef
-            return norm.clone()
+            return norm
         if norm_type == 2.0 and not self._clamped:
             total = sum_sq.sqrt()
             if self._scale is not None:
