@@ -78,6 +78,9 @@ def main() -> None:
         for g in opt.param_groups:                  # a hyper-parameter changes: the launches must rebind
             g["betas"] = (0.8, 0.99)
         out["new_betas"] = [step(), step(), step()]
+        _launch.set_bound_launches(False)
+        out["new_betas_triton_dispatch"] = [step()]
+        _launch.set_bound_launches(True)
         out["no_clip"] = [step(clip=False), step(clip=False), step(clip=False)]  # grad_scale becomes a number
         _launch.set_bound_launches(False)
         out["no_clip_triton_dispatch"] = [step(clip=False)]

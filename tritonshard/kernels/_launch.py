@@ -77,30 +77,34 @@ class BoundLaunch:
     """``kernel[grid](*args, **kwargs)``, launched through the compiled launcher from the second call on.
 
     ``args``/``kwargs`` must be what every call launches: tensors the caller keeps (their contents may change,
-    not their storage) and Python scalars that do not change (the caller rebinds when one does).
+    not their storage) and Python scalars that do not change (the caller rebinds when one does), but for the
+    ``live`` arguments and the floats, which a call may hand anew (:func:`launch`).
     """
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "live", "_launcher", "_recorded", "_device", "_unbindable")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "live", "_taken", "_launcher", "_recorded", "_device",
+                 "_unbindable")
 
     def __init__(self, kernel, grid: tuple, args: tuple, kwargs: dict, live: tuple = ()):
         self.kernel, self.grid, self.args, self.kwargs = kernel, grid, args, kwargs
-        self.live = live  # positions in args of integers the kernel does not specialize on, new at each call
+        self.live = live  # positions in args of ints the kernel does not specialize on, or tensors, new per call
+        # (the positions a call's args replace in the recorded ones: the live ones and every float)
+        self._taken = tuple(sorted(set(live) | {i for i, a in enumerate(args) if type(a) is float}))
         self._launcher: Optional[Callable] = None
         self._recorded: Optional[tuple] = None
         self._device = None
         self._unbindable = False  # recording failed once (an unknown Triton, the interpreter): never try again
 
     def __call__(self, args: Optional[tuple] = None) -> None:
-        """Launch; ``args``: this call's arguments where the ``live`` ones may differ from the bound ones (the
-        rest are the bound ones, which :func:`launch` checked)."""
+        """Launch; ``args``: this call's arguments where the live ones and the floats may differ from the bound
+        ones (the rest are the bound ones, which :func:`launch` checked)."""
         if _ENABLED and not self._unbindable and _no_launch_hooks():
             if self._recorded is not None:
                 global replays
                 replays += 1
                 recorded = self._recorded
-                if args is not None and self.live:
+                if args is not None and self._taken:
                     recorded = list(recorded)
-                    for i in self.live:
+                    for i in self._taken:
                         recorded[_LEADING + i] = args[i]
                 stream = driver.active.get_current_stream(self._device)
                 self._launcher(recorded[0], recorded[1], recorded[2], stream, *recorded[4:])
@@ -137,7 +141,7 @@ class BoundLaunch:
         # signature's order: a live argument is substituted there, where it must be what was passed)
         if (len(calls) == 1 and len(calls[0]) >= _LEADING
                 and all(len(calls[0]) > _LEADING + i and _same_object(calls[0][_LEADING + i], args[i])
-                        for i in self.live)):
+                        for i in self._taken)):
             self._launcher, self._recorded = launcher, calls[0]
             self._device = driver.active.get_current_device()
         else:
@@ -161,19 +165,23 @@ def launch(cache: dict, key, spec: tuple, first: Callable[[], None], live: tuple
 
     When there is none, or its arguments differ from ``spec``'s (tensors compared by identity, the rest by value),
     ``first()`` runs instead, the public launcher with its argument checks (which launches), and a BoundLaunch of
-    ``spec`` is stored for the next call: every new binding has been validated once. ``live``: positions of
-    arguments that may change at every call, each an integer the kernel does not specialize on
-    (``do_not_specialize``: the lr's bits) or a tensor (a new 0-d output per call: the clip's norm): another one
-    there replays the bound launch with it, unless Triton would specialize it otherwise (an int's type, i32 / i64
-    / u64 by its range; a tensor's dtype, device, or 16-byte alignment), which binds anew."""
+    ``spec`` is stored for the next call: every new binding has been validated once. Arguments that may change
+    at every call replay the bound launch with their new values instead: every float (Triton types a float
+    argument fp32 whatever its value: the betas that torch's OneCycleLR cycles every step, SGD's momentum; the
+    optimizer validates its hyper-parameters at every step, and a value a constexpr derives from is in
+    ``kwargs``, which rebinds), and the ``live`` positions, each an integer the kernel does not specialize on
+    (``do_not_specialize``: the lr's bits) or a tensor (a new 0-d output per call: the clip's norm), unless
+    Triton would specialize the new one otherwise (an int's type, i32 / i64 / u64 by its range; a tensor's dtype,
+    device, or 16-byte alignment), which binds anew. (Until session 36 a new float rebound: with OneCycleLR's
+    momentum cycling, a checked launch per bucket and a segmented launch's tables built anew at every step,
+    ~15 ms of host time per 125M step.)"""
     kernel, grid, args, kwargs = spec
     bound = cache.get(key)
     if bound is not None and bound.grid == grid and bound.kwargs == kwargs and bound.live == live:
-        if not live:
-            if _same(bound.args, args):
-                bound()
-                return
-        elif _same_but_live(bound.args, args, live):
+        if _same(bound.args, args):
+            bound()
+            return
+        if _same_but_live(bound.args, args, live):
             bound(args)
             return
     first()
@@ -204,13 +212,14 @@ def _int_type(x: int) -> str:
     return "u64" if 2 ** 63 <= x < 2 ** 64 else "i64"
 
 
-def _same_but_live(a: tuple, b: tuple, live: tuple) -> bool:
-    """:func:`_same` but at the ``live`` positions, where both must be ints of the same Triton type, or tensors
-    of the same dtype and device, both 16-byte aligned or both not (Triton's specialization of a pointer)."""
+def _same_but_live(a: tuple, b: tuple, live: tuple = ()) -> bool:
+    """:func:`_same` but where both are floats (any values), and at the ``live`` positions, where both must be
+    ints of the same Triton type, or tensors of the same dtype and device, both 16-byte aligned or both not
+    (Triton's specialization of a pointer)."""
     if len(a) != len(b):
         return False
     for i, (x, y) in enumerate(zip(a, b)):
-        if x is y:
+        if x is y or (type(x) is float and type(y) is float):
             continue
         if i in live:
             if type(x) is int and type(y) is int:
@@ -225,8 +234,10 @@ def _same_but_live(a: tuple, b: tuple, live: tuple) -> bool:
 
 
 def _same_object(recorded, passed) -> bool:
-    """Whether the launcher got ``passed`` at a live argument's place: the tensor itself, or the int's value."""
-    return recorded is passed or (type(recorded) is int and type(passed) is int and recorded == passed)
+    """Whether the launcher got ``passed`` at a live argument's place: the tensor itself, or the number's value
+    (a NaN never is: such a launch stays on Triton's path)."""
+    return recorded is passed or (type(recorded) is type(passed) and type(passed) in (int, float)
+                                  and recorded == passed)
 
 
 #: int64 columns per segment in a segmented launch's table (see _update_jit): up to 7 role offsets, then the numel

@@ -170,8 +170,9 @@ def _double_bits(x: float) -> int:
 
 
 _DOUBLE, _DOUBLE_BITS = struct.Struct("<d"), struct.Struct("<q")
-#: the argument of _coefficients_kernel a bound launch takes afresh at every call (the lr a scheduler changes)
-_LR_BITS_ARG = 2
+#: the arguments of _coefficients_kernel a bound launch takes afresh at each call: the bits of the lr (a scheduler
+#: changes it every step), of the betas (torch's OneCycleLR cycles beta1) and of the weight decay
+_LIVE_BITS = (2, 5, 6, 7)
 
 
 def adamw_coefficients_launch(out: torch.Tensor, scratch: tuple, lr, step: torch.Tensor, beta1: float,
@@ -205,13 +206,13 @@ def adamw_coefficients_launch(out: torch.Tensor, scratch: tuple, lr, step: torch
 @traced
 def adamw_coefficients_kernel(spec: tuple, launches: dict) -> None:
     """The launch of :func:`adamw_coefficients_launch`, bound (in a kernel's profiler range, as every launcher);
-    the lr's argument may change between calls (:func:`._launch.launch`'s ``live``)."""
+    the hyper-parameters' bits may change between calls (:func:`._launch.launch`'s ``live``)."""
     kernel, grid, args, kwargs = spec
     # a step count of 0 (every step so far skipped for an inf) divides by 1 - beta1^0 = 0: inf, as torch's
     # reciprocal gives and a GPU computes without a word (the update is masked then); the interpreter's numpy would
     # warn
     with quiet_interpreter("divide", "invalid"):
-        _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs), live=(_LR_BITS_ARG,))
+        _launch.launch(launches, "coefficients", spec, lambda: kernel[grid](*args, **kwargs), live=_LIVE_BITS)
 
 
 def _check_coefficients(coefficients, device) -> None:

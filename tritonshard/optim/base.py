@@ -237,9 +237,11 @@ def _scale_in_place(grad_scale, factor, buf: torch.Tensor, op):
     return grad_scale / factor if op is torch.div else grad_scale * factor
 
 
-def _same_spec(a: tuple, b: tuple) -> bool:
-    """Two launch specs (kernel, grid, args, kwargs) launch the same: tensors by identity, the rest by value."""
-    return a[0] is b[0] and a[1] == b[1] and a[3] == b[3] and _launch._same(a[2], b[2])
+def _same_spec_but_floats(a: tuple, b: tuple) -> bool:
+    """Two launch specs (kernel, grid, args, kwargs) launch the same kernel on the same tensors with the same other
+    scalars: tensors by identity, the rest by value, but floats, which may differ (a bound launch takes them anew:
+    kernels/_launch.py)."""
+    return a[0] is b[0] and a[1] == b[1] and a[3] == b[3] and _launch._same_but_live(a[2], b[2])
 
 
 def kernels():
@@ -3085,20 +3087,26 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             return False
         first, _ = launch(buckets[0])
         variants = self._segmented.setdefault(buckets[0].index, [])  # [(first spec, merged spec, its launches)]
-        kept = next((v for v in variants if _same_spec(v[0], first)), None)
+        # (a variant differs in more than floats: a float, e.g. a beta OneCycleLR cycles, is this step's in the
+        # merged launch, which replays with it: _launch.launch)
+        kept = next((v for v in variants if _same_spec_but_floats(v[0], first)), None)
         if kept is None:
             specs = [first] + [launch(b)[0] for b in buckets[1:]]
             kept = (first, _launch.segmented_spec(specs, block=first[3]["BLOCK"], **segments), {})
             variants.insert(0, kept)
             del variants[self._SEGMENTED_VARIANTS:]
-        if kept[1] is None:
+        merged = kept[1]
+        if merged is None:
             return False
+        if first is not kept[0]:  # (the group's floats of this step: every bucket's spec has the first's)
+            kernel, grid, args, kwargs = merged
+            merged = (kernel, grid, tuple(a if type(a) is not float else b for a, b in zip(args, first[2])), kwargs)
 
         def checked_launches():
             for b in buckets:
                 launch(b)[1]()
         with _trace("tritonshard.kernel.{}", op):
-            _launch.launch(kept[2], "merged", kept[1], checked_launches)
+            _launch.launch(kept[2], "merged", merged, checked_launches)
         return True
 
     #: merged launches kept per param group (see _launch_segmented)

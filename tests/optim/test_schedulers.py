@@ -1,0 +1,50 @@
+"""torch's schedulers that change more than the lr at every step: OneCycleLR's ``cycle_momentum`` (on by default)
+cycles beta1 of Adam-like optimizers and SGD's momentum. Each step's values must reach the update: the bound
+launches take new floats and hyper-parameter bits at each call (kernels/_launch.py; until session 36 each change
+bound every launch anew, ~15 ms of host time per 125M step, which benchmarks.host_overhead would show), and the
+masters must follow torch.optim's within 2e-6 (fp32 op order, as tests/optim/test_loop_fuzz.py), far below what
+one step with the wrong beta or momentum moves them (~1e-4 here)."""
+
+import pytest
+import torch
+
+from tests.optim.training import make_model
+from tritonshard import ShardedAdamW, ShardedSGD
+
+CASES = {
+    "adamw": (ShardedAdamW, torch.optim.AdamW, dict(weight_decay=0.05), lambda g: g["betas"][0]),
+    "sgd": (ShardedSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, weight_decay=0.01),
+            lambda g: g["momentum"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_cycle_with_momentum_cycling_matches_torch_optim(name):
+    ours, theirs, hparams, cycled = CASES[name]
+    model, ref = make_model(1), make_model(1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    opt = ours(trainable, lr=1e-2, **hparams)
+    ref_opt = theirs(ref_params, lr=1e-2, foreach=False, **hparams)
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=10) for o in (opt, ref_opt)]
+    seen = []
+    for step in range(7):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in trainable]
+        for p, q, grad in zip(trainable, ref_params, grads):
+            p.grad, q.grad = grad, grad.float()
+        if step % 2:
+            opt.clip_grad_norm_(0.5)  # (a clip in every other step: two variants of each launch)
+            torch.nn.utils.clip_grad_norm_(ref_params, 0.5, foreach=False)
+        opt.step()
+        ref_opt.step()
+        for s in schedulers:
+            s.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        seen.append((opt.param_groups[0]["lr"], cycled(opt.param_groups[0])))
+    assert len(set(seen)) == len(seen), f"the schedule must change the lr and {name}'s momentum every step: {seen}"
+    state = opt.state_dict()["state"]
+    for i, (p, q) in enumerate(zip(trainable, ref_params)):
+        torch.testing.assert_close(state[i]["master"].reshape(q.shape), q.detach(), rtol=0, atol=2e-6,
+                                   msg=lambda m: f"parameter {i}: {m}")
