@@ -441,6 +441,57 @@ def test_a_compiled_step_keeps_what_the_loop_wrote_to_the_weights_and_state(how)
                                        how)
 
 
+#: what the loop does between a compiled clip and the step (weight clipping, an LR finder's reset), and whether a
+#: compiled step follows it by itself (an opt.state edit makes the step eager; a weight written in place between
+#: the backward and a compiled step needs opt.sync_from_model(), README: so that one runs with an eager step only)
+AFTER_CLIP = {
+    "in-place clamp of a weight": (_clamp, False),
+    "opt.state[p] cleared": (lambda model, opt: opt.state[model.fc1.weight].clear(), True),
+    "opt.state entry replaced": (_state_replaced, True),
+}
+
+
+def _clip_write_step_run(write, compiled: bool, compiled_step: bool):
+    """(parameters, masters, moments and step counts after three steps, the graphs traced), with ``write(model,
+    opt)`` done between the second step's clip and its step."""
+    torch._dynamo.reset()
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    graphs, capture = _recording_backend()
+    clip = torch.compile(opt.clip_grad_norm_, backend=capture) if compiled else opt.clip_grad_norm_
+    step = torch.compile(opt.step, backend=capture) if compiled and compiled_step else opt.step
+    for k in range(3):
+        (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
+        clip(0.5)
+        if k == 1:
+            write(model, opt)
+        step()
+        opt.zero_grad()
+    kept = [p.detach().clone() for p in model.parameters()]
+    kept += [t.clone() for b in opt.buckets for t in (b.master, *b.state.values())]
+    kept += [torch.tensor([float(entry["step"]) for entry in opt.state_dict()["state"].values()])]
+    return kept, graphs
+
+
+@pytest.mark.parametrize("how", list(AFTER_CLIP))
+def test_what_the_loop_writes_between_a_compiled_clip_and_the_step_reaches_the_step(how):
+    # A clip traced by torch.compile cannot look at the model (dynamo would wrap the parameters), so the step after
+    # it must: sync_from_model, as after an eager clip. Until session 36 the step took the traced reduction back
+    # without it, so it updated from the masters as they were (a weight written since overwritten, silently) and
+    # followed an opt.state edit only after the update, at the next look (a cleared entry zeroed the moments just
+    # computed and set every count back; found by tests.optim.loop_fuzz_long's CompiledTrainingLoop)
+    write, compiled_step = AFTER_CLIP[how]
+    eager, _ = _clip_write_step_run(write, False, compiled_step)
+    compiled, graphs = _clip_write_step_run(write, True, compiled_step)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("sum_sq_partials" in t for t in targets), f"{how}: no clip was traced: {sorted(targets)}"
+    if compiled_step:
+        _assert_the_same_with_steps_traced(eager, compiled, graphs, how)
+    else:
+        for i, (a, b) in enumerate(zip(eager, compiled)):
+            assert torch.equal(a, b), f"{how}: tensor {i}: after a compiled clip != after an eager one"
+
+
 @pytest.mark.parametrize("then", ["read at once", "zero_grad() first", "opt.state.clear(), a step"])
 def test_opt_state_after_a_first_compiled_step_is_shown_as_after_an_eager_one(then):
     # a traced step cannot fill opt.state (dynamo would wrap the parameters) and the first step is what shows it;

@@ -2792,7 +2792,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # a bad value in group 1 must not leave group 0 updated and the step counters advanced
         for gi, group in self._trained_groups:
             self._check_group(group, f" (param_groups[{gi}], at step())")
-        reduced_before = self._reduced is not None  # (by a clip, a norm: sync_from_model ran then)
+        # (by a clip, a norm: sync_from_model ran then; or traced by torch.compile in a graph without this step,
+        # which could not look at the model, and which _reduce_grads takes back: until session 36 that step did not
+        # look either, so a weight written since was overwritten from the masters and an opt.state edit followed
+        # only after the update, found by tests.optim.loop_fuzz_long's CompiledTrainingLoop)
+        reduced_before = self._reduced is not None or self._flags.traced_reduction
         _, found_inf = self._reduce_grads(for_step=True)
         if reduced_before:
             # the model as it is now: weights written since the clip (until session 21 the update overwrote them
