@@ -30,6 +30,8 @@ def _train(bound: bool):
                 p.grad = torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16)
             if step != 3:  # one step without clipping: grad_scale becomes a number, the update rebinds
                 opt.clip_grad_norm_(0.5)
+            for group in opt.param_groups:  # new betas at every step (OneCycleLR's momentum cycling): the replays
+                group["betas"] = (0.9 - 0.02 * step, 0.999 - 0.001 * step)  # take them anew (kernels/_launch.py)
             opt.step()
             sched.step()
             opt.zero_grad()
