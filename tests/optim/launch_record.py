@@ -120,6 +120,7 @@ def _stepper(rec, opt, sched, params, grads):
     def step(clip=True):
         before = _launch.replays
         lrs = [float(g["lr"]) for g in opt.param_groups]  # (this step's: the scheduler steps after it)
+        decays = [float(g["weight_decay"]) for g in opt.param_groups]
         for p, g in zip(params, grads):
             p.grad = g
         norm = opt.clip_grad_norm_(1.0) if clip else None  # (a new tensor per clip, which its launch writes)
@@ -127,7 +128,7 @@ def _stepper(rec, opt, sched, params, grads):
         sched.step()
         opt.zero_grad()
         calls, rec.calls = rec.calls, []
-        return {"launches": _launches(calls), "replays": _launch.replays - before, "lrs": lrs,
+        return {"launches": _launches(calls), "replays": _launch.replays - before, "lrs": lrs, "decays": decays,
                 "norm": None if norm is None else _normal(norm)}
     return step
 

@@ -22,13 +22,17 @@ BETA1_ARG = 9 + 14       # the launcher's 9 leading arguments, then _adamw_kerne
 LR_ARG = 9 + 2           # ... _coefficients_kernel's lr (its double's bits)
 NORM_ARG = 9 + 0         # ... _clip_coefficient_kernel's norm (the tensor the clip returns)
 BETA_BITS_ARGS = (9 + 5, 9 + 6)  # ... _coefficients_kernel's betas (their doubles' bits)
+#: ... SGD's and Lion's floats that follow the lr (their kernels' coefficient arguments, taken as floats outside
+#: a captured step)
+LR_FLOATS = {"_sgd_kernel": {9 + 6: "-lr"}, "_lion_kernel": {9 + 6: "1 - lr * weight_decay", 9 + 7: "-lr"}}
 
 
 def _lr_checked(step: dict) -> list:
     """``step``'s launches with the arguments that change at every step checked and then blanked, so that steps
     compare argument by argument: each AdamW coefficients launch's lr, against its group's lr at that step (the
-    groups in order; the scheduler changes it every step), and the clip's norm, the tensor the clip returned (a new
-    one per call). A bound launch takes both afresh at each call (kernels/_launch.py's ``live``)."""
+    groups in order; the scheduler changes it every step), SGD's and Lion's lr-derived floats (-lr; Lion's
+    1 - lr * weight_decay, float64 math), and the clip's norm, the tensor the clip returned (a new one per call).
+    A bound launch takes them afresh at each call (kernels/_launch.py: floats, and ``live`` arguments)."""
     lrs = iter(step["lrs"])
     out = []
     for name, args in step["launches"]:
@@ -36,6 +40,13 @@ def _lr_checked(step: dict) -> list:
             lr = next(lrs)
             assert args[LR_ARG] == _double_bits(lr), f"the coefficients launch's lr is not {lr!r}, this step's"
             args = args[:LR_ARG] + ["this step's lr"] + args[LR_ARG + 1:]
+        elif name in LR_FLOATS:  # (one group in these records)
+            (lr,), (decay,) = step["lrs"], step["decays"]
+            want = {"-lr": -lr, "1 - lr * weight_decay": 1.0 - lr * decay}
+            args = list(args)
+            for i, what in LR_FLOATS[name].items():
+                assert args[i] == ["float", want[what].hex()], f"{name}'s {what} is not this step's"
+                args[i] = f"this step's {what}"
         elif name == "_clip_coefficient_kernel":
             assert args[NORM_ARG] == step["norm"], "the clip's launch did not write the norm the clip returned"
             args = args[:NORM_ARG] + ["this clip's norm"] + args[NORM_ARG + 1:]
@@ -133,8 +144,9 @@ def test_gradients_at_new_addresses_replay_the_flatten_through_its_rewritten_tab
                                           ("adamw_overlap", "_adamw_kernel")])
 def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     """ShardedSGD's and ShardedLion's updates replay like AdamW's (they went through the checked launcher every
-    step), with the lr a scheduler changes every step read from a per-group tensor: the replayed steps hand the
-    launcher what Triton's dispatch does, and every launch of a step replays. So does ShardedAdamW's with
+    step), with the lr a scheduler changes every step taken as the kernels' float arguments (-lr, and Lion's
+    1 - lr * weight_decay): the replayed steps hand the launcher what Triton's dispatch does at each step's lr, and
+    every launch of a step replays. So does ShardedAdamW's with
     overlap_comm, whose updates are one segmented launch too (its collectives are per bucket, its launches not)."""
     rec = record[name]
     dispatch = rec["dispatch"][-1]["launches"]

@@ -8,8 +8,10 @@ from ..kernels import _launch
 from ..kernels._common import fill_negated, fill_one_minus_product
 from ..kernels.lion import SEGMENTS as LION_SEGMENTS
 from ..kernels.lion import launch_spec as lion_launch_spec
+from ..kernels.lion import lion_coefficients
 from ..kernels.sgd import SEGMENTS as SGD_SEGMENTS
 from ..kernels.sgd import launch_spec as sgd_launch_spec
+from ..kernels.sgd import sgd_coefficients
 from ._hparams import check_betas, check_lr, check_min, check_number, require
 from .base import ShardedOptimizer, kernels
 from .bucket import _Bucket
@@ -81,12 +83,16 @@ class ShardedSGD(ShardedOptimizer):
                                 maximize=group["maximize"], remainders=remainders, **state_kwargs)
         if not persistent:
             return None, checked_launch
-        # the lr a scheduler sets reaches the kernel through one tensor per group that keeps its storage ([-lr],
-        # fp32: the bits the checked launcher computes from the same lr), so the bound launch stays valid
-        coef = self._once_per_step(("sgd", bucket.group_index), lambda: fill_negated(self._persistent_tensor(
-            ("sgd", bucket.group_index), lambda: torch.empty(1, dtype=torch.float32, device=self.device)),
-            self._lr_source(group, bucket.group_index)))
-        spec = sgd_launch_spec(param, grad, momentum_buffer, coef, None, bucket.step, grad_scale, found_inf,
+        lr = self._lr_source(group, bucket.group_index)
+        if isinstance(lr, torch.Tensor):
+            # a captured phase: the lr a scheduler sets reaches the kernel through one tensor per group that keeps
+            # its storage ([-lr], fp32: the bits the checked launcher computes from the same lr)
+            coef, values = self._once_per_step(("sgd", bucket.group_index), lambda: fill_negated(
+                self._persistent_tensor(("sgd", bucket.group_index),
+                                        lambda: torch.empty(1, dtype=torch.float32, device=self.device)), lr)), None
+        else:  # -lr as the kernel's float argument, which a bound launch takes anew at each call (kernels/_launch)
+            coef, values = sgd_coefficients(lr, self.device)
+        spec = sgd_launch_spec(param, grad, momentum_buffer, coef, values, bucket.step, grad_scale, found_inf,
                                param_out, _seed(state_kwargs), group["momentum"], group["dampening"],
                                group["weight_decay"], group["nesterov"], group["maximize"], remainders)
         return spec, checked_launch
@@ -133,17 +139,20 @@ class ShardedLion(ShardedOptimizer):
         if not persistent:
             return None, checked_launch
         gi = bucket.group_index
+        lr = self._lr_source(group, gi)
 
         def coefficients():  # [1 - lr*wd, -lr]: float64 math, rounded to fp32 once, as the checked launcher does
             coef, scratch = self._persistent_tensor(("lion", gi), lambda: (
                 torch.empty(2, dtype=torch.float32, device=self.device),
                 torch.empty((), dtype=torch.float64, device=self.device)))
-            lr = self._lr_source(group, gi)
             fill_one_minus_product(coef[0], lr, float(group["weight_decay"]), scratch)
             fill_negated(coef[1], lr)
             return coef
-        coef = self._once_per_step(("lion", bucket.group_index), coefficients)
-        spec = lion_launch_spec(param, grad, exp_avg, coef, None, grad_scale, found_inf, param_out,
+        if isinstance(lr, torch.Tensor):  # (a captured phase reads them from a tensor that keeps its storage)
+            coef, values = self._once_per_step(("lion", bucket.group_index), coefficients), None
+        else:  # the kernel's float arguments, which a bound launch takes anew at each call (kernels/_launch.py)
+            coef, values = lion_coefficients(lr, float(group["weight_decay"]), self.device)
+        spec = lion_launch_spec(param, grad, exp_avg, coef, values, grad_scale, found_inf, param_out,
                                 _seed(state_kwargs), beta1, beta2, group["maximize"], remainders)
         return spec, checked_launch
 
