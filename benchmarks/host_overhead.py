@@ -50,8 +50,10 @@ def _machinery(on: bool):
     return overlap_machinery_on_one_rank(on)
 
 
-def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwargs: dict) -> tuple[float, float]:
-    """(seconds per step, seconds per step of the bare collectives) for ``num_buckets`` buckets."""
+def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwargs: dict,
+             moving_betas: bool = False) -> tuple[float, float]:
+    """(seconds per step, seconds per step of the bare collectives) for ``num_buckets`` buckets; ``moving_betas``:
+    new betas before every step, as torch's OneCycleLR cycles beta1 (its default ``cycle_momentum``)."""
     import tritonshard
     from benchmarks.step import sharded_step
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(num_buckets * per_bucket)]
@@ -86,7 +88,10 @@ def _measure(num_buckets: int, per_bucket: int, numel: int, reps: int, opt_kwarg
         step()
         collectives()
     times, comm = [], []
-    for _ in range(reps):
+    for i in range(reps):
+        if moving_betas:
+            for group in opt.param_groups:
+                group["betas"] = (0.85 + 0.001 * (i % 100), 0.999)
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
@@ -341,6 +346,8 @@ def main(argv=None) -> dict:
                 _measure(lo, args.tensors_per_bucket, args.numel, reps, dict(options))
                 counts.append(dry.launches - before)
             launches_at_lo = counts[1] - counts[0]
+            step_moving, _ = _measure(hi, args.tensors_per_bucket, args.numel, args.reps, dict(options),
+                                      moving_betas=True)
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
             per_param = _measure_per_param(args.params, args.param_rounds) if args.params else None
             model_iteration = _measure_model_iteration(args.model_rounds) if args.model_rounds else None
@@ -361,6 +368,7 @@ def main(argv=None) -> dict:
         # (a group of one rank issues no collective since session 32: the step's slope has none in it)
         "host_us_per_bucket_without_gloo": per_bucket * 1e6,
         "launches_per_step_at_lo": launches_at_lo,
+        "step_ms_moving_betas": step_moving * 1e3,
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
         "per_param_us": per_param, "params": args.params, "model_iteration_ms": model_iteration,
@@ -378,6 +386,8 @@ def main(argv=None) -> dict:
     print(f"  per bucket: {row['host_us_per_bucket']:.0f} us (per tensor {row['host_us_per_tensor']:.0f} us), no "
           f"collective in it (a 1-rank group issues none); on more ranks their calls add to it: gloo's "
           f"reduce-scatter + all-gather here {row['gloo_collectives_us_per_bucket']:.0f} us per bucket")
+    print(f"  with new betas before every step (torch's OneCycleLR cycles beta1): {step_moving * 1e3:.2f} ms at {hi} "
+          f"buckets, against {step_hi * 1e3:.2f} ms with fixed ones (until session 36 every launch bound anew then)")
     print(f"  flatten of {args.flatten_tensors} gradients: {row['flatten_host_us_per_tensor_repeating']:.2f} us per "
           f"tensor at repeating addresses, {row['flatten_host_us_per_tensor_fresh']:.2f} us at new ones")
     if per_param:

@@ -278,6 +278,9 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     # AdamW's coefficients (session 31), the clip's coefficient and the step's scalars (session 34)
     assert row["launches_per_step_at_lo"] == 7
     assert "per bucket:" in proc.stdout
+    # a step under moving betas (OneCycleLR's momentum cycling, session 36) is reported beside the fixed ones (the
+    # replays it must make: tests/optim/test_launch_plans.py)
+    assert row["step_ms_moving_betas"] > 0 and "OneCycleLR cycles beta1" in proc.stdout
     # the step's host timeline (session 35): the calls and the bound launches in the order a step makes them, each
     # event's minimum over the steps, so never before the event it follows
     events = row["timeline"]["events"]
