@@ -1,8 +1,8 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
 (the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
 parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
-default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, and with the step
-compiled by torch.compile.
+default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
+compiled by torch.compile, and with cuda_graph=True (its graphs emulated).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
@@ -576,6 +576,42 @@ class OneRankOverlappedTrainingLoop(OverlappedTrainingLoop):
     MACHINERY = False
 
 
+class GraphedTrainingLoop(TrainingLoop):
+    """``cuda_graph=True``: steady steps captured (on their key's second sight) and replayed, the graphs emulated on
+    the CPU (tests/optim/graph_emulation.py: each replay must run the ops and launches of its capture, with the same
+    addresses and numbers, and the optimizer's host state is put back after it, as a real replay runs no Python),
+    against torch.optim. A value a real graph would freeze fails the emulated replay; a wrong replayed value fails
+    the comparison."""
+    OPTIONS = dict(cuda_graph=True)
+
+    def __init__(self):
+        from tritonshard.optim import graphs
+        from tests.optim.graph_emulation import EmulatedGraph
+        self._graphs_module = graphs
+        self._saved = graphs.make_graph, graphs.unsupported
+        graphs.make_graph, graphs.unsupported = EmulatedGraph, lambda device, backend: None
+        super().__init__()
+
+    def teardown(self):
+        self._graphs_module.make_graph, self._graphs_module.unsupported = self._saved
+        super().teardown()
+
+    # (every head's backward, and a rule of a backward, a clip and a step together: steady steps, whose keys
+    # repeat, so that steps are captured and replayed between the rules that change what a graph freezes)
+    @rule(sync=st.booleans())
+    def backward(self, sync):
+        TrainingLoop.backward(self, set(HEADS + (EXTRA,)), sync)
+
+    @rule(clip=st.booleans(), times=st.integers(1, 3))
+    def backward_clip_and_step(self, clip, times):
+        for _ in range(times):
+            TrainingLoop.backward(self, set(HEADS + (EXTRA,)), True)
+            if clip:
+                self.clip(1.0, "opt")
+            self.step()
+            self.zero_grad("opt", True)
+
+
 class SGDTrainingLoop(TrainingLoop):
     """ShardedSGD with momentum, dampening and weight decay against torch.optim.SGD (the momentum buffer starts at
     a parameter's first gradient; a step that skips it leaves it)."""
@@ -762,6 +798,10 @@ test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase
+# (30 loops of up to 30 calls: 28 captures and 53 replays, session 36; tests/optim/loop_fuzz_long.py runs more)
+GraphedTrainingLoop.TestCase.settings = settings(max_examples=16, stateful_step_count=14, deadline=None,
+                                                 derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+test_graphed_step_training_loops_match_torch_optim = GraphedTrainingLoop.TestCase
 
 
 def _one_weight():
