@@ -51,3 +51,21 @@ def test_bound_launches_train_bit_for_bit_like_tritons_dispatch():
     for i in state_dispatch:
         for name in ("master", "exp_avg", "exp_avg_sq", "step"):
             assert_bitwise_equal(state_bound[i][name], state_dispatch[i][name], f"state[{i}][{name!r}]")
+
+
+def test_what_a_bound_launch_takes_anew_and_what_binds_it_again():
+    """kernels/_launch.py's rule (session 36): floats anywhere and the ``live`` ints and tensors replay with their
+    new values, unless Triton would specialize them otherwise (an int's type; a tensor's dtype, device, or 16-byte
+    alignment); any other change, a tensor at a position not live included, binds anew."""
+    same = _launch._same_but_live
+    t = torch.zeros(8)
+    other, misaligned = torch.zeros(8), torch.zeros(9)[1:]
+    assert same((t, 0.9, 1), (t, 0.8, 1))                       # a float: any value
+    assert not same((t, 0.9, 1), (t, 0.9, 2))                   # an int not live
+    assert same((t, 0.9, 2 ** 40), (t, 0.9, 2 ** 41), live=(2,))  # a live int of the same Triton type (i64)
+    assert not same((t, 0.9, 2 ** 40), (t, 0.9, 0), live=(2,))    # ... but for one Triton types i32
+    assert not same((t, 0.9), (other, 0.9))                     # a tensor not live: by identity
+    assert same((t, 0.9), (other, 0.9), live=(0,))              # a live tensor of the same dtype and alignment
+    assert not same((t, 0.9), (misaligned, 0.9), live=(0,))     # ... not one 4 bytes off 16-byte alignment
+    assert not same((t, 0.9), (other.double(), 0.9), live=(0,))  # ... nor one of another dtype
+    assert not same((t, 0.9), (t, 1), live=(1,))                # a float that became an int: another type
