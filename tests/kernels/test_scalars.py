@@ -10,9 +10,9 @@ import torch
 from tests.helpers import assert_bitwise_equal
 from tests.kernels.common import DEVICE
 from tritonshard.kernels import _dispatch, _launch
-from tritonshard.kernels.scalars import (CLIP_NORM_ARG, clip_coefficient_, clip_coefficient_launch_spec, clip_coefficient_ref,
-                                         counter_table, round_totals_, round_totals_launch_spec, round_totals_ref,
-                                         step_flags_, step_flags_launch_spec, step_flags_ref)
+from tritonshard.kernels.scalars import (CLIP_NORM_ARG, clip_coefficient_, clip_coefficient_launch_spec,
+                                         clip_coefficient_ref, counter_table, round_totals_, round_totals_launch_spec,
+                                         round_totals_ref, step_flags_, step_flags_launch_spec, step_flags_ref)
 
 pytestmark = pytest.mark.skipif(not (_dispatch.interpreter_enabled() or DEVICE.type == "cuda"),
                                 reason="the kernels run compiled on a GPU or through the interpreter (CI sets it)")

@@ -2502,14 +2502,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             # norm's sqrt is in it too (no torch op; until session 36 a sqrt and a clone), under the interpreter it
             # is torch's (on a CPU tensor not always correctly rounded: see there)
             self._common_multiplier()  # (None, as no torch code multiplied the gradients; it notes that)
-            if compiled_path(self.device):
-                norm = torch.empty((), dtype=torch.float32, device=self.device)
-                args, options = (norm, self._clip_buf, max_norm), dict(sum_sq=sum_sq)
-            else:
-                norm = torch.sqrt(sum_sq)
-                args, options = (norm, self._clip_buf, max_norm), {}
+            compiled = compiled_path(self.device)
+            norm = torch.empty((), dtype=torch.float32, device=self.device) if compiled else torch.sqrt(sum_sq)
+            args, options = (norm, self._clip_buf, max_norm), (dict(sum_sq=sum_sq) if compiled else {})
             _scalars.clip_coefficient_kernel(_scalars.clip_coefficient_launch_spec(*args, **options),
-                                             self._scalar_launches, lambda: _scalars.clip_coefficient_(*args, **options))
+                                             self._scalar_launches,
+                                             lambda: _scalars.clip_coefficient_(*args, **options))
             self._clip_coef = self._clip_buf
             if self._flags.traced_reduction:  # (under torch.compile: see _adopt_traced_reduction)
                 self._flags.traced_clip_coef = self._clip_coef
