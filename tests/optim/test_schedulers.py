@@ -1,5 +1,5 @@
-"""torch's schedulers that change more than the lr at every step: OneCycleLR's ``cycle_momentum`` (on by default)
-cycles beta1 of Adam-like optimizers and SGD's momentum. Each step's values must reach the update: the bound
+"""torch's schedulers that change more than the lr at every step: OneCycleLR's and CyclicLR's ``cycle_momentum`` (on
+by default) cycles beta1 of Adam-like optimizers and SGD's momentum. Each step's values must reach the update: the bound
 launches take new floats and hyper-parameter bits at each call (kernels/_launch.py; until session 36 each change
 bound every launch anew, ~15 ms of host time per 125M step, which benchmarks.host_overhead would show), and the
 masters must follow torch.optim's within 2e-6 (fp32 op order, as tests/optim/test_loop_fuzz.py), far below what
@@ -18,15 +18,23 @@ CASES = {
 }
 
 
+#: schedulers that cycle the momentum (beta1 of Adam-like optimizers) with the lr, by default
+SCHEDULERS = {
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=10),
+    "CyclicLR": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-3, max_lr=5e-2, step_size_up=4),
+}
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_one_cycle_with_momentum_cycling_matches_torch_optim(name):
+def test_momentum_cycling_schedulers_match_torch_optim(name, scheduler):
     ours, theirs, hparams, cycled = CASES[name]
     model, ref = make_model(1), make_model(1)
     trainable = [p for p in model.parameters() if p.requires_grad]
     ref_params = [p for p in ref.parameters() if p.requires_grad]
     opt = ours(trainable, lr=1e-2, **hparams)
     ref_opt = theirs(ref_params, lr=1e-2, foreach=False, **hparams)
-    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=10) for o in (opt, ref_opt)]
+    schedulers = [SCHEDULERS[scheduler](o) for o in (opt, ref_opt)]
     seen = []
     for step in range(7):
         g = torch.Generator().manual_seed(step)
@@ -43,7 +51,8 @@ def test_one_cycle_with_momentum_cycling_matches_torch_optim(name):
         opt.zero_grad()
         ref_opt.zero_grad()
         seen.append((opt.param_groups[0]["lr"], cycled(opt.param_groups[0])))
-    assert len(set(seen)) == len(seen), f"the schedule must change the lr and {name}'s momentum every step: {seen}"
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(seen, seen[1:])), (
+        f"the schedule must change the lr and {name}'s momentum at every step: {seen}")
     state = opt.state_dict()["state"]
     for i, (p, q) in enumerate(zip(trainable, ref_params)):
         torch.testing.assert_close(state[i]["master"].reshape(q.shape), q.detach(), rtol=0, atol=2e-6,
