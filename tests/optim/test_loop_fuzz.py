@@ -547,7 +547,7 @@ def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=()) -> No
         lowest, highest = (master - MASTER_ATOL).to(ref.dtype), (master + MASTER_ATOL).to(ref.dtype)
         other = mine != ref
         assert (~other | ((mine >= lowest) & (mine <= highest))).all(), (
-            f"{n}: weights differ from torch.optim's (not a rounding of a master within {MASTER_ATOL} of its)")
+            f"{n}: weights differ from torch.optim's (not a rounding of a value within {MASTER_ATOL} of its master)")
         if other.any():
             with torch.no_grad():
                 for weights in (refs, *replicas):
@@ -590,7 +590,11 @@ class GraphedTrainingLoop(TrainingLoop):
         self._graphs_module = graphs
         self._saved = graphs.make_graph, graphs.unsupported
         graphs.make_graph, graphs.unsupported = EmulatedGraph, lambda device, backend: None
-        super().__init__()
+        try:
+            super().__init__()
+        except BaseException:  # (no teardown follows a machine that was not made: put them back here)
+            graphs.make_graph, graphs.unsupported = self._saved
+            raise
 
     def teardown(self):
         self._graphs_module.make_graph, self._graphs_module.unsupported = self._saved
