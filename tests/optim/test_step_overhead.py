@@ -16,6 +16,7 @@ from torch import nn
 
 from tests.helpers import launcher_counts
 import tritonshard
+from tritonshard.optim.model_sync import ShardedGrad
 
 
 def _profile_step(n_layers: int, n_groups: int = 1, **options):
@@ -73,23 +74,47 @@ def test_small_ops_per_step_do_not_grow_with_buckets(options):
         many, ops_many, _ = _profile_step(6, **options)
     assert (few, many) == (4, 12)
     assert ops_many == ops_few, f"per-bucket small ops: {ops_many - ops_few} more with {many - few} more buckets"
-    # measured 6 (torch 2.13; 31 until session 31, 22 until session 34, when one rank's finalize began to write the
-    # fp32 sum and flag itself, grad_scale, the flags and the step counters went into one launch and the clip's
-    # coefficient into another, kernels/scalars.py): the clip's norm and the copy it returns, and AdamW's lr, step in
-    # float64 and the two powers of its bias corrections; a bound with some room, so a new per-step op is a
-    # decision, not an accident
-    assert sum(ops_few.values()) <= 8, ops_few
+    # measured 4 here (torch 2.13; 31 until session 31, 22 until session 34, when one rank's finalize began to write
+    # the fp32 sum and flag itself, grad_scale, the flags and the step counters went into one launch and the clip's
+    # coefficient into another, kernels/scalars.py; 6 until session 36, when the lr became a kernel argument and the
+    # clip's norm stopped being copied): the clip's norm (torch's sqrt), and AdamW's step in float64 and the two
+    # powers of its bias corrections, which only the interpreter needs (compiled, the kernels compute the sqrt and
+    # the powers: no op left); a bound with some room, so a new per-step op is a decision, not an accident
+    assert sum(ops_few.values()) <= 6, ops_few
+
+
+def test_zero_grad_to_zeros_fills_every_empty_grad_buffer_in_one_op():
+    """zero_grad(set_to_none=False) after a step: every grad buffer without gradients zero-filled in one
+    multi-tensor launch (one fill per bucket until session 36: 9 launches at the 125M layout), then each parameter
+    that had a gradient holds its placeholder, standing for zeros (the bits: the loop fuzzers' zero_grad rule)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=1e-9)
+    x = torch.randn(4, 16).bfloat16()
+    for _ in range(2):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad(set_to_none=False)
+    ops = _small_ops(prof)
+    assert len(opt.buckets) == 8 and ops == {"aten::_foreach_zero_": 1}, ops
+    assert all(isinstance(p.grad, ShardedGrad) for p in model.parameters())
+    assert all(b.grad_buffer.get_data().count_nonzero() == 0 for b in opt.buckets)
 
 
 def test_coefficients_are_computed_once_per_param_group():
     _, one_group, _ = _profile_step(4, n_groups=1)
     _, two_groups, _ = _profile_step(4, n_groups=2)
     extra = sum(two_groups.values()) - sum(one_group.values())
-    # a second group adds its coefficients' inputs (the step in float64, the two powers, the lr: measured 4 in all,
-    # 14 until session 31, when the rest of the coefficients went into one kernel launch, 5 until session 34, when
-    # the step counters' increments went into the launch of the step's scalars), not per-bucket work (the first
-    # group's 4 buckets here would add 4 x that)
-    assert 0 < extra <= 6, (extra, two_groups - one_group)
+    # a second group adds its coefficients' inputs under the interpreter (the step in float64, the two powers:
+    # measured 3; 14 until session 31, when the rest of the coefficients went into one kernel launch, 5 until session
+    # 34, when the step counters' increments went into the launch of the step's scalars, 4 until session 36, when
+    # the lr became a kernel argument; compiled, none), not per-bucket work (the first group's 4 buckets here would
+    # add 4 x that)
+    assert 0 < extra <= 4, (extra, two_groups - one_group)
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -1730,15 +1730,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._spent.pop(param, None)
         self._hold_zeros(self._bucket_of[param][0], [param])
 
-    def _hold_zeros(self, b: _Bucket, params: list) -> None:
+    def _hold_zeros(self, b: _Bucket, params: list, buffer_zeroed: bool = False) -> None:
         """``params`` (of bucket ``b``) hold a gradient of zeros from now on, as torch's zeroed ``param.grad``:
         their part of the grad buffer zeroed and their placeholder in ``param.grad`` (a backward adds to it, step()
         applies it). The bucket's first gradient since the last reset zero-fills the buffer and marks the others as
-        without one (a later flush gives them one)."""
+        without one (a later flush gives them one). ``buffer_zeroed``: the caller zero-filled the buffers without
+        gradients already (zero_grad(set_to_none=False): all of them in one launch)."""
         self._after_last_step_readers()
         filled = not b.has_grads
         if filled:
-            b.grad_buffer.get_data().zero_()
+            if not buffer_zeroed:
+                b.grad_buffer.get_data().zero_()
             b.no_grad = {p: True for p in b.params if p not in b.placed}
             b.has_grads = True
             self._flags.eager_step_needed = True
@@ -3216,8 +3218,15 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             grad.zero_()
         self._spent_unlisted, self._spent, self._stale = False, {}, {}
         if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
-            for b in self.buckets:  # (a gradient set by hand is still in param.grad, zeroed there: the next flush
-                self._hold_zeros(b, [p for p in b.params if p in had])  # takes it; every other has none)
+            # (every buffer without gradients yet zero-filled in one multi-tensor launch, not one fill per bucket)
+            empty = [b for b in self.buckets if not b.has_grads]
+            if len(empty) > 1:
+                self._after_last_step_readers()
+                torch._foreach_zero_([b.grad_buffer.get_data() for b in empty])
+            # (a gradient set by hand is still in param.grad, zeroed there: the next flush takes it; every other
+            # has none)
+            for b in self.buckets:
+                self._hold_zeros(b, [p for p in b.params if p in had], buffer_zeroed=len(empty) > 1)
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:
