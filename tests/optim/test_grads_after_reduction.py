@@ -129,6 +129,25 @@ def test_clearing_every_gradient_after_the_reduction_forgets_it(how, clear):
     assert_bitwise_equal(_weights(model), _weights(ref_model), "the backward after the cleared reduction")
 
 
+@pytest.mark.parametrize("how", REDUCTIONS)
+def test_a_layer_frozen_after_its_gradients_were_cleared_past_the_reduction_is_not_stepped(how):
+    """torch.optim: a parameter whose grad is None is skipped, frozen or not. Every gradient cleared after the
+    reduction, then a layer frozen (requires_grad_(False)) before step(): nothing changes. Until session 36 the
+    frozen layer was stepped with the cleared gradient (its placeholder had been placed, which the frozen look
+    took for a gradient held; found by tests.optim.loop_fuzz_long)."""
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.scale(loss_fn(model, batch(0, 0, 0))).backward()
+    _reduce(how, opt, model, scaler)
+    for p in model.parameters():
+        p.grad = None
+    model.fc1.requires_grad_(False)
+    before = _weights(model)
+    scaler.step(opt) if how == "GradScaler.unscale_" else opt.step()
+    assert_bitwise_equal(_weights(model), before, "a step with every gradient cleared and a layer frozen")
+    assert all(float(opt.state[p].get("step", 0)) == 0 for g in opt.param_groups for p in g["params"])
+
+
 def test_a_new_optimizer_or_param_group_after_the_cleared_reduction():
     model, opt = _setup()
     loss_fn(model, batch(0, 0, 0)).backward()

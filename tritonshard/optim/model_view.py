@@ -300,13 +300,17 @@ class ModelViewMixin:
     def _frozen_since_build(self) -> list:
         """The parameters frozen since construction (``requires_grad=False``) that hold no gradient: torch.optim
         skips a parameter whose grad is None, whatever its requires_grad. One frozen after its backward, or given a
-        gradient by hand, has one (its placeholder is placed) and is updated with it, as torch.optim does."""
+        gradient by hand, has one (its placeholder is placed) and is updated with it, as torch.optim does; one
+        whose gradient the loop cleared after a reduction has none (``no_grad``, see _check_grads_since_reduction:
+        until session 36 such a parameter, frozen before the step, was updated with the cleared gradient, found by
+        tests.optim.loop_fuzz_long)."""
         if torch.compiler.is_compiling():  # dynamo would wrap the parameters, and so their placeholder grads
             return []
         with _PLAIN_ATTRS():
             if all(map(_REQUIRES_GRAD, self._param_list)):  # (the usual step: one C-level pass)
                 return []
-            return [p for p in self._param_list if not p.requires_grad and p not in self._bucket_of[p][0].placed]
+            return [p for p in self._param_list if not p.requires_grad
+                    and (p not in (b := self._bucket_of[p][0]).placed or p in b.no_grad)]
 
     def _step_settings(self) -> tuple:
         """(digest, description) of the hyper-parameters this step updates with (every trained group's values of
