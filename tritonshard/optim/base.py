@@ -3219,14 +3219,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._spent_unlisted, self._spent, self._stale = False, {}, {}
         if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
             # (every buffer without gradients yet zero-filled in one multi-tensor launch, not one fill per bucket)
-            empty = [b for b in self.buckets if not b.has_grads]
-            if len(empty) > 1:
+            empty = [b.grad_buffer.get_data() for b in self.buckets if not b.has_grads]
+            if empty:
                 self._after_last_step_readers()
-                torch._foreach_zero_([b.grad_buffer.get_data() for b in empty])
+                torch._foreach_zero_(empty)
             # (a gradient set by hand is still in param.grad, zeroed there: the next flush takes it; every other
             # has none)
             for b in self.buckets:
-                self._hold_zeros(b, [p for p in b.params if p in had], buffer_zeroed=len(empty) > 1)
+                self._hold_zeros(b, [p for p in b.params if p in had], buffer_zeroed=True)
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self) -> dict[str, int]:
