@@ -27,7 +27,7 @@ BETA_BITS_ARGS = (9 + 5, 9 + 6)  # ... _coefficients_kernel's betas (their doubl
 LR_FLOATS = {"_sgd_kernel": {9 + 6: "-lr"}, "_lion_kernel": {9 + 6: "1 - lr * weight_decay", 9 + 7: "-lr"}}
 
 
-def _lr_checked(step: dict) -> list:
+def _per_step_values_checked(step: dict) -> list:
     """``step``'s launches with the arguments that change at every step checked and then blanked, so that steps
     compare argument by argument: each AdamW coefficients launch's lr, against its group's lr at that step (the
     groups in order; the scheduler changes it every step), SGD's and Lion's lr-derived floats (-lr; Lion's
@@ -61,6 +61,13 @@ def record():
     return run_compiled_record("tests.optim.launch_record")
 
 
+def _assert_same_launches(want: list, step: dict) -> None:
+    """``step``'s launches, their per-step values checked and blanked (:func:`_per_step_values_checked`), equal
+    ``want`` (already checked), argument by argument."""
+    got = _per_step_values_checked(step)
+    assert got == want, _diff(want, got)
+
+
 def _diff(a, b) -> str:
     for i, ((n1, x), (n2, y)) in enumerate(zip(a, b)):
         if n1 != n2 or x != y:
@@ -71,17 +78,17 @@ def _diff(a, b) -> str:
 
 def test_replayed_launches_equal_tritons_dispatch(record):
     assert record["buckets"] == 3
-    dispatch = _lr_checked(record["triton_dispatch"][1])
+    dispatch = _per_step_values_checked(record["triton_dispatch"][1])
     assert len(dispatch) == LAUNCHES_PER_STEP
     assert record["triton_dispatch"][1]["replays"] == 0
     for step in record["bound"]:
         assert step["replays"] == BOUND_PER_STEP, "the bound steps must replay, not dispatch"
-        assert _lr_checked(step) == dispatch, _diff(dispatch, _lr_checked(step))
+        _assert_same_launches(dispatch, step)
     # the launches were bound (checked once) while dispatching; the first step with replays on records them while
     # launching through Triton's dispatch, the next replays
     assert [s["replays"] for s in record["binding"]] == [0, BOUND_PER_STEP]
     for step in record["binding"]:
-        assert _lr_checked(step) == dispatch, _diff(dispatch, _lr_checked(step))
+        _assert_same_launches(dispatch, step)
     assert len({lr for s in record["bound"] + record["binding"] for lr in s["lrs"]}) >= 4, "the lr must change"
 
 
@@ -101,7 +108,7 @@ def test_a_changed_hyperparameter_replays_with_its_new_value(record):
         coefficients = [args for name, args in step["launches"] if name == "_coefficients_kernel"]
         assert all(args[BETA_BITS_ARGS[0]] == _double_bits(0.8) and args[BETA_BITS_ARGS[1]] == _double_bits(0.99)
                    for args in coefficients) and len(coefficients) == 2
-        assert _lr_checked(step) == _lr_checked(dispatch), _diff(_lr_checked(dispatch), _lr_checked(step))
+        _assert_same_launches(_per_step_values_checked(dispatch), step)
     # and the steps before, at the old betas, handed the old ones
     before = [args for name, args in record["bound"][-1]["launches"] if name == "_adamw_kernel"]
     assert all(args[BETA1_ARG] == ["float", (0.9).hex()] for args in before)
@@ -111,7 +118,7 @@ def test_grad_scale_turning_into_a_number_rebinds_to_the_same_launch_as_dispatch
     *_, last_bound = record["no_clip"]
     (dispatch,) = record["no_clip_triton_dispatch"]
     assert last_bound["replays"] == BOUND_WITHOUT_CLIP
-    assert _lr_checked(last_bound) == _lr_checked(dispatch), _diff(_lr_checked(dispatch), _lr_checked(last_bound))
+    _assert_same_launches(_per_step_values_checked(dispatch), last_bound)
 
 
 def test_the_flatten_plan_is_not_reused_for_a_non_contiguous_gradient_at_the_same_address(record):
@@ -157,5 +164,4 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     assert len(dispatch) == per_step and sum(n == kernel for n, _ in dispatch) == 1
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step, "every launch must replay"
-    assert _lr_checked(replayed) == _lr_checked(rec["dispatch"][-1]), _diff(_lr_checked(rec["dispatch"][-1]),
-                                                                            _lr_checked(replayed))
+    _assert_same_launches(_per_step_values_checked(rec["dispatch"][-1]), replayed)
