@@ -151,8 +151,15 @@ class TrainingLoop(RuleBasedStateMachine):
         where it holds none (each replaced, or all cleared before), it is forgotten and what param.grad holds is
         reduced afresh, as torch.optim would step with it, unclipped."""
         if self.held - set(names):
-            return self._changed_after_reduction()
+            return self._changed_after_reduction(frozen=self._frozen_when_built(names))
         self.held, self.clipped = set(), None
+
+    def _frozen_when_built(self, names) -> bool:
+        """Whether one of ``names`` is a parameter our optimizer left out when it was built (frozen then) and has
+        not laid out since: a gradient set on it after a reduction that holds others is the error of its own
+        (the reduction was made without it), which step() may raise first."""
+        frozen = {id(p) for p in self.opt._frozen_at_build}
+        return any(id(self.ours[n]) in frozen for n in names)
 
     def _cleared(self, names) -> None:
         """The loop cleared the gradients of ``names``: an error at step() where the reduction holds others."""
@@ -177,14 +184,17 @@ class TrainingLoop(RuleBasedStateMachine):
                 warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
             yield
 
-    def _changed_after_reduction(self):
+    def _changed_after_reduction(self, frozen: bool = False):
         """The loop set, replaced or cleared some gradients after their reduction: the next step() must raise
-        (torch.optim would step with param.grad as it is now), and the loop goes on after clearing them."""
+        (torch.optim would step with param.grad as it is now), and the loop goes on after clearing them.
+        ``frozen``: a gradient was set on a parameter frozen when our optimizer was built, whose own error may
+        come first (:meth:`_frozen_when_built`)."""
         try:
             with self._tolerating_inf():
                 self.opt.step()
         except RuntimeError as e:
-            assert "after the gradients were reduced" in str(e), e
+            assert "after the gradients were reduced" in str(e) or (
+                frozen and "frozen when the optimizer was built and holding a gradient now" in str(e)), e
             return self._recover()
         raise AssertionError("a step with gradients changed after their reduction did not raise")
 

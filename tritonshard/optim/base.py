@@ -888,6 +888,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         unfrozen = [p for p in self._frozen_at_build if p.requires_grad or p.grad is not None]
         if not unfrozen:
             return
+        if self._reduced_early:  # (a reduction none of whose gradients is held any more, each replaced by hand or
+            # cleared: forgotten first, as a flush forgets it, and these parameters are laid out as before any)
+            self._check_grads_since_reduction("forget")
         if self._reduced is not None:  # unfrozen after this step's reduction (clip_grad_norm_ before step())
             with_grad = [p for p in unfrozen if p.grad is not None]
             if not with_grad:
