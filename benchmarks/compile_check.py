@@ -221,16 +221,17 @@ def _segmented_update(which: str, n: int) -> None:
     kernel[grid](*args, **kwargs)
 
 
-def _norm_pass(dtype: torch.dtype, aligned: bool) -> None:
+def _norm_pass(dtype: torch.dtype, aligned: bool, blocks_per_program: int = scale_mod.NORM_BLOCKS_PER_PROGRAM) -> None:
     """ShardedOptimizer's norm pass (kernels.scale.partials_multi_launch_spec): one launch over three buckets' grad
     shards (full blocks and tails, slices of one allocation as the caching allocator lays them out), or with a
-    source one element off (the element-wise path)."""
+    source one element off (the element-wise path); four blocks per program (the default) or one."""
     whole = _t(3 * 8192 + 256, dtype)
     xs = [whole[0:8192 + 64], whole[8192 + 128:2 * 8192 + 128], whole[2 * 8192 + 192:2 * 8192 + 208]]
     if not aligned:
         xs[1] = whole[8192 + 129:2 * 8192 + 129]
     _, slices = scale_mod.shared_sum_sq_workspace([x.numel() for x in xs], torch.device("cpu"))
-    kernel, grid, args, kwargs = scale_mod.partials_multi_launch_spec(xs, 0.5, slices)
+    kernel, grid, args, kwargs = scale_mod.partials_multi_launch_spec(xs, 0.5, slices,
+                                                                      blocks_per_program=blocks_per_program)
     kernel[grid](*args, **kwargs)
 
 
@@ -280,6 +281,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         out.append((f"norm pass {x_dtype} aligned={aligned} (one launch over several grad shards, as ShardedOptimizer "
                     "reduces)".replace("torch.", ""), lambda x_dtype=x_dtype, aligned=aligned: _norm_pass(x_dtype,
                                                                                                          aligned)))
+    out.append(("norm pass bfloat16 aligned=True, one block per program (the kernel the H200 measured, session 32)",
+                lambda: _norm_pass(torch.bfloat16, True, blocks_per_program=1)))
     for src_dtype in (torch.float32, torch.bfloat16, torch.float16):
         for stochastic in (False, True):
             out.append((f"cast_to_bf16 {src_dtype} stochastic={stochastic}".replace("torch.", ""),

@@ -155,6 +155,44 @@ def sum_sq_job(n, device):
     return ours, [("vector_norm+isfinite", theirs)]
 
 
+def norm_pass_job(n, device):
+    """The norm pass as ShardedOptimizer's step() launches it: one launch over every bucket's grad shard (here
+    ``n`` elements in shards of ~1M, each its own allocation as a bucket's is, sizes off the block), partials
+    into one workspace, then the one-program finalize. Ours: the default four blocks per program; beside it the
+    same launch with one block per program (the kernel the H200 measured at ~48 % of the copy bandwidth in the
+    1B step, session 32; the same partials, checked here bit for bit) and PyTorch's per-tensor norms."""
+    from tritonshard.kernels import _launch, finalize_sum_sq_
+    from tritonshard.kernels.scale import partials_multi_launch_spec, shared_sum_sq_workspace
+    g = torch.Generator(device="cpu").manual_seed(4)
+    xs = [torch.randn(s, generator=g).to(device=device, dtype=torch.bfloat16)
+          for s in _split_sizes(n, max(1, n >> 20))]
+    totals = torch.empty(2, dtype=torch.float32, device=device)
+    launches = {}
+
+    def launcher(blocks_per_program):
+        workspace, slices = shared_sum_sq_workspace([x.numel() for x in xs], device)
+        spec = partials_multi_launch_spec(xs, 0.5, slices, blocks_per_program=blocks_per_program)
+
+        def run():  # (bound: the compiled launcher, as the optimizer launches it after its first step)
+            _launch.launch(launches, blocks_per_program, spec, lambda: spec[0][spec[1]](*spec[2], **spec[3]))
+            finalize_sum_sq_(workspace, totals)
+        return run, workspace
+
+    ours, four = launcher(4)
+    before, one = launcher(1)
+    ours()
+    before()
+    for a, b in zip(four, one):
+        assert torch.equal(a.cpu(), b.cpu()), "norm pass partials: four blocks per program != one block per program"
+    sum_sq, found_inf = sum_sq_nonfinite_ref(torch.cat(xs), 0.5)
+    assert abs(float(totals[0]) - float(sum_sq)) <= 1e-5 * float(sum_sq) and float(totals[1]) == float(found_inf)
+
+    def theirs():
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(xs)))
+        torch.stack([torch.isfinite(x).all() for x in xs]).all()
+    return ours, [("same launch, one block per program", before), ("_foreach_norm+isfinite", theirs)]
+
+
 def _fused_torch_step(optimizer_cls, p, grad, out, **hp):
     """The PyTorch way of the same update: upcast the bf16 grad, the fused fp32 optimizer, then a separate bf16
     copy of the weights."""
@@ -273,7 +311,9 @@ JOBS = {
     "flatten fp32->bf16 accumulate":
         ("flatten fp32->bf16 accumulate", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, True, False)),
     "scale_ bf16 (+norm, inf check)": ("scale bf16", "scale_", scale_job),
-    "sum_sq_nonfinite bf16 (read-only, what step() runs)": ("sum_sq bf16", "sum_sq_nonfinite", sum_sq_job),
+    "sum_sq_nonfinite bf16 (read-only, one tensor)": ("sum_sq bf16", "sum_sq_nonfinite", sum_sq_job),
+    "norm pass bf16 (what step() runs: one launch over ~1M-element grad shards)":
+        ("sum_sq bf16", "finalize_sum_sq_", norm_pass_job),
     "adamw_step_ (bf16 grad, bf16 out)": ("adamw", "adamw_step_", adamw_job),
     "adamw_step_ as ShardedAdamW launches it (tensor step/grad_scale, found_inf)":
         ("adamw", "adamw_step_", adamw_as_launched_job),

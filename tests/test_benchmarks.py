@@ -29,7 +29,7 @@ def test_microbenchmarks_smoke(tmp_path):
     assert all(pairs.count(p) == 2 for p in pairs), "every (kernel, PyTorch way) at both sizes"
     ways = {w for _, w in pairs}
     assert {"_foreach_copy_", "torch.cat + cast", "torch.cat(out=)", "_foreach_add_", "mul_+vector_norm+isfinite",
-            "vector_norm+isfinite",
+            "vector_norm+isfinite", "same launch, one block per program", "_foreach_norm+isfinite",
             "fused AdamW+casts", "torch._fused_adamw_ fp32"} <= ways
     for r in csv_rows:
         n, per = int(r["numel"]), int(r["bytes_per_elem"])

@@ -154,18 +154,29 @@ def test_partials_of_several_tensors_share_one_finalize(backend):
     assert float(out[1]) == 1.0, "one NaN in one tensor flags the whole step"
 
 
+@pytest.mark.parametrize("blocks_per_program", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_one_launch_writes_every_tensors_partials(dtype, aligned):
+def test_one_launch_writes_every_tensors_partials(dtype, aligned, blocks_per_program):
     # ShardedOptimizer's norm pass over every bucket's shard in one launch (issue 20.3): the workspace must hold
-    # what one sum_sq_partials_ per tensor writes, bit for bit (the same slots, the same per-block arithmetic)
+    # what one sum_sq_partials_ per tensor writes, bit for bit (the same slots, the same per-block arithmetic),
+    # whether a program reads one block or four. Sizes for four: 9 blocks + 7 (two programs of four full blocks,
+    # then a tail program of one full block and a partial one), 8 blocks (two full programs, no tail), 4 blocks
+    # less one element (one program, its last block partial), 5 blocks exactly (a tail program of one full block
+    # and three past the end, whose slots belong to the next tensor)
     from tritonshard.kernels import sum_sq_partials_
     from tritonshard.kernels.scale import partials_multi_launch_spec, shared_sum_sq_workspace
-    sizes = [4099, 0, 1, 3 * 4096 + 5, 199]
+    sizes = [4099, 0, 1, 9 * 4096 + 7, 8 * 4096, 4 * 4096 - 1, 5 * 4096, 199]
     # misaligned: every tensor starts one element into its storage (2 or 4 bytes: the element-wise path)
     xs = [randn(n + 1, 40 + i, dtype, scale=1e3)[0 if aligned else 1:][:n] for i, n in enumerate(sizes)]
-    xs[3][5000] = float("nan")
+    xs[3][5000] = float("nan")  # in a full program's second block
+    xs[3][8 * 4096 + 4095] = float("-inf")  # in the tail program's full block
     xs[0][4098] = float("inf")  # in the last, partial block
+    xs[6][4 * 4096] = float("nan")  # the tail program's only block
+    blocks = [-(-n // 4096) for n in sizes]
+    want_flags = [0] * sum(blocks)
+    for tensor, block in ((0, 1), (3, 1), (3, 8), (6, 4)):
+        want_flags[sum(blocks[:tensor]) + block] = 1
     for factor, order in ((0.25, 1), (1 / 3, -1)):  # (reversed: no program writes the slot of its own index)
         per_tensor, slices = shared_sum_sq_workspace(sizes, DEVICE)
         for x, part in zip(xs, slices):
@@ -173,22 +184,34 @@ def test_one_launch_writes_every_tensors_partials(dtype, aligned):
         together, slices = shared_sum_sq_workspace(sizes, DEVICE)
         for t in together:
             t.fill_(-7)  # (a slot the launch leaves alone would show)
-        kernel, grid, args, kwargs = partials_multi_launch_spec(xs[::order], factor, slices[::order])
-        assert kwargs["ALIGNED"] is aligned
+        kernel, grid, args, kwargs = partials_multi_launch_spec(xs[::order], factor, slices[::order],
+                                                                blocks_per_program=blocks_per_program)
+        assert kwargs["ALIGNED"] is aligned and kwargs["BLOCKS"] == blocks_per_program
         kernel[grid](*args, **kwargs)
         assert_bitwise_equal(together[0], per_tensor[0], "partial sums of squares")
         assert_bitwise_equal(together[1], per_tensor[1], "non-finite flags")
-        # slots: tensor 0 has 0-1 (the inf in 1), the empty one none, then 2, then 3-6 (the NaN in its block 1), 7
-        assert together[1].tolist() == [0, 1, 0, 0, 1, 0, 0, 0]
+        assert together[1].tolist() == want_flags
+
+
+def test_one_launch_takes_one_or_four_blocks_per_program():
+    from tritonshard.kernels.scale import partials_multi_launch_spec, shared_sum_sq_workspace
+    xs = [randn(9 * 4096 + 7, 1, torch.bfloat16), randn(5, 2, torch.bfloat16)]
+    _, slices = shared_sum_sq_workspace([x.numel() for x in xs], DEVICE)
+    assert partials_multi_launch_spec(xs, 1.0, slices, blocks_per_program=1)[1] == (11,)  # 10 + 1 blocks
+    assert partials_multi_launch_spec(xs, 1.0, slices)[1] == (4,)  # (the default: four) 3 + 1 programs
+    with pytest.raises(ValueError, match="blocks_per_program must be 1 or 4, got 2"):
+        partials_multi_launch_spec(xs, 1.0, slices, blocks_per_program=2)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # inf * inf in the sum of squares
+@pytest.mark.parametrize("blocks_per_program", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_the_flag_read_off_the_sum_is_the_elementwise_test(dtype, aligned):
+def test_the_flag_read_off_the_sum_is_the_elementwise_test(dtype, aligned, blocks_per_program):
     # The kernels flag a block from its fp64 sum of squares (non-finite exactly when a value is), not element by
     # element: a block of the largest finite values must stay unflagged (its sum, ~4096 * 1.2e77, is finite in
-    # fp64), and every kind of non-finite value must flag its block, in full blocks (the unmasked path) and tails.
+    # fp64), and every kind of non-finite value must flag its block, in full blocks (the unmasked path) and tails
+    # (four blocks per program: blocks 0-3 in one full program, 4-5 in the tail program).
     from tritonshard.kernels.scale import _partials_ref, partials_multi_launch_spec, shared_sum_sq_workspace
     big = torch.finfo(dtype).max
     sizes = [5 * 4096 + 3, 4096 + 17]
@@ -203,7 +226,8 @@ def test_the_flag_read_off_the_sum_is_the_elementwise_test(dtype, aligned):
     xs[1][4096 + 16] = float("inf")  # the second tensor's tail block
     for factor in (1.0, 0.25):
         together, slices = shared_sum_sq_workspace(sizes, DEVICE)
-        kernel, grid, args, kwargs = partials_multi_launch_spec(xs, factor, slices)
+        kernel, grid, args, kwargs = partials_multi_launch_spec(xs, factor, slices,
+                                                                blocks_per_program=blocks_per_program)
         kernel[grid](*args, **kwargs)
         expected, ref_slices = shared_sum_sq_workspace(sizes, DEVICE)
         for x, part in zip(xs, ref_slices):

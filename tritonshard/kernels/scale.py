@@ -45,6 +45,8 @@ __all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "s
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
 _FINALIZE_UNROLL = 4  # (1 or 4: see _finalize_kernel)
+#: blocks of BLOCK elements each program of the optimizer's norm pass reads (1 or 4: see _partials_multi_kernel)
+NORM_BLOCKS_PER_PROGRAM = 4
 _X_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -95,11 +97,20 @@ def _store_stats(y, partial_sumsq, partial_nonfinite, pid):
 
 @triton.jit
 def _partials_multi_kernel(x_ptrs, numels, slots, block_tensor, block_start, factor, partial_sumsq,
-                           partial_nonfinite, X_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                           partial_nonfinite, X_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                           BLOCKS: tl.constexpr):
     """:func:`_scale_kernel`'s read-only pass (WRITE=False, a number factor) over several tensors in one launch:
-    program p reads block ``block_start[p] / BLOCK`` of tensor ``block_tensor[p]`` (at address ``x_ptrs[t]``,
-    ``numels[t]`` elements) and writes its statistics to slot ``slots[t] + block``, the slot that tensor's own
-    launch gives that block. The same arithmetic per block, so the same partials."""
+    program p reads ``BLOCKS`` blocks of tensor ``block_tensor[p]`` (at address ``x_ptrs[t]``, ``numels[t]``
+    elements) from element ``block_start[p]`` on, and writes each block's statistics to slot ``slots[t] + block``,
+    the slot that tensor's own launch gives that block. The same arithmetic per block (each block its own 1-D
+    ``tl.sum`` with the same layout), so the same partials, bit for bit, for either ``BLOCKS``.
+
+    BLOCKS = 4: the four blocks' loads are issued before any block is summed (32 KB of bf16 in flight per program
+    instead of 8 KB, and the table reads, two dependent round trips to memory before the first data load, paid
+    once per four blocks). BLOCKS = 1 is the kernel the H200 measured at ~48 % of the copy bandwidth in the 1B
+    step (2026-12-04), where the single-tensor pass over 256M elements reached 61 %: a program there reads its
+    8 KB, then sums it with nothing in flight. Which is faster is for a GPU to say (benchmarks.run's "norm pass"
+    job times both); they differ in speed only."""
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
     start = tl.load(block_start + pid)
@@ -113,12 +124,28 @@ def _partials_multi_kernel(x_ptrs, numels, slots, block_tensor, block_start, fac
     if ALIGNED:
         x = tl.multiple_of(x, 16)
     offs = tl.arange(0, BLOCK)
-    mask = offs < n - start
-    if ALIGNED and start + BLOCK <= n:
-        y = to_fp32(tl.load(x + offs)) * factor  # a full block: unmasked, 16-byte loads, no select per element
-    else:
-        y = tl.where(mask, to_fp32(tl.load(x + offs, mask=mask)) * factor, 0.0)
-    _store_stats(y, partial_sumsq, partial_nonfinite, slot)
+    if BLOCKS == 1:  # (as measured on the H200: one block, the mask computed up front)
+        mask = offs < n - start
+        if ALIGNED and start + BLOCK <= n:
+            y = to_fp32(tl.load(x + offs)) * factor  # a full block: unmasked, 16-byte loads, no select per element
+        else:
+            y = tl.where(mask, to_fp32(tl.load(x + offs, mask=mask)) * factor, 0.0)
+        _store_stats(y, partial_sumsq, partial_nonfinite, slot)
+    elif ALIGNED and start + 4 * BLOCK <= n:  # BLOCKS == 4, four full blocks: every load first, then the sums
+        x0 = tl.load(x + offs)
+        x1 = tl.load(x + BLOCK + offs)
+        x2 = tl.load(x + 2 * BLOCK + offs)
+        x3 = tl.load(x + 3 * BLOCK + offs)
+        _store_stats(to_fp32(x0) * factor, partial_sumsq, partial_nonfinite, slot)
+        _store_stats(to_fp32(x1) * factor, partial_sumsq, partial_nonfinite, slot + 1)
+        _store_stats(to_fp32(x2) * factor, partial_sumsq, partial_nonfinite, slot + 2)
+        _store_stats(to_fp32(x3) * factor, partial_sumsq, partial_nonfinite, slot + 3)
+    else:  # a tensor's last program, or a misaligned tensor: block by block, masked, none past the tensor's end
+        for k in tl.static_range(BLOCKS):
+            if start + k * BLOCK < n:
+                mask = offs < n - (start + k * BLOCK)
+                y = tl.where(mask, to_fp32(tl.load(x + k * BLOCK + offs, mask=mask)) * factor, 0.0)
+                _store_stats(y, partial_sumsq, partial_nonfinite, slot + k)
 
 
 @triton.jit
@@ -316,12 +343,16 @@ def partials_launch_spec(x: torch.Tensor, factor, partials) -> tuple:
                  enable_fp_fusion=False))
 
 
-def partials_multi_launch_spec(xs: list, factor: float, partials: list) -> Optional[tuple]:
+def partials_multi_launch_spec(xs: list, factor: float, partials: list, *,
+                               blocks_per_program: int = NORM_BLOCKS_PER_PROGRAM) -> Optional[tuple]:
     """(kernel, grid, args, kwargs) of one launch that writes what :func:`sum_sq_partials_` writes for every
     ``(xs[i], factor, partials[i])``, unchecked, the tables built now (on the host, copied without a sync): for a
     caller that launches it every step on the same tensors (ShardedOptimizer: every bucket's grad shard into its
-    slice of one workspace). ``partials`` must be slices of one workspace; ``factor`` a Python number. None when
-    the tensors differ in dtype or device, or there is nothing to read."""
+    slice of one workspace). ``partials`` must be slices of one workspace; ``factor`` a Python number;
+    ``blocks_per_program`` 1 or 4 (the same partials; benchmarks compare their speed). None when the tensors
+    differ in dtype or device, or there is nothing to read."""
+    if blocks_per_program not in (1, 4):
+        raise ValueError(f"blocks_per_program must be 1 or 4, got {blocks_per_program!r}")
     if not xs or len({(x.dtype, x.device) for x in xs}) != 1 or xs[0].dtype not in _X_DTYPES:
         return None
     sums, flags = partials[0]
@@ -341,12 +372,14 @@ def partials_multi_launch_spec(xs: list, factor: float, partials: list) -> Optio
     if not ptrs:
         return None
     device = xs[0].device
-    slot_tab, numel_tab, block_tensor, block_start = block_schedule(slots, numels, BLOCK)
+    # a program per blocks_per_program blocks of a tensor (its last program may hold fewer)
+    slot_tab, numel_tab, block_tensor, block_start = block_schedule(slots, numels, BLOCK * blocks_per_program)
     tables = [t.to(device, non_blocking=True)
               for t in (torch.tensor(ptrs, dtype=torch.int64), numel_tab, slot_tab, block_tensor, block_start)]
     aligned = not any(p % 16 for p in ptrs)
     return (_partials_multi_kernel, (block_tensor.numel(),), (*tables, float(factor), sums, flags),
-            dict(X_DTYPE=_X_DTYPES[xs[0].dtype], ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False))
+            dict(X_DTYPE=_X_DTYPES[xs[0].dtype], ALIGNED=aligned, BLOCK=BLOCK, BLOCKS=blocks_per_program,
+                 enable_fp_fusion=False))
 
 
 def _partials_ref(y: torch.Tensor, partials) -> None:
