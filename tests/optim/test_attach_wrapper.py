@@ -85,3 +85,28 @@ def test_a_wrapper_attached_after_its_model_runs_one_set_of_hooks_and_trains_as_
     assert set(_waits(wrapper, opt).values()) <= {0}
     assert not any(isinstance(h, (model_sync.RootForwardPreHook, model_sync.RootForwardHook)) and h.optimizer() is opt
                    for m in wrapper.modules() for h in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()])
+
+
+@pytest.mark.parametrize("attached_before", [False, True])
+def test_attaching_a_model_that_holds_none_of_the_parameters_is_an_error(attached_before):
+    """attach() of another model than the optimizer's (a second model of a script, a copy made before building):
+    its training would step nothing, silently (its parameters are in no optimizer). A clear error instead, which
+    leaves an earlier attach in place. A model holding some of them (the trainable adapters of a frozen base
+    model, with the optimizer over the adapters only) is attached as before."""
+    model = _Net().to(torch.bfloat16)
+    opt = ShardedAdamW(model.fc2.parameters(), lr=1e-2)  # (a subset: the model is the optimizer's)
+    if attached_before:
+        handles = opt.attach(model)
+    other = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"attach\(\): _Net holds none of this optimizer's parameters"):
+        opt.attach(other)
+    with pytest.raises(ValueError, match="holds none of this optimizer's parameters"):
+        opt.attach(torch.nn.Sequential(model.fc1, model.norm))  # (modules of the model, none of fc2's)
+    if attached_before:
+        assert opt.attach(model) is handles, "the earlier attach stands"
+    else:
+        opt.attach(model)
+    model(torch.randn(4, 6)).float().sum().backward()
+    before = model.fc2.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model.fc2.weight.detach(), before)

@@ -2189,6 +2189,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
           False to feed the inputs as they are (e.g. under ``torch.autocast``, or a model that casts itself).
 
         * Errors name parameters by their names in ``model`` (``model.layers.0.mlp.up_proj.weight``).
+        * ``model`` must hold some of the optimizer's parameters (a ValueError otherwise: another model's training
+          would step nothing); it may hold others (a frozen base model around trained adapters).
         * ``step()`` checks that the model still holds the optimizer's parameters (``load_state_dict(...,
           assign=True)`` or ``setattr`` would replace them: an error, not a model that silently stops training).
         * A ``DistributedDataParallel`` wrapped around the model later (accelerate's ``prepare``, Lightning) keeps
@@ -2244,6 +2246,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 raise ValueError(f"attach(): the model is attached already, with {self._attach_options}; got "
                                  f"{options} (its hooks are made once: pass the same options)")
             return self._attached[1]
+        mine = {id(p) for p in self._bucket_of} | {id(p) for p in self._frozen_at_build}
+        if not any(id(p) in mine for p in model.parameters()):
+            # (another model than the one the optimizer was built over: its training would step nothing, silently)
+            raise ValueError(f"attach(): {type(model).__name__} holds none of this optimizer's parameters; attach "
+                             "the model whose parameters the optimizer was built over")
         # a wrapper around the model attached before (torch.compile's OptimizedModule, PEFT's PeftModel, a user's
         # nn.Module): its root hooks give way to the wrapper's, which run first and around the whole forward, and
         # its modules keep their waits. Until session 30 both sets ran: two buffer handshakes and broadcasts per
