@@ -86,6 +86,7 @@ class TrainingLoop(RuleBasedStateMachine):
     OPTIONS: dict = {}
     OURS, THEIRS, HPARAMS = ShardedAdamW, torch.optim.AdamW, dict(foreach=False)
     MACHINERY = False  # overlap_comm's machinery of many ranks in this one process (tests.helpers.overlap_machinery)
+    CLAMPS = True  # the clip_value rule runs (not under a loss scale: see ScaledTrainingLoop)
 
     def __init__(self):
         super().__init__()
@@ -254,6 +255,48 @@ class TrainingLoop(RuleBasedStateMachine):
 
     def _clip(self, max_norm, how):
         return clip(self.opt, self.model, max_norm, how)
+
+    # (gradients set by hand and still plain beside placeholders: multiplying both kinds is an error of its own,
+    # README; a loop that divides does so after its backward)
+    @precondition(lambda self: not self.by_hand)
+    @rule(divisor=st.sampled_from([2, 4]))
+    def divide(self, divisor):
+        """``p.grad /= n`` for every gradient (a loop normalizing its accumulated gradients by the micro-batch
+        count, after the backward or after a clip): a power of two, exact in bf16 and in fp32, so the reference
+        divides its bf16 gradients (and the fp32 ones a clip made) without rounding. Ours folds the division into
+        the update, which reduces the gradients first, as a clip does."""
+        if not self._has_grads():
+            return
+        if self._reuses_spent():
+            raises_spent(lambda: divide_grads(self.model, divisor), "dividing a spent gradient")
+            return self._recover()
+        reduces = any(type(p.grad) is ShardedGrad for p in self.ours.values())
+        divide_grads(self.model, divisor)
+        divide_grads(self.ref, divisor)
+        if self.clipped is not None:
+            self.clipped = {n: (None if g is None else g / divisor) for n, g in self.clipped.items()}
+        if reduces:
+            self._reduced()
+
+    @precondition(lambda self: not self.by_hand and self.clipped is None and self.CLAMPS)
+    @rule(value=st.sampled_from([0.05, 0.25]))
+    def clip_value(self, value):
+        """``torch.nn.utils.clip_grad_value_`` over the model (Lightning's gradient_clip_algorithm="value"): ours
+        clamps the reduced gradient to the bound over the factors the update applies later (the 1/n of a division
+        here, a power of two), one rounding of the bound to bf16, which is torch's clamp of bf16 gradients exactly
+        where those factors are powers of two: no clip before it (its coefficient is not one)."""
+        if not self._has_grads():
+            return
+        if self._reuses_spent():
+            raises_spent(lambda: torch.nn.utils.clip_grad_value_(self.model.parameters(), value),
+                         "clamping a spent gradient")
+            return self._recover()
+        reduces = any(type(p.grad) is ShardedGrad for p in self.ours.values())
+        with self._tolerating_inf():
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), value)
+        torch.nn.utils.clip_grad_value_(self.ref.parameters(), value)
+        if reduces:
+            self._reduced()
 
     @precondition(lambda self: not self.by_hand)  # (a plain bf16 gradient's norm is torch's own, in bf16)
     @rule(how=st.sampled_from(["per-parameter", "opt.grad_norm()", "get_total_norm"]))
@@ -502,6 +545,13 @@ def clip(opt, model, max_norm, how: str):
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def divide_grads(model, divisor) -> None:
+    """``p.grad /= divisor`` for every parameter of ``model`` with a gradient."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= divisor
+
+
 def read_norms(opt, model, how: str) -> torch.Tensor:
     """The loop's norms of the gradients, as a log line reads them: each parameter's (those with a gradient, in the
     model's order), the optimizer's total, or torch's total over ``param.grad``."""
@@ -645,6 +695,8 @@ class ScaledTrainingLoop(TrainingLoop):
     torch.optim's masters, moments and counts as they were; ours must too, and its gradients are then spent as
     after any step (torch.optim's stay, and a step with them would be skipped again: ours raises instead, the
     spent-gradient error, a clear error where torch would skip)."""
+
+    CLAMPS = False  # (a clamp before unscale_ bounds the scaled gradients: not modelled here; test_clip_value.py)
 
     def __init__(self):
         super().__init__()
@@ -791,7 +843,7 @@ class TracedTrainingLoop(CompiledTrainingLoop):
         TrainingLoop.backward(self, set(HEADS + (EXTRA,)), True)
         self.step()
 
-    set_grads = clear_some = freeze = add_group = None
+    set_grads = clear_some = freeze = add_group = divide = clip_value = None
 
 
 for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):
