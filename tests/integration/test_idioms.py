@@ -320,6 +320,23 @@ def test_clipping_only_some_parameters_is_an_error():
         opt.step()
 
 
+def test_dividing_a_gradient_set_by_hand_beside_placeholders_is_an_error_that_says_why():
+    """``p.grad /= n`` over every parameter where one gradient was set by hand after the backward (a plain tensor
+    then, divided as one) and the others are placeholders (each division folded into the update): the one set by
+    hand would not get the folded coefficient. An error naming the cause, as for a clip of some parameters."""
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    lm_loss(model, tokens(0)).backward()
+    first = next(model.parameters())  # (first in the loop: divided while still a plain tensor)
+    first.grad = torch.ones_like(first)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= 4
+    with pytest.raises(RuntimeError, match=r"multiplied .* for [0-9]+ of the [0-9]+ parameters.*A gradient set by "
+                                           r"hand is a plain tensor until"):
+        opt.step()
+
+
 def test_other_uses_of_param_grad_are_errors_that_say_where_the_gradient_is():
     model = tiny_llama(0)
     opt = ShardedAdamW(model.parameters(), lr=1e-3)
