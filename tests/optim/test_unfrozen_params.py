@@ -213,6 +213,34 @@ def test_a_frozen_parameter_given_a_gradient_with_every_reduced_one_replaced_is_
         assert_bitwise_equal(a, b, f"parameter {i}: after a reduction whose gradients were all replaced")
 
 
+def _frozen_given_a_gradient_after_a_clip(rank, world_size, replaced_on):
+    """A clip, then every rank sets the frozen weight's gradient and the ranks in ``replaced_on`` also replace
+    every gradient the clip reduced, then a backward: an error on every rank (whether the reduction is gone is each
+    rank's own; a rank that forgot it alone would wait in the layout's handshake for the others). Where every rank
+    replaced them all, torch.optim would train on (as on one rank, above): a limit, an error rather than a hang."""
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    _loss(model, rank).backward()
+    opt.clip_grad_norm_(0.05)
+    gen = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        if rank in replaced_on or not p.requires_grad:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"frozen when the optimizer was built and holding a gradient now.*before "
+                                           r"that reduction"):
+        _loss(model, 10 + rank).backward()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("replaced_on", [(0,), (0, 1)], ids=["on rank 0", "on every rank"])
+def test_on_two_ranks_a_frozen_parameter_given_a_gradient_after_a_clip_is_an_error_on_every_rank(replaced_on):
+    """Until the one-rank fix above was limited to one rank (session 37, the same day), rank 0, having replaced
+    every reduced gradient, laid the frozen weight out and waited in that handshake for rank 1, which had raised:
+    a hang."""
+    run_on_ranks(_frozen_given_a_gradient_after_a_clip, 2, replaced_on, timeout_s=60)
+
+
 def _train_unfreezing(model, opt, steps):
     """Steps ``steps`` of a loop that unfreezes the first layer at step UNFROZEN_AT."""
     for step in steps:

@@ -888,8 +888,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         unfrozen = [p for p in self._frozen_at_build if p.requires_grad or p.grad is not None]
         if not unfrozen:
             return
-        if self._reduced_early:  # (a reduction none of whose gradients is held any more, each replaced by hand or
-            # cleared: forgotten first, as a flush forgets it, and these parameters are laid out as before any)
+        if self._reduced_early and not self._many_ranks:
+            # (one rank: a reduction none of whose gradients is held any more, each replaced by hand or cleared, is
+            # forgotten first, as a flush forgets it, and these parameters are laid out as before any. Not on more
+            # ranks: whether it is forgotten is each rank's own, and a rank laying out alone would wait in the
+            # layout's handshake for ranks that raise below: every rank raises, where some may have forgotten)
             self._check_grads_since_reduction("forget")
         if self._reduced is not None:  # unfrozen after this step's reduction (clip_grad_norm_ before step())
             with_grad = [p for p in unfrozen if p.grad is not None]
@@ -898,7 +901,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise RuntimeError(
                 f"{_names([self._param_names[p] for p in with_grad])}: frozen when the optimizer was built and "
                 "holding a gradient now, but this step's gradients were already reduced (by clip_grad_norm_ or "
-                "grad_norm) without it; unfreeze (or set the gradient) before the backward")
+                "grad_norm) without it; unfreeze it (or set its gradient) before that reduction, or clear every "
+                "gradient first (opt.zero_grad())")
         self._lay_out_frozen(unfrozen, "is trainable now (or holds a gradient)")
 
     def _adopt_marked(self) -> None:
