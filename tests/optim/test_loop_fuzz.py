@@ -239,9 +239,10 @@ class TrainingLoop(RuleBasedStateMachine):
 
     # (a second clip in a step clips the gradients the first one clipped, as torch's does: until session 26 ours
     # computed its coefficient from the unclipped ones, and torch's after ours clipped twice over)
-    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), how=st.sampled_from(["opt", "torch"]))
+    # ("torch foreach": torch's clip as it runs on a GPU, where foreach is its default: _foreach_norm, _foreach_mul_)
+    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), how=st.sampled_from(["opt", "torch", "torch foreach"]))
     def clip(self, max_norm, how):
-        if how == "torch" and self.by_hand:
+        if how.startswith("torch") and self.by_hand:
             # torch's clip on a plain bf16 gradient computes its norm and multiplies in bf16, as it would for any
             # bf16 model: not the fp32 arithmetic of the reference (nor of the placeholders, which give fp32 norms)
             how = "opt"
@@ -279,8 +280,8 @@ class TrainingLoop(RuleBasedStateMachine):
             self._reduced()
 
     @precondition(lambda self: not self.by_hand and self.clipped is None and self.CLAMPS)
-    @rule(value=st.sampled_from([0.05, 0.25]))
-    def clip_value(self, value):
+    @rule(value=st.sampled_from([0.05, 0.25]), foreach=st.booleans())
+    def clip_value(self, value, foreach):
         """``torch.nn.utils.clip_grad_value_`` over the model (Lightning's gradient_clip_algorithm="value"): ours
         clamps the reduced gradient to the bound over the factors the update applies later (the 1/n of a division
         here, a power of two), one rounding of the bound to bf16, which is torch's clamp of bf16 gradients exactly
@@ -288,12 +289,12 @@ class TrainingLoop(RuleBasedStateMachine):
         if not self._has_grads():
             return
         if self._reuses_spent():
-            raises_spent(lambda: torch.nn.utils.clip_grad_value_(self.model.parameters(), value),
-                         "clamping a spent gradient")
+            raises_spent(lambda: torch.nn.utils.clip_grad_value_(self.model.parameters(), value,
+                                                                 foreach=foreach or None), "clamping a spent gradient")
             return self._recover()
         reduces = any(type(p.grad) is ShardedGrad for p in self.ours.values())
-        with self._tolerating_inf():
-            torch.nn.utils.clip_grad_value_(self.model.parameters(), value)
+        with self._tolerating_inf():  # (foreach: _foreach_clamp_min_/max_, torch's default on a GPU)
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), value, foreach=foreach or None)
         torch.nn.utils.clip_grad_value_(self.ref.parameters(), value)
         if reduces:
             self._reduced()
@@ -539,10 +540,12 @@ def raises_spent(call, what: str) -> None:
 
 
 def clip(opt, model, max_norm, how: str):
-    """The loop's clip: the optimizer's (``how="opt"``) or torch's over ``param.grad``; its norm."""
+    """The loop's clip: the optimizer's (``how="opt"``) or torch's over ``param.grad`` (``"torch"``: its default on
+    the CPU, a norm and a multiply per parameter; ``"torch foreach"``: its default on a GPU); its norm."""
     if how == "opt":
         return opt.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
+                                          foreach=True if how == "torch foreach" else None)
 
 
 def divide_grads(model, divisor) -> None:
