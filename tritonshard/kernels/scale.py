@@ -108,9 +108,10 @@ def _partials_multi_kernel(x_ptrs, numels, slots, block_tensor, block_start, fac
     BLOCKS = 4: the four blocks' loads are issued before any block is summed (32 KB of bf16 in flight per program
     instead of 8 KB, and the table reads, two dependent round trips to memory before the first data load, paid
     once per four blocks). BLOCKS = 1 is the kernel the H200 measured at ~48 % of the copy bandwidth in the 1B
-    step (2026-12-04), where the single-tensor pass over 256M elements reached 61 %: a program there reads its
-    8 KB, then sums it with nothing in flight. Which is faster is for a GPU to say (benchmarks.run's "norm pass"
-    job times both); they differ in speed only."""
+    step (2026-12-04), where the single-tensor pass over 256M elements reached 61 %, in a time close to the
+    memory time plus the fp64 conversions' (as if a program read its 8 KB, then summed it with nothing in
+    flight). Which is faster is for a GPU to say (benchmarks.run's "norm pass" job times both); they differ in
+    speed only."""
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
     start = tl.load(block_start + pid)
