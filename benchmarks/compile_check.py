@@ -19,10 +19,10 @@ cubin) and the widths of its global loads and stores (from the PTX), and fails w
   multiply-add or an approximate division or square root, or lacks the correctly rounded ones; so for the clip
   coefficient's fp32 division;
 * a streaming kernel has no 16-byte global load, or no 16-byte global store, each direction on its own (exempt:
-  the one-program finalize of ``scale_``, flatten's ALIGNED=False path, element-wise by design, and the stores of
-  the read-only ``sum_sq_nonfinite`` pass, which writes one partial per program). A kernel with 16-byte stores and
-  scalar loads (flatten's aligned path until 2026-11-30: the alignment hint was lost at the int-to-pointer cast)
-  fails.
+  the one-program finalize of ``scale_`` and its per-segment sums, flatten's ALIGNED=False path, element-wise by
+  design, and the stores of the read-only ``sum_sq_nonfinite`` pass, which writes one partial per program). A
+  kernel with 16-byte stores and scalar loads (flatten's aligned path until 2026-11-30: the alignment hint was
+  lost at the int-to-pointer cast) fails.
 
 It also counts the PTX instructions of each kernel (static, both sides of every branch) per element a thread
 handles (BLOCK / (32 x warps)): an upper bound of the work per element, to compare specializations (e.g. the
@@ -73,6 +73,7 @@ KERNELS = {
     "scale": scale_mod._scale_kernel,
     "scale_finalize": scale_mod._finalize_kernel,
     "norm_pass": scale_mod._partials_multi_kernel,
+    "segment_sums": scale_mod._segment_sums_kernel,
     "cast_to_bf16": rounding_mod._cast_kernel,
     "adamw": adamw_mod._adamw_kernel,
     "sgd": sgd_mod._sgd_kernel,
@@ -83,7 +84,8 @@ KERNELS = {
     "round_totals": scalars_mod._round_totals_kernel,
 }
 # one program reducing a few partials, or computing a few scalars: neither streaming nor worth vectorizing
-NOT_STREAMING = {"scale_finalize", "adamw_coefficients", "step_flags", "clip_coefficient", "round_totals"}
+NOT_STREAMING = {"scale_finalize", "segment_sums", "adamw_coefficients", "step_flags", "clip_coefficient",
+                 "round_totals"}
 #: kernels whose float64 arithmetic must round each operation as torch's ops do (their results are compared bit
 #: for bit with them): no fused multiply-add, no approximate division or square root in their PTX
 IEEE_F64 = {"adamw_coefficients"}
@@ -283,6 +285,10 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
                                                                                                          aligned)))
     out.append(("norm pass bfloat16 aligned=True, one block per program (the kernel the H200 measured, session 32)",
                 lambda: _norm_pass(torch.bfloat16, True, blocks_per_program=1)))
+    # the per-piece totals of the per-parameter norms (torch's clip over param.grad): one program per segment
+    out.append(("segment sums (each grad piece's partials: per-parameter norms)",
+                lambda: scale_mod.segment_sums_(torch.zeros(3000, dtype=torch.float64), torch.tensor([0, 1000]),
+                                                torch.tensor([1000, 2000]), torch.empty(2, dtype=torch.float64))))
     for src_dtype in (torch.float32, torch.bfloat16, torch.float16):
         for stochastic in (False, True):
             out.append((f"cast_to_bf16 {src_dtype} stochastic={stochastic}".replace("torch.", ""),

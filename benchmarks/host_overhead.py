@@ -20,7 +20,9 @@ end-of-backward flush, the step's per-parameter work), by phase, with and withou
 a GPU every configuration was host-bound (issue 20), and the 302M GPT of the example has 292 parameters, each
 passing through the hooks in every backward. Last, the example's own iteration (its GPT at the 302M layout: 24
 layers, 292 parameters, 26 buckets, but 32 wide), phase by phase, with and without ``overlap_comm`` + ``attach``:
-what is per bucket and per module there (the forward pre-hooks, the flushes in the backward hooks). Then the
+what is per bucket and per module there (the forward pre-hooks, the flushes in the backward hooks). Then torch's
+``clip_grad_norm_`` over ``param.grad`` (HF Trainer's and accelerate's clip, on the placeholders; ``--clip-params``)
+against ``opt.clip_grad_norm_``: host time and torch ops of the clip alone. Then the
 125M step's host timeline, event by event (``--timeline-model``; benchmarks.step's ``host_timeline``, which
 ``benchmarks.step --host-timeline`` measures on a GPU: on one machine the two differ by what only CUDA costs).
 Needs TRITON_INTERPRET unset. The numbers are this CPU's: compare runs on one machine, not across machines.
@@ -291,6 +293,54 @@ def _measure_model_iteration(rounds: int) -> dict:
     return out
 
 
+def _measure_torch_clip(num_params: int, rounds: int) -> dict:
+    """Host time and torch ops of one clip, torch's ``clip_grad_norm_`` over ``param.grad`` (HF Trainer's and
+    accelerate's clip: the placeholders' per-parameter norms and multiplies) with its CPU default and with
+    ``foreach=True`` (its default on CUDA), against ``opt.clip_grad_norm_``: ``num_params`` parameters of 64 x 64 in
+    ~25 buckets, their gradients from a real backward (placeholders, as a loop has them), the clip alone timed (the
+    reduction it starts included), each way's minimum over ``rounds`` rounds, the ways taking turns. The ops: those
+    of one clip, counted by a TorchDispatchMode (on a GPU each is a launch, beside the Triton kernels')."""
+    import collections
+
+    import tritonshard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 64).bfloat16()) for _ in range(num_params)]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4, bucket_cap_mb=num_params * 64 * 64 * 2 / 25 / 2 ** 20)
+    weights = [torch.randn(64, 64) for _ in params]
+    ways = {"torch": dict(foreach=None), "torch, foreach=True": dict(foreach=True), "opt.clip_grad_norm_": None}
+    best, ops = collections.defaultdict(lambda: math.inf), {}
+    for r in range(rounds + 3):
+        for way, kwargs in ways.items():
+            sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
+            counter = _Count() if r == rounds + 2 else contextlib.nullcontext()
+            with counter:
+                t0 = time.perf_counter()
+                if kwargs is None:
+                    opt.clip_grad_norm_(1.0)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, 1.0, **kwargs)
+                elapsed = time.perf_counter() - t0
+            if r >= 3:
+                best[way] = min(best[way], elapsed)
+            if r == rounds + 2:
+                ops[way] = counter.ops
+            opt.step()
+            opt.zero_grad()
+    return {way: {"host_ms": best[way] * 1e3, "torch_ops": ops[way]} for way in ways} | {
+        "params": num_params, "buckets": len(opt.buckets)}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--buckets", type=int, nargs=2, default=[16, 128], help="two bucket counts (the slope's ends)")
@@ -312,6 +362,9 @@ def main(argv=None) -> dict:
     p.add_argument("--param-rounds", type=int, default=60, help="rounds of the per-parameter measurement")
     p.add_argument("--model-rounds", type=int, default=20,
                    help="rounds of the example's iteration at its 302M layout (0: skip it)")
+    p.add_argument("--clip-params", type=int, default=292,
+                   help="parameters of the measurement of torch's clip over the placeholders (0: skip it)")
+    p.add_argument("--clip-rounds", type=int, default=10, help="rounds of that measurement")
     p.add_argument("--timeline-model", default="125M", choices=["none", "tiny", "125M", "1B"],
                    help="the step's host timeline, event by event, at this model's parameter shapes (benchmarks.step's"
                         "; none: skip it)")
@@ -351,6 +404,7 @@ def main(argv=None) -> dict:
             flat_same, flat_fresh = _measure_flatten(args.flatten_tensors, 64, args.reps)
             per_param = _measure_per_param(args.params, args.param_rounds) if args.params else None
             model_iteration = _measure_model_iteration(args.model_rounds) if args.model_rounds else None
+            torch_clip = _measure_torch_clip(args.clip_params, args.clip_rounds) if args.clip_params else None
             timeline = (_measure_timeline(args.timeline_model, args.timeline_reps)
                         if args.timeline_model != "none" else None)
     finally:
@@ -372,6 +426,7 @@ def main(argv=None) -> dict:
         "flatten_host_us_per_tensor_repeating": flat_same * 1e6,
         "flatten_host_us_per_tensor_fresh": flat_fresh * 1e6,
         "per_param_us": per_param, "params": args.params, "model_iteration_ms": model_iteration,
+        "torch_clip": torch_clip,
         "timeline": timeline, "timeline_model": args.timeline_model,
         "bound_launches": not args.no_bound_launches, "coalesced": not args.no_coalesce and not args.overlap,
         "overlap_comm": args.overlap,
@@ -402,6 +457,12 @@ def main(argv=None) -> dict:
               f"alone: {sum(model_iteration['bare_ms'].values()):.1f} ms; minimum of {args.model_rounds} rounds):")
         for mode in MODEL_MODES:
             print(f"    {mode:34s} " + ", ".join(f"{k} {v:.2f}" for k, v in model_iteration[mode].items()))
+    if torch_clip:
+        print(f"  torch's clip_grad_norm_ over param.grad (HF Trainer's, accelerate's) against the optimizer's, "
+              f"{torch_clip['params']} parameters in {torch_clip['buckets']} buckets, gradients from a backward "
+              f"(the clip alone; minimum of {args.clip_rounds} rounds): " + ", ".join(
+                  f"{way} {v['host_ms']:.2f} ms and {v['torch_ops']} torch ops" for way, v in torch_clip.items()
+                  if isinstance(v, dict)))
     if timeline:
         from benchmarks.step import timeline_markdown
         print("\n".join("  " + line if line else "" for line in timeline_markdown(

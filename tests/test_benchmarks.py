@@ -269,7 +269,7 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     out = tmp_path / "host.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--buckets", "2", "6", "--reps", "3",
                            "--params", "12", "--param-rounds", "2", "--model-rounds", "1", "--timeline-model", "tiny",
-                           "--timeline-reps", "3", "--out", str(out)],
+                           "--timeline-reps", "3", "--clip-params", "40", "--clip-rounds", "1", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads(out.read_text())
@@ -278,6 +278,13 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     # AdamW's coefficients (session 31), the clip's coefficient and the step's scalars (session 34)
     assert row["launches_per_step_at_lo"] == 7
     assert "per bucket:" in proc.stdout
+    # torch's clip over the placeholders (session 37): the same few torch ops whatever the number of parameters
+    # (until then a norm per piece: 40 + 14 here), against the optimizer's own clip
+    clip = row["torch_clip"]
+    assert clip["params"] == 40 and clip["buckets"] > 1, clip
+    for way in ("torch", "torch, foreach=True", "opt.clip_grad_norm_"):
+        assert clip[way]["host_ms"] > 0 and clip[way]["torch_ops"] < 40, clip
+    assert "torch's clip_grad_norm_ over param.grad" in proc.stdout
     # a step under moving betas (OneCycleLR's momentum cycling, session 36) is reported beside the fixed ones (the
     # replays it must make: tests/optim/test_launch_plans.py)
     assert row["step_ms_moving_betas"] > 0 and "OneCycleLR cycles beta1" in proc.stdout

@@ -350,3 +350,43 @@ def test_the_unrolled_finalize_adds_each_lane_in_the_same_order(n):
         assert float(outs[4][1]) == float(bool(flags.any()))
         assert float(outs[4][0]) == pytest.approx(float(sumsq.sum()))
     assert scale_mod._FINALIZE_UNROLL == 4  # (what the launchers use)
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_segment_sums_add_each_segment_of_the_partials(backend):
+    # the per-piece totals of ShardedOptimizer's per-parameter norms (torch's clip over param.grad): one program per
+    # segment. Counts 1, primes, a multiple of the kernel's 1024 lanes and past it, a segment at the very end;
+    # integer values (exact in any order: the sums are compared bit for bit), then random ones (fp64 order: 1e-13)
+    from tritonshard.kernels.scale import segment_sums_
+    counts = [1, 7, 1024, 1031, 3, 2049, 13]
+    starts = [0] + torch.tensor(counts).cumsum(0).tolist()[:-1]
+    n = sum(counts) + 5  # (5 partials after the last segment, in no segment)
+    ints = torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(3)).double().to(DEVICE)
+    out = torch.full((len(counts),), -7.0, dtype=torch.float64, device=DEVICE)
+    tables = [torch.tensor(t, dtype=torch.int64, device=DEVICE) for t in (starts, counts)]
+    segment_sums_(ints, *tables, out, backend=backend)
+    assert (last_backend("segment_sums_") is Backend.TORCH) == (backend == "torch")
+    want = torch.stack([ints[a:a + c].sum() for a, c in zip(starts, counts)])
+    assert_bitwise_equal(out, want, "segment sums of integers")
+    values = randn(n, 5, torch.float32).double().square() * 1e3
+    segment_sums_(values, *tables, out, backend=backend)
+    torch.testing.assert_close(out, torch.stack([values[a:a + c].sum() for a, c in zip(starts, counts)]),
+                               rtol=1e-13, atol=0)
+    reversed_ = [torch.tensor(t[::-1], dtype=torch.int64, device=DEVICE) for t in (starts, counts)]
+    segment_sums_(values, *reversed_, out, backend=backend)  # (segments in any order, as the tables list them)
+    torch.testing.assert_close(out, torch.stack([values[a:a + c].sum() for a, c in zip(starts[::-1], counts[::-1])]),
+                               rtol=1e-13, atol=0)
+
+
+def test_segment_sums_reject_bad_tables():
+    from tritonshard.kernels.scale import segment_sums_
+    sums, out = torch.zeros(10, dtype=torch.float64), torch.empty(2, dtype=torch.float64)
+    starts, counts = torch.tensor([0, 5]), torch.tensor([5, 5])
+    with pytest.raises(ValueError, match="sums must be a 1-D float64 tensor"):
+        segment_sums_(sums.float(), starts, counts, out)
+    with pytest.raises(ValueError, match="counts must be a 1-D int64 tensor .* one element per segment"):
+        segment_sums_(sums, starts, counts[:1], out)
+    with pytest.raises(ValueError, match="starts must be a 1-D int64 tensor"):
+        segment_sums_(sums, starts.int(), counts, out)
+    with pytest.raises(ValueError, match="out must be a contiguous 1-D float64 tensor"):
+        segment_sums_(sums, starts, counts, out.float())

@@ -189,18 +189,12 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
-def test_torchs_clip_over_the_placeholders_costs_one_torch_op_per_parameter(norm_type):
-    """torch.nn.utils.clip_grad_norm_ on param.grad (accelerate's and the HF Trainer's clip): each parameter's norm
-    from the reduced shards. Until session 30 that cost ~6 torch ops per parameter (an fp64 copy of each piece, abs,
-    square, sum, then an index per parameter): 1820 for a 292-parameter model, 9.3 ms of host time on the CPU
-    here and more on a GPU, where each is a launch. Now one fp64-accumulating norm per piece (over a view made
-    once), one unbind for all parameters. The norm itself is checked against the fp32 reference gradients."""
+def _torch_clip_ops(layers: int, norm_type: float):
+    """torch's clip_grad_norm_ over the placeholders of a ShardedAdamW over ``layers`` Linear(8, 8) in one bucket
+    (the reduction's own ops, its kernels' under the interpreter, are a constant; what grows is per parameter):
+    (the aten ops of the second iteration's clip, its parameters, the clip's norm, the fp32 control's)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(30)])  # 60 parameters
-    ref = [p.detach().clone() for p in model.parameters()]
-    # one bucket: the reduction's own ops (its kernels' under the interpreter) are a constant, what grows is per
-    # parameter
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
     opt = tritonshard.ShardedAdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 8)
     for _ in range(2):
@@ -209,27 +203,41 @@ def test_torchs_clip_over_the_placeholders_costs_one_torch_op_per_parameter(norm
         counter = _CountOps()
         with counter:
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)  # (clips nothing)
-        grads = [p.grad for p in model.parameters()]
         opt.step()
         opt.zero_grad()
-    params = len(ref)
     assert len(opt.buckets) == 1
-    # per parameter (one piece each at one rank): its norm, no more (no slice: the pieces' views are made once;
-    # no fp64 copy, no indexing op), and one more norm, torch's of the norms (the interpreter's kernels of the
-    # reduction: ~60 more ops, whatever the model's size)
-    per_param = {op: n for op, n in counter.ops.items() if n >= params}
-    assert per_param == {"aten.linalg_vector_norm.default": params + 1}, per_param
-    assert sum(counter.ops.values()) <= params + 80, counter.ops
     # the control: the same bf16 weights and input in plain torch, whose bf16 gradients the reduced grad buffer
-    # holds exactly at one rank; their norm in fp32 here, in fp64 pieces there: within 1e-5 relative
-    plain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(30)]).bfloat16()
+    # holds exactly at one rank; their norm in fp32 here, in fp64 there: within 1e-5 relative
+    plain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]).bfloat16()
     for p, w in zip(plain.parameters(), weights):
         p.data.copy_(w)
     plain(x.bfloat16()).float().square().mean().backward()
     norms = torch.stack([torch.linalg.vector_norm(p.grad.float(), norm_type) for p in plain.parameters()])
-    expected = torch.linalg.vector_norm(norms, norm_type)
-    assert len(grads) == params
+    return counter.ops, len(weights), total, torch.linalg.vector_norm(norms, norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_torchs_clip_over_the_placeholders_costs_one_torch_op_per_parameter(norm_type):
+    """torch.nn.utils.clip_grad_norm_ on param.grad (accelerate's and the HF Trainer's clip): each parameter's norm
+    from the reduced shards. Until session 30 that cost ~6 torch ops per parameter (an fp64 copy of each piece, abs,
+    square, sum, then an index per parameter): 1820 for a 292-parameter model, 9.3 ms of host time on the CPU
+    here and more on a GPU, where each is a launch. Then one fp64-accumulating norm per piece (over a view made
+    once), one unbind for all parameters; since session 37 for the 2-norm (the clip's default) none per piece
+    where the Triton kernels run: two launches for all pieces (the norm pass's kernel over them, then a sum per
+    piece), so no torch op per parameter at all, but torch's own norm of the norms: the same ops for a model of
+    20 parameters as for one of 60. The norm itself is checked against the fp32 reference gradients."""
+    ops, params, total, expected = _torch_clip_ops(30, norm_type)
     assert torch.allclose(total.float(), expected, rtol=1e-5), (total, expected)
+    per_param = {op: n for op, n in ops.items() if n >= params}
+    if norm_type == 2.0:
+        assert per_param == {}, per_param
+        assert ops["aten.linalg_vector_norm.default"] == 1, ops  # (torch's, of the norms)
+        fewer, _, total, expected = _torch_clip_ops(10, norm_type)
+        assert torch.allclose(total.float(), expected, rtol=1e-5), (total, expected)
+        assert fewer == ops, "the ops of torch's clip depend on the number of parameters"
+    else:  # (1-norm, inf-norm: a torch norm per piece, one more of the norms, and the reduction's ~60 ops)
+        assert per_param == {"aten.linalg_vector_norm.default": params + 1}, per_param
+        assert sum(ops.values()) <= params + 80, ops
 
 
 def _hashes_per_iteration(n_params: int, overlap_comm: bool, machinery: bool = False) -> int:

@@ -40,7 +40,8 @@ from ._dispatch import Backend, select_backend, traced
 from .rounding import round_to_bf16, to_fp32
 
 __all__ = ["scale_", "scale_ref", "sum_sq_nonfinite", "sum_sq_nonfinite_ref", "sum_sq_workspace",
-           "shared_sum_sq_workspace", "sum_sq_partials_", "finalize_sum_sq_", "fold_rows_", "fold_rows_ref"]
+           "shared_sum_sq_workspace", "sum_sq_partials_", "finalize_sum_sq_", "fold_rows_", "fold_rows_ref",
+           "segment_sums_"]
 
 BLOCK = 4096
 _FINALIZE_BLOCK = 1024
@@ -203,6 +204,21 @@ def _finalize_kernel(partial_sumsq, partial_nonfinite, num_partials, sumsq_out, 
     total = tl.sum(acc, axis=0)  # fp64; the store converts to out's dtype (fp32 or fp64)
     tl.store(sumsq_out, total.to(sumsq_out.dtype.element_ty))
     tl.store(nonfinite_out, (tl.max(flag, axis=0) > 0).to(nonfinite_out.dtype.element_ty))
+
+
+@triton.jit
+def _segment_sums_kernel(partial_sumsq, starts, counts, out, BLOCK: tl.constexpr):
+    """Program i: ``out[i]`` = the sum of ``partial_sumsq[starts[i] : starts[i] + counts[i]]`` in fp64, lane l
+    adding the segment's partials l, l + BLOCK, ... in that order, then the lanes summed (the order of
+    :func:`_finalize_kernel` with one chunk per iteration, within each segment): deterministic."""
+    i = tl.program_id(0)
+    start = tl.load(starts + i)
+    count = tl.load(counts + i)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for k in range(0, count, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        acc += tl.load(partial_sumsq + start + offs, mask=offs < count, other=0.0)
+    tl.store(out + i, tl.sum(acc, axis=0))
 
 
 def scale_ref(x: torch.Tensor, factor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,6 +481,48 @@ def finalize_launch_spec(partials, out: torch.Tensor) -> tuple:
     the spec it got."""
     return (_finalize_kernel, (1,), (partials[0], partials[1], partials[0].numel(), out, out[1:]),
             dict(BLOCK=_FINALIZE_BLOCK, UNROLL=_FINALIZE_UNROLL, enable_fp_fusion=False))
+
+
+def _check_segments(sums: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
+    if not isinstance(sums, torch.Tensor) or sums.dtype != torch.float64 or sums.dim() != 1:
+        raise ValueError("sums must be a 1-D float64 tensor (the partial sums of squares of sum_sq_workspace)")
+    n = out.numel() if isinstance(out, torch.Tensor) else -1
+    for name, t in (("starts", starts), ("counts", counts)):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1 or t.numel() != n
+                or t.device != sums.device):
+            raise ValueError(f"{name} must be a 1-D int64 tensor on {sums.device} with one element per segment "
+                             f"(out's {n})")
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float64 or out.dim() != 1 or out.device != sums.device
+            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous 1-D float64 tensor on {sums.device}")
+
+
+@traced
+def segment_sums_(sums: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, *,
+                  backend: str | None = None) -> None:
+    """``out[i] = sums[starts[i] : starts[i] + counts[i]].sum()`` in fp64, one program per segment, in a fixed
+    order (deterministic): the per-tensor totals of a :func:`sum_sq_partials_` launch over several tensors (each
+    tensor's partials one segment of the workspace). ShardedOptimizer's per-parameter gradient norms (torch's
+    ``clip_grad_norm_`` over ``model.parameters()``, what HF Trainer and accelerate call) take them in one launch
+    over every piece of the grad shards, instead of a norm op per piece. The segments must lie within ``sums``
+    (read on the device: not checked here)."""
+    _check_segments(sums, starts, counts, out)
+    chosen = select_backend("segment_sums_", out.device, backend)
+    if out.numel() == 0:
+        return
+    if chosen is Backend.TORCH:
+        for i, (a, c) in enumerate(zip(starts.tolist(), counts.tolist())):
+            out[i] = sums[a:a + c].sum()
+        return
+    kernel, grid, args, kwargs = segment_sums_launch_spec(sums, starts, counts, out)
+    kernel[grid](*args, **kwargs)
+
+
+def segment_sums_launch_spec(sums: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                             out: torch.Tensor) -> tuple:
+    """(kernel, grid, args, kwargs) of one :func:`segment_sums_` launch, unchecked (see :mod:`._launch`)."""
+    return (_segment_sums_kernel, (out.numel(),), (sums, starts, counts, out),
+            dict(BLOCK=_FINALIZE_BLOCK, enable_fp_fusion=False))
 
 
 def _launch(x: torch.Tensor, factor, write: bool, out=None, partials=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1040,6 +1040,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # every non-empty piece of the grad shards as a view, and its parameter index on the device (see
         # _param_grad_norms): made at the first per-parameter norm, again after new buckets
         self._norm_pieces: Optional[tuple] = None
+        self._piece_norm_plan: Optional[tuple] = None  # (their launches: _piece_sums_of_squares)
         for p in added:
             frozen = not p.requires_grad  # (adopted for a gradient it holds: _adopt_unfrozen)
             if frozen:  # torch checks requires_grad only when a hook is registered; the hook stays on the tensor,

@@ -13,6 +13,7 @@ ShardedOptimizer`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -20,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..kernels import _launch
+from ..kernels._dispatch import triton_kernels_run
+from ..kernels.scale import (partials_multi_launch_spec, segment_sums_, segment_sums_launch_spec,
+                             shared_sum_sq_workspace, sum_sq_partials_)
 from . import model_sync
 from .bucket import DATA_READS, _Bucket, alone, watch
 from .bucket import plain_attrs as _PLAIN_ATTRS
@@ -567,21 +572,55 @@ class ModelViewMixin:
             self._norm_pieces = made
         return made
 
+    def _piece_sums_of_squares(self, views: list):
+        """Each piece's sum of squares (fp64, one per view of :meth:`_make_norm_pieces`), in two launches where the
+        Triton kernels run, outside torch.compile: the norm pass's kernel over the pieces (per-block partials in
+        fp64, as the step's norm pass takes them) into a workspace of their own, then one program per piece adding
+        its partials in a fixed order (:func:`~tritonshard.kernels.scale.segment_sums_`). Before session 37 a
+        ``torch.linalg.vector_norm`` per piece: ~150 launches for a 125M model's 148 parameters at every torch
+        clip (HF Trainer's, accelerate's), ~10 us of host time each on the H200's CPU (session 32's figures for a
+        small op), for the same one read of the gradients. None where this path does not run (the caller takes
+        the torch ops). The plan (workspace, tables, output) is made once per set of pieces."""
+        if not triton_kernels_run(self.device) or torch.compiler.is_compiling():
+            return None
+        plan = self._piece_norm_plan
+        if plan is None or plan[0] is not views:
+            workspace, slices = shared_sum_sq_workspace([v.numel() for v in views], self.device)
+            spec = partials_multi_launch_spec(views, 1.0, slices)
+            if spec is None:  # (pieces of two dtypes or devices: the torch ops)
+                return None
+            counts = [s.numel() for s, _ in slices]
+            starts = [0] + list(itertools.accumulate(counts))[:-1]
+            tables = [torch.tensor(t, dtype=torch.int64).to(self.device, non_blocking=True) for t in (starts, counts)]
+            out = torch.empty(len(views), dtype=torch.float64, device=self.device)
+            segments = segment_sums_launch_spec(workspace[0], *tables, out)
+            plan = self._piece_norm_plan = (views, spec, segments, out, slices, {})
+        _, spec, segments, out, slices, launches = plan
+
+        def checked_pieces():
+            for v, part in zip(views, slices):
+                sum_sq_partials_(v, 1.0, part)
+        _launch.launch(launches, "pieces", spec, checked_pieces)
+        _launch.launch(launches, "segments", segments, lambda: segment_sums_(segments[2][0], *segments[2][1:3], out))
+        return out
+
     @torch.no_grad()
     def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         is_inf = norm_type == math.inf
         views, idx = self._norm_pieces if self._norm_pieces is not None else self._make_norm_pieces()
-        # each piece's norm in one pass accumulating in fp64 (torch's reduction upcasts as it reads: no fp64 copy of
-        # the piece, as the abs / square / sum ops before session 30 made, ~4 passes of fp64 temporaries and 5 torch
-        # ops per piece), raised to the power once for all pieces below. The fp64 sums: how a parameter is cut into
-        # pieces (by the layout, so by bucket_cap_mb) and summed over ranks moves them by ~1e-16 relative, below
-        # the fp32 rounding of the norm (bucket invariance)
-        values = [torch.linalg.vector_norm(v, norm_type, dtype=torch.float64) for v in views]
         acc = torch.zeros(len(self._param_list), dtype=torch.float64, device=self.device)
-        if values:
-            stacked = torch.stack(values)
+        sums = self._piece_sums_of_squares(views) if norm_type == 2.0 and views else None
+        if sums is not None:  # (the 2-norm where the Triton kernels run: two launches for every piece)
+            acc.index_add_(0, idx, sums)
+        elif views:
+            # each piece's norm in one pass accumulating in fp64 (torch's reduction upcasts as it reads: no fp64
+            # copy of the piece, as the abs / square / sum ops before session 30 made, ~4 passes of fp64
+            # temporaries and 5 torch ops per piece), raised to the power once for all pieces below. The fp64
+            # sums: how a parameter is cut into pieces (by the layout, so by bucket_cap_mb) and summed over ranks
+            # moves them by ~1e-16 relative, below the fp32 rounding of the norm (bucket invariance)
+            stacked = torch.stack([torch.linalg.vector_norm(v, norm_type, dtype=torch.float64) for v in views])
             if is_inf:
                 acc.scatter_reduce_(0, idx, stacked, reduce="amax")
             else:
