@@ -311,6 +311,45 @@ def test_dividing_the_gradients_by_a_number_trains_as_dividing_the_loss(world_si
     run_on_ranks(_divided, world_size)
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_torchs_clip_over_two_optimizers_placeholders_and_a_plain_gradient_clips_each_as_torch(foreach):
+    """torch's clip_grad_norm_ over a list that mixes two optimizers' placeholders and a plain gradient (a parameter
+    no optimizer of ours holds), with foreach (torch's default on CUDA: one _foreach_norm and one _foreach_mul_
+    over the list, which the placeholders answer per optimizer) and without (a norm and a multiply per
+    parameter): the same total norm as torch's over the fp32 gradients, and each gradient clipped by the one
+    coefficient, ours in the update (SGD without momentum: the weights move by lr x the clipped gradient)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 4)).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt_a = ShardedSGD(model[0].parameters(), lr=0.5)
+    opt_b = ShardedSGD([model[2].weight], lr=0.5)  # (model[2].bias: in no optimizer of ours, a plain gradient)
+    x = torch.randn(5, 6).to(torch.bfloat16)
+    for m in (model, twin):
+        m(x).float().square().sum().backward()
+    grads = [p.grad.float() for p in twin.parameters()]  # (the bf16 gradients ours hold exactly, at one rank)
+    # each one's norm, as a log line reads them (torch._foreach_norm over the list: in its order)
+    each = torch._foreach_norm([p.grad for p in model.parameters()])
+    for i, (n, g) in enumerate(zip(each[:3], grads[:3])):
+        torch.testing.assert_close(n.float(), torch.linalg.vector_norm(g), rtol=1e-5, atol=0, msg=f"parameter {i}")
+    norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5, foreach=foreach)
+    # (torch takes the plain bf16 gradient's norm in bf16, ours in fp32: as torch over the same tensors)
+    norms = [torch.linalg.vector_norm(g) for g in grads[:3]] + [torch.linalg.vector_norm(twin[2].bias.grad).float()]
+    expected = torch.linalg.vector_norm(torch.stack(norms))
+    torch.testing.assert_close(norm.float(), expected, rtol=1e-5, atol=0)  # (fp32 sums in another order)
+    assert float(norm) > 0.5, "the test must clip"
+    coef = 0.5 / (float(norm) + 1e-6)
+    clipped_bias = model[2].bias.grad.float()
+    torch.testing.assert_close(clipped_bias, (grads[3] * coef).to(torch.bfloat16).float(), rtol=0, atol=0)
+    before = [p.detach().float().clone() for p in model.parameters()]
+    opt_a.step()
+    opt_b.step()
+    for i in (0, 1, 2):  # ours: w - lr * coef * g, in fp32 on the masters, then rounded to the bf16 weight
+        want = (before[i] - 0.5 * coef * grads[i]).to(torch.bfloat16).float()
+        got = list(model.parameters())[i].detach().float()
+        assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all(), f"parameter {i}"  # (one bf16 ulp:
+        #                                                                    fp32 op order at a rounding boundary)
+
+
 def test_clipping_only_some_parameters_is_an_error():
     model = tiny_llama(0)
     opt = ShardedAdamW(model.parameters(), lr=1e-3)

@@ -323,7 +323,7 @@ class ShardedGrad(torch.Tensor):
             return _norm(args[0], _norm_type(func, args, kwargs))
         if func is torch._foreach_norm:
             ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-            return [_norm(t, ord_) for t in args[0]]
+            return _foreach_norm(args[0], ord_)
         # the multiply of torch's clip, and p.grad /= n (a loop normalizing by its accumulation steps or token
         # count): folded into the update (a division as the multiply by 1 / n: exact where n is a power of two,
         # else within one bf16 rounding of torch's division of bf16 gradients, as for the clip coefficient)
@@ -332,6 +332,9 @@ class ShardedGrad(torch.Tensor):
             scale(args[0], args[1] if len(args) > 1 else kwargs["other"])
             return args[0]
         scale = _FOREACH_SCALE.get(func)
+        if scale is _mul and not isinstance(args[1], (list, tuple)):  # (torch's clip: one coefficient for all)
+            _foreach_fold(args[0], args[1])
+            return None
         if scale is not None:
             factors = args[1]
             for i, t in enumerate(args[0]):
@@ -477,6 +480,50 @@ def _norm(t, ord_) -> torch.Tensor:
             return torch.linalg.vector_norm(t, ord_)
     opt, param = t._owner()
     return opt._param_grad_norm(param, float(ord_))
+
+
+def _by_optimizer(tensors) -> tuple[list, list]:
+    """The placeholders among ``tensors`` grouped by their optimizer, ``[(optimizer, positions, parameters)]``,
+    and the positions of the other tensors."""
+    groups, others, last = {}, [], None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, ShardedGrad):
+            others.append(i)
+            continue
+        opt, param = t._optimizer(), t._param()
+        if opt is None or param is None:
+            t._owner()  # (raises: the optimizer is gone)
+        if last is None or last[0] is not opt:  # (a list is mostly one optimizer's, in a row)
+            last = groups.get(id(opt))
+            if last is None:
+                last = groups[id(opt)] = (opt, [], [])
+        last[1].append(i)
+        last[2].append(param)
+    return list(groups.values()), others
+
+
+def _foreach_norm(tensors, ord_) -> list:
+    """``torch._foreach_norm`` over a list holding placeholders (torch's clip_grad_norm_ on CUDA, where foreach is
+    its default): each optimizer's parameters answered in one call (:meth:`_param_grad_norms_of`), not one call
+    through the placeholder per parameter; the other tensors' norms by torch."""
+    out = [None] * len(tensors)
+    groups, others = _by_optimizer(tensors)
+    for opt, positions, params in groups:
+        for i, norm in zip(positions, opt._param_grad_norms_of(params, float(ord_))):
+            out[i] = norm
+    for i in others:
+        out[i] = _norm(tensors[i], ord_)
+    return out
+
+
+def _foreach_fold(tensors, coef) -> None:
+    """``torch._foreach_mul_(tensors, coef)`` with one coefficient (torch's clip: its clip coefficient): each
+    optimizer's placeholders folded in one call (:meth:`_fold_grad_multipliers`), the other tensors multiplied."""
+    groups, others = _by_optimizer(tensors)
+    for opt, _, params in groups:
+        opt._fold_grad_multipliers(params, coef)
+    for i in others:
+        tensors[i].mul_(coef)
 
 
 def _mul(t, coef) -> None:

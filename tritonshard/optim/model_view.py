@@ -476,6 +476,15 @@ class ModelViewMixin:
         self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
         self._grad_multipliers.setdefault(p, []).append(coef)
         self._list_dependent = True
+
+    def _fold_grad_multipliers(self, params: list, coef) -> None:
+        """:meth:`_fold_grad_multiplier` for each of ``params`` (``torch._foreach_mul_`` by one coefficient), the
+        reduction looked at once. A parameter listed twice is multiplied twice, as torch's op would."""
+        self._reduce_grads()
+        multipliers = self._grad_multipliers
+        for p in params:
+            multipliers.setdefault(p, []).append(coef)
+        self._list_dependent = True
         # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
         # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
 
@@ -553,6 +562,17 @@ class ModelViewMixin:
         if self._clip_coef is not None:  # (until session 26 left out: the unclipped norm after opt.clip_grad_norm_)
             norm = norm * self._clip_coef
         return norm
+
+    def _param_grad_norms_of(self, params: list, norm_type: float) -> list:
+        """:meth:`_param_grad_norm` of each of ``params`` (``torch._foreach_norm`` over placeholders), the cache
+        looked up once, each parameter's multipliers only where there are any."""
+        if norm_type not in self._norm_cache:
+            self._reduce_grads()
+            self._norm_cache[norm_type] = self._param_grad_norms(norm_type).unbind()
+        if self._grad_multipliers or self._clip_coef is not None:
+            return [self._param_grad_norm(p, norm_type) for p in params]
+        cache, index = self._norm_cache[norm_type], self._param_index
+        return [cache[index[p]] for p in params]
 
     def _make_norm_pieces(self) -> tuple:
         """(a view of every non-empty piece of the grad shards, each piece's parameter index as a device tensor or
