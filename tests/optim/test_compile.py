@@ -367,6 +367,18 @@ def test_a_compiled_step_sees_gradients_set_or_cleared_by_hand_after_the_backwar
     _assert_the_same_with_steps_traced(run(False)[0], *run(True), how)
 
 
+@pytest.mark.parametrize("at", [0, 1])
+def test_a_compiled_step_after_gradients_zeroed_through_the_model_steps_with_zeros(at):
+    # model.zero_grad(set_to_none=False) between a backward and a compiled step (its first, or a later one):
+    # torch.optim steps with zeros (AdamW's moments decay, the weight decay applies). Until session 37 the traced
+    # step raised an InternalTorchDynamoError: its reset cleared the dict of zeroed placeholders, keyed by the
+    # parameters, which dynamo wraps along with their param.grad (found by tests.optim.loop_fuzz_long's
+    # TracedTrainingLoop: a backward in no_sync(), model.zero_grad(set_to_none=False), the step)
+    def run(compiled):
+        return _run_with_write(lambda model, opt: model.zero_grad(set_to_none=False), at, True, compiled)
+    _assert_the_same_with_steps_traced(run(False)[0], *run(True), f"zeroed before step {at}")
+
+
 def test_under_fullgraph_a_step_after_gradients_set_by_hand_names_why():
     torch._dynamo.reset()
     model = make_model(0)

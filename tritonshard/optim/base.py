@@ -2168,7 +2168,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._flags.traced_state = self._flags.traced_clip_coef = None
         self._reduce_entered = self._step_entered = self._lr_filled = self._reduction_started = False
         self._launched_by_backward = self._taken_after_launch = False
-        self._zeroed.clear()
+        if not compiling:  # (keyed by the parameters, which dynamo would wrap, and their param.grad, which it
+            # cannot: the eager rerun after a compiled step clears it, _finish_compiled_step)
+            self._zeroed.clear()
         self._reduced, self._clip_coef, self._reduced_early = None, None, False
         self._clamped = False
         self._step_cache.clear()
