@@ -476,6 +476,8 @@ class ModelViewMixin:
         self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
         self._grad_multipliers.setdefault(p, []).append(coef)
         self._list_dependent = True
+        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
+        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
 
     def _fold_grad_multipliers(self, params: list, coef) -> None:
         """:meth:`_fold_grad_multiplier` for each of ``params`` (``torch._foreach_mul_`` by one coefficient), the
@@ -485,8 +487,6 @@ class ModelViewMixin:
         for p in params:
             multipliers.setdefault(p, []).append(coef)
         self._list_dependent = True
-        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
-        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
 
     @torch.no_grad()
     def _clamp_grads(self, params: list, low, high) -> None:
@@ -597,10 +597,10 @@ class ModelViewMixin:
         Triton kernels run, outside torch.compile: the norm pass's kernel over the pieces (per-block partials in
         fp64, as the step's norm pass takes them) into a workspace of their own, then one program per piece adding
         its partials in a fixed order (:func:`~tritonshard.kernels.scale.segment_sums_`). Before session 37 a
-        ``torch.linalg.vector_norm`` per piece: ~150 launches for a 125M model's 148 parameters at every torch
-        clip (HF Trainer's, accelerate's), ~10 us of host time each on the H200's CPU (session 32's figures for a
-        small op), for the same one read of the gradients. None where this path does not run (the caller takes
-        the torch ops). The plan (workspace, tables, output) is made once per set of pieces."""
+        ``torch.linalg.vector_norm`` per piece: ~150 ops for a 125M model's 148 parameters at every torch clip
+        (HF Trainer's, accelerate's), each a launch on a GPU, for the same one read of the gradients. None where
+        this path does not run (the caller takes the torch ops). The plan (workspace, tables, output) is made once
+        per set of pieces."""
         if not triton_kernels_run(self.device) or torch.compiler.is_compiling():
             return None
         plan = self._piece_norm_plan
