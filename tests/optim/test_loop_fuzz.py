@@ -258,7 +258,7 @@ class TrainingLoop(RuleBasedStateMachine):
         return clip(self.opt, self.model, max_norm, how)
 
     # (gradients set by hand and still plain beside placeholders: multiplying both kinds is an error of its own,
-    # README; a loop that divides does so after its backward)
+    # docs/training-loops.md; a loop that divides does so after its backward)
     @precondition(lambda self: not self.by_hand)
     @rule(divisor=st.sampled_from([2, 4]))
     def divide(self, divisor):
