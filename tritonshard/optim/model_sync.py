@@ -299,7 +299,9 @@ class ShardedGrad(torch.Tensor):
     def _name(self) -> str:
         """The parameter's name as the optimizer knows it (its name in the model after ``attach``)."""
         opt, param = self._optimizer(), self._param()
-        return opt._param_names[param] if opt is not None and param is not None else "a parameter"
+        if opt is not None and param is not None:
+            return opt._param_names[param]
+        return f"a parameter of shape {tuple(self.shape)}"  # (its optimizer is gone: no name to give)
 
     def __repr__(self, *, tensor_contents=None):
         return f"ShardedGrad(param={self._name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
