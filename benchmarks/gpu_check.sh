@@ -15,7 +15,8 @@
 #      cuda_graph=True against eager steps, bit for bit, with real CUDA graphs and NCCL (issue 20.6), also
 #      across an unfreeze (session 14: those steps are captured now); last, whether BatchNorm with a bf16
 #      weight beside float32 statistics fails on CUDA as attach()'s check assumes (session 17)               40
-#   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside)                35
+#   3. the kernel microbenchmarks (GB/s, % of a device-to-device copy, the PyTorch way beside; first, since
+#      session 37, the optimizer's norm pass with four blocks per program against one)                         35
 #   4. the optimizer step at 125M and 1B against fused torch AdamW, FSDP2 and torch Muon, and ShardedAdamW's
 #      bucket_cap_mb sweep (host ms and wall ms apart: issue 20's measure), with cuda_graph=True at 25 and
 #      400 MB; the default step kernel by kernel (--kernels, torch.profiler's device time: the 1B step is
