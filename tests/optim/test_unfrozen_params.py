@@ -181,10 +181,10 @@ def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_
 @pytest.mark.parametrize("then", ["backward", "step"])
 @pytest.mark.parametrize("reduced_by", ["opt.clip_grad_norm_", "torch clip_grad_norm_", "per-parameter norms"])
 def test_a_frozen_parameter_given_a_gradient_with_every_reduced_one_replaced_is_stepped(reduced_by, then):
-    """After a reduction (a clip, or a log line's norms), the loop sets every gradient by hand, a frozen
-    parameter's too: none of the reduction's gradients is held any more, so the reduction is forgotten (as for
-    trainable parameters only: README) and the loop goes on as torch.optim's, which steps with what param.grad
-    holds, the frozen parameter's included. Until session 37 the next backward raised ("frozen when the optimizer
+    """On one rank, after a reduction (a clip, or a log line's norms), the loop sets every gradient by hand, a
+    frozen parameter's too: none of the reduction's gradients is held any more, so the reduction is forgotten (as
+    for trainable parameters only: README) and the loop goes on as torch.optim's, which steps with what
+    param.grad holds, the frozen parameter's included (on two ranks an error on every rank: below). Until session 37 the next backward raised ("frozen when the optimizer
     was built and holding a gradient now, but this step's gradients were already reduced"): the frozen look ran
     before the look that forgets the reduction (found by tests.optim.loop_fuzz_long's SGDTrainingLoop). The
     reference: the same loop without the first backward and its reduction, bit for bit."""
