@@ -228,10 +228,10 @@ class _RankLoop:
         if self.clipped is not None and (self.list_clip or self._changed_since_reduction()):
             return self.skipped.append("second clip")
         self.unscaled_only = False
-        if how == "torch" and any(self.by_hand):
+        if how.startswith("torch") and any(self.by_hand):
             how = "opt"  # (torch's clip on a plain bf16 gradient: bf16 arithmetic; see test_loop_fuzz.py)
         holding = {any(p.grad is not None for p in self.refs[w].values()) for w in range(WORLD)}
-        if how == "torch" and len(holding) > 1:
+        if how.startswith("torch") and len(holding) > 1:
             # a rank without any param.grad: torch's clip returns 0 there without a call into the optimizer, so
             # that rank is not in the reduction the others' clip makes (a CollectiveMismatchError at its next
             # collective: under DDP it would skip the clip, silently)
@@ -242,7 +242,7 @@ class _RankLoop:
         if expect == "all":
             raises_spent(lambda: self._clip(max_norm, how), "clipping a spent gradient")
             return self._recover()
-        if how == "torch" and self._partial():
+        if how.startswith("torch") and self._partial():
             # each rank's torch clip_grad_norm_ runs over its own list of param.grad: its norm is that list's, and
             # the step refuses to apply the ranks' different clippings (on every rank)
             self._clip(max_norm, how)
@@ -254,7 +254,7 @@ class _RankLoop:
         self.unscaled_only = False
         if self.held0 is not None:  # (unscale_ reduced them: held since then)
             return
-        if how == "torch" and not self._any_grad():  # (torch's clip found no gradient: it called nothing of ours)
+        if how.startswith("torch") and not self._any_grad():  # (torch's clip found no gradient: it called none of ours)
             return
         self._hold_reduction()
 
@@ -622,7 +622,9 @@ _CALLS = st.one_of(
     st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans()),  # (twice as likely)
     st.tuples(st.just("step")),
     st.tuples(st.just("step")),
-    st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]), st.sampled_from(["opt", "torch"])),
+    # ("torch foreach": torch's clip with foreach=True, its default on CUDA: one _foreach_norm and _foreach_mul_)
+    st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]),
+              st.sampled_from(["opt", "torch", "torch foreach"])),
     st.tuples(st.just("zero_grad"), st.sampled_from(["opt", "model"]), st.booleans()),
     st.tuples(st.just("set_grads"), st.tuples(*[_names] * WORLD), st.integers(0, 2 ** 16)),
     st.tuples(st.just("clear_some"), st.tuples(*[_names] * WORLD)),
@@ -653,7 +655,8 @@ _AFTER_CLIP = st.one_of(
 CHANGED_AFTER_CLIP = st.builds(
     lambda before, clip_, changes, after: [*before, clip_, *changes, ("step",), *after],
     st.lists(_BACKWARD, min_size=1, max_size=2),
-    st.one_of(st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]), st.sampled_from(["opt", "torch"])),
+    st.one_of(st.tuples(st.just("clip"), st.sampled_from([0.05, 1.0, 100.0]),
+                        st.sampled_from(["opt", "torch", "torch foreach"])),
               st.tuples(st.just("unscale"))),  # (GradScaler's unscale_ reduces as a clip does: SCALED only)
     st.lists(_AFTER_CLIP, min_size=1, max_size=4),
     st.lists(_CALLS, max_size=5))
