@@ -123,6 +123,31 @@ def test_aligned_full_blocks_and_element_wise_tails_match_reference(monkeypatch)
             assert paths == [False, True], f"both code paths must run, got ALIGNED={paths}"
 
 
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_four_blocks_per_program_from_two_byte_sources(monkeypatch, src_dtype, accumulate):
+    # A 2-byte source (the bf16 gradients of the step's flatten), aligned, not accumulating: each program copies
+    # four blocks, their loads first (BLOCKS_PER_PROGRAM); fp32 sources and accumulation keep one. Sizes: four
+    # blocks exactly (one full program), 9 blocks + 7 (two full programs, then a tail program of one full block and
+    # a partial one), 5 blocks (a tail program of one full block and three past the end, the next tensor's), 4
+    # blocks less one, and small ones; the same bits as the reference, nothing outside the tensors written
+    launches = _record_launches(monkeypatch)
+    block = flatten_module.BLOCK
+    sizes = [4 * block, 9 * block + 7, 5 * block, 4 * block - 1, 3, 64]
+    tensors = _sources(sizes, src_dtype, seed=11)
+    offsets, off = [], 0
+    for n in sizes:
+        offsets.append(off)
+        off += n + 64 - n % 64  # (64-element destinations: the aligned path)
+    for out_dtype in OUT_DTYPES:
+        launches.clear()
+        out, ref, initial = _run_both(out_dtype, tensors, offsets, off, accumulate, 0.37, seed=5)
+        assert_bitwise_equal(out, ref, f"{src_dtype}->{out_dtype}, accumulate={accumulate}")
+        _assert_outside_untouched(out, initial, tensors, offsets)
+        want = 1 if accumulate or src_dtype == torch.float32 else 4
+        assert [(k["ALIGNED"], k["BLOCKS"]) for k in launches] == [(True, want)], launches
+
+
 def test_many_tensors_one_launch_per_dtype(monkeypatch):
     launches = _record_launches(monkeypatch)
     rng = random.Random(0)

@@ -42,6 +42,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float32)
 # 4096 elements per program: 8-16 KiB moved per program on a GPU, and few programs under the interpreter, whose
 # cost is per program (about 0.5 ms per copy-cast block, PLATFORM.md).
 BLOCK = 4096
+#: blocks each program copies, by the source's bytes per element, for aligned tensors without accumulation (the
+#: other launches: 1). The H200 measured the one-block kernel at 83 % of a device-to-device copy from bf16 (8 KB
+#: read and 8 KB written per program; torch.cat 97 %) and at 100-102 % from fp32 (16 + 8 KB), 2026-11-30: four
+#: blocks of a 2-byte source put 32 KB of loads in flight per program. Not yet measured on a GPU (benchmarks.run's
+#: "flatten bf16->bf16" rows time both); the same bits either way. See _flatten_kernel.
+BLOCKS_PER_PROGRAM = {2: 4, 4: 1}
 
 
 @triton.jit
@@ -58,7 +64,10 @@ def _flatten_block(src, dst, offs, mask, scale, ACCUMULATE: tl.constexpr, OUT_IS
 @triton.jit
 def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, out_ptr, scale,
                     SRC_DTYPE: tl.constexpr, OUT_IS_BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
-                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr = 1):
+    """Program p copies ``BLOCKS`` blocks of tensor ``block_tensor[p]`` from element ``block_start[p]`` on. With
+    BLOCKS = 4 (aligned, no accumulation), a program of four full blocks issues the four loads before any store;
+    the last program of a tensor goes block by block. Each element's arithmetic is the same either way."""
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
     start = tl.load(block_start + pid)
@@ -80,12 +89,37 @@ def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, ou
         # or every source load compiles to 2- or 4-byte accesses (only the stores were 16 bytes wide)
         src = tl.multiple_of(src, 16)
     offs = tl.arange(0, BLOCK)
-    if ALIGNED and start + BLOCK <= n:
-        # a full block: no mask, so nothing limits the vector width (a mask built from a loaded n has
-        # no known constancy and would force scalar accesses again)
-        _flatten_block(src, dst, offs, None, scale, ACCUMULATE, OUT_IS_BF16)
+    if BLOCKS == 1:
+        if ALIGNED and start + BLOCK <= n:
+            # a full block: no mask, so nothing limits the vector width (a mask built from a loaded n has
+            # no known constancy and would force scalar accesses again)
+            _flatten_block(src, dst, offs, None, scale, ACCUMULATE, OUT_IS_BF16)
+        else:
+            _flatten_block(src, dst, offs, offs < n - start, scale, ACCUMULATE, OUT_IS_BF16)
+    elif ALIGNED and start + 4 * BLOCK <= n:  # BLOCKS == 4 (no accumulation): four full blocks, loads first
+        x0 = tl.load(src + offs)
+        x1 = tl.load(src + BLOCK + offs)
+        x2 = tl.load(src + 2 * BLOCK + offs)
+        x3 = tl.load(src + 3 * BLOCK + offs)
+        _store_block(dst, offs, x0, scale, OUT_IS_BF16)
+        _store_block(dst + BLOCK, offs, x1, scale, OUT_IS_BF16)
+        _store_block(dst + 2 * BLOCK, offs, x2, scale, OUT_IS_BF16)
+        _store_block(dst + 3 * BLOCK, offs, x3, scale, OUT_IS_BF16)
+    else:  # a tensor's last program (or a misaligned one): block by block, masked, none past the tensor's end
+        for k in tl.static_range(BLOCKS):
+            if start + k * BLOCK < n:
+                _flatten_block(src + k * BLOCK, dst + k * BLOCK, offs, offs < n - (start + k * BLOCK), scale,
+                               ACCUMULATE, OUT_IS_BF16)
+
+
+@triton.jit
+def _store_block(dst, offs, x, scale, OUT_IS_BF16: tl.constexpr):
+    """:func:`_flatten_block`'s arithmetic and store for a full block already loaded (no accumulation)."""
+    y = to_fp32(x) * scale
+    if OUT_IS_BF16:
+        tl.store(dst + offs, round_to_bf16(y))
     else:
-        _flatten_block(src, dst, offs, offs < n - start, scale, ACCUMULATE, OUT_IS_BF16)
+        tl.store(dst + offs, y)
 
 
 def flatten_into_ref(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *,
@@ -261,7 +295,8 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
         groups = {key: (tuple(t.data_ptr() for t, _ in pairs), tuple(o for _, o in pairs),
                         tuple(t.numel() for t, _ in pairs)) for key, pairs in items.items()}
     for (dtype, aligned), (group_ptrs, offs, numels) in groups.items():
-        off_tab, numel_tab, block_tensor, block_start = _schedules.get(out.device, offs, numels, BLOCK)
+        blocks = BLOCKS_PER_PROGRAM.get(dtype.itemsize, 1) if aligned and not accumulate else 1
+        off_tab, numel_tab, block_tensor, block_start = _schedules.get(out.device, offs, numels, BLOCK * blocks)
         if launches is not None and aligned and len(groups) == 1 and group_ptrs == ptrs:
             # one aligned group of every tensor, in order: a table of its own, which _retarget may rewrite
             ptr_tab = torch.tensor(group_ptrs, dtype=torch.int64).to(out.device, non_blocking=True)
@@ -272,7 +307,7 @@ def launch_unchecked(out: torch.Tensor, tensors: Sequence[torch.Tensor], offsets
         grid = (block_tensor.numel(),)
         args = (ptr_tab, off_tab, numel_tab, block_tensor, block_start, out, float(scale))
         kwargs = dict(SRC_DTYPE=_SRC_DTYPES[dtype], OUT_IS_BF16=out.dtype == torch.bfloat16, ACCUMULATE=accumulate,
-                      ALIGNED=aligned, BLOCK=BLOCK, enable_fp_fusion=False)
+                      ALIGNED=aligned, BLOCK=BLOCK, BLOCKS=blocks, enable_fp_fusion=False)
         if launches is None:
             _flatten_kernel[grid](*args, **kwargs)
         else:
