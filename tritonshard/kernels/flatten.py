@@ -105,9 +105,11 @@ def _flatten_kernel(src_ptrs, dst_offsets, numels, block_tensor, block_start, ou
         _store_block(dst + BLOCK, offs, x1, scale, OUT_IS_BF16)
         _store_block(dst + 2 * BLOCK, offs, x2, scale, OUT_IS_BF16)
         _store_block(dst + 3 * BLOCK, offs, x3, scale, OUT_IS_BF16)
-    else:  # a tensor's last program (or a misaligned one): block by block, masked, none past the tensor's end
+    else:  # a tensor's last program: block by block, a full one unmasked (vector accesses), none past the end
         for k in tl.static_range(BLOCKS):
-            if start + k * BLOCK < n:
+            if start + (k + 1) * BLOCK <= n:
+                _flatten_block(src + k * BLOCK, dst + k * BLOCK, offs, None, scale, ACCUMULATE, OUT_IS_BF16)
+            elif start + k * BLOCK < n:
                 _flatten_block(src + k * BLOCK, dst + k * BLOCK, offs, offs < n - (start + k * BLOCK), scale,
                                ACCUMULATE, OUT_IS_BF16)
 

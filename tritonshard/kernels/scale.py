@@ -142,9 +142,13 @@ def _partials_multi_kernel(x_ptrs, numels, slots, block_tensor, block_start, fac
         _store_stats(to_fp32(x1) * factor, partial_sumsq, partial_nonfinite, slot + 1)
         _store_stats(to_fp32(x2) * factor, partial_sumsq, partial_nonfinite, slot + 2)
         _store_stats(to_fp32(x3) * factor, partial_sumsq, partial_nonfinite, slot + 3)
-    else:  # a tensor's last program, or a misaligned tensor: block by block, masked, none past the tensor's end
+    else:  # a tensor's last program, or a misaligned tensor: block by block (a full one of an aligned tensor
+        # unmasked: vector loads), none past the tensor's end
         for k in tl.static_range(BLOCKS):
-            if start + k * BLOCK < n:
+            if ALIGNED and start + (k + 1) * BLOCK <= n:
+                _store_stats(to_fp32(tl.load(x + k * BLOCK + offs)) * factor, partial_sumsq, partial_nonfinite,
+                             slot + k)
+            elif start + k * BLOCK < n:
                 mask = offs < n - (start + k * BLOCK)
                 y = tl.where(mask, to_fp32(tl.load(x + k * BLOCK + offs, mask=mask)) * factor, 0.0)
                 _store_stats(y, partial_sumsq, partial_nonfinite, slot + k)
