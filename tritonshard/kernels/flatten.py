@@ -7,8 +7,9 @@
 ``round`` is round-to-nearest-even to bf16 (bit-identical to torch) or nothing for an fp32 ``out``.
 
 How one launch covers a list: an int64 table of source addresses, destination offsets and numels, and a block
-schedule (for program p: which tensor, which element to start at). Every program copies one BLOCK of one tensor,
-so 1,000 tiny tensors cost one launch and one huge tensor next to tiny ones still spreads over every SM. One launch
+schedule (for program p: which tensor, which element to start at). Every program copies one BLOCK of one tensor
+(four, from an aligned 2-byte source: BLOCKS_PER_PROGRAM), so 1,000 tiny tensors cost one launch and one huge
+tensor next to tiny ones still spreads over every SM. One launch
 per source dtype, because the element type of a pointer is a compile-time property of the kernel, and per alignment
 class: tensors whose source address and destination offset are multiples of 16 bytes (all of them, for a Buffer's
 64-element layout and freshly allocated gradients) copy full blocks with 16-byte vector accesses; others, and the
