@@ -37,7 +37,9 @@ def test_every_specialization_compiles_for_sm90_with_vector_accesses(tmp_path):
     flat = [c for c in compiled if c["kernel"] == "flatten"]
     aligned = [c for c in flat if c["constexprs"]["ALIGNED"] == "True"]
     element_wise = [c for c in flat if c["constexprs"]["ALIGNED"] == "False"]
-    assert len(aligned) == len(element_wise) == 12  # 3 source dtypes x 2 out dtypes x accumulate
+    assert len(element_wise) == 12  # 3 source dtypes x 2 out dtypes x accumulate
+    # ... and aligned, with the one-block kernel from bf16 to bf16 beside the default four (session 37's A/B)
+    assert len(aligned) == 13 and sorted(c["constexprs"]["BLOCKS"] for c in aligned).count("4") == 4, aligned
     # both directions: the stores were 16 bytes wide before 2026-11-30 while the loads were scalar
     assert all(16 in c["store_bytes"] and 16 in c["load_bytes"] for c in aligned)
     assert all(max(c["store_bytes"]) <= 4 for c in element_wise)
