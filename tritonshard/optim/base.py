@@ -2253,8 +2253,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 raise ValueError(f"attach(): the model is attached already, with {self._attach_options}; got "
                                  f"{options} (its hooks are made once: pass the same options)")
             return self._attached[1]
-        mine = {id(p) for p in self._bucket_of} | {id(p) for p in self._frozen_at_build}
-        if not any(id(p) in mine for p in model.parameters()):
+        frozen = {id(p) for p in self._frozen_at_build}  # (the bucketed ones: _param_by_id)
+        if not any(id(p) in self._param_by_id or id(p) in frozen for p in model.parameters()):
             # (another model than the one the optimizer was built over: its training would step nothing, silently)
             raise ValueError(f"attach(): {type(model).__name__} holds none of this optimizer's parameters; attach "
                              "the model whose parameters the optimizer was built over")

@@ -587,14 +587,10 @@ def _amp_unscale(grads, found_inf, inv_scale) -> None:
     The optimizers first: their reduction takes the gradients set by hand on their parameters (plain tensors here)
     into the buffers, where the update unscales them with the rest; torch's op then unscales the plain tensors
     (those, now out of param.grad, and any other optimizer's)."""
-    by_opt: dict = {}
-    for g in grads:
-        if isinstance(g, ShardedGrad):
-            opt, param = g._owner()
-            by_opt.setdefault(id(opt), (opt, []))[1].append(param)
-    for opt, params in by_opt.values():
+    groups, others = _by_optimizer(grads)
+    for opt, _, params in groups:
         opt._amp_unscale(params, found_inf, inv_scale)
-    plain = [g for g in grads if not isinstance(g, ShardedGrad)]
+    plain = [grads[i] for i in others]
     if plain:
         with torch._C.DisableTorchFunctionSubclass():
             torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)

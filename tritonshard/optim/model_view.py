@@ -473,20 +473,18 @@ class ModelViewMixin:
 
     def _fold_grad_multiplier(self, p: torch.Tensor, coef) -> None:
         """``p.grad.mul_(coef)`` on a ShardedGrad: applied in the update (``grad_scale``), not as a pass."""
-        self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
-        self._grad_multipliers.setdefault(p, []).append(coef)
-        self._list_dependent = True
-        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
-        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
+        self._fold_grad_multipliers([p], coef)
 
     def _fold_grad_multipliers(self, params: list, coef) -> None:
         """:meth:`_fold_grad_multiplier` for each of ``params`` (``torch._foreach_mul_`` by one coefficient), the
         reduction looked at once. A parameter listed twice is multiplied twice, as torch's op would."""
-        self._reduce_grads()
+        self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
         multipliers = self._grad_multipliers
         for p in params:
             multipliers.setdefault(p, []).append(coef)
         self._list_dependent = True
+        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
+        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
 
     @torch.no_grad()
     def _clamp_grads(self, params: list, low, high) -> None:
@@ -551,12 +549,8 @@ class ModelViewMixin:
         ``opt.clip_grad_norm_``'s coefficient): what ``torch.linalg.vector_norm(p.grad)`` is with torch.optim. All
         parameters' norms are computed at once (one pass over the pieces, one all-reduce) and cached for the step,
         before any multiplier: a clip or an unscale_ since leaves the cache as it is."""
-        if norm_type not in self._norm_cache:
-            self._reduce_grads()
-            # (one unbind for every parameter's view of the vector: torch's clip asks for each, and an indexing
-            # op per parameter was half of its ~6 torch ops per parameter before session 30)
-            self._norm_cache[norm_type] = self._param_grad_norms(norm_type).unbind()
-        norm = self._norm_cache[norm_type][self._param_index[p]]
+        cached = self._norm_cache.get(norm_type)  # (the hit inline: torch's clip asks once per parameter)
+        norm = (cached or self._cached_param_norms(norm_type))[self._param_index[p]]
         for c in self._grad_multipliers.get(p, ()):
             norm = norm * (c.abs() if torch.is_tensor(c) else abs(c))
         if self._clip_coef is not None:  # (until session 26 left out: the unclipped norm after opt.clip_grad_norm_)
@@ -566,13 +560,22 @@ class ModelViewMixin:
     def _param_grad_norms_of(self, params: list, norm_type: float) -> list:
         """:meth:`_param_grad_norm` of each of ``params`` (``torch._foreach_norm`` over placeholders), the cache
         looked up once, each parameter's multipliers only where there are any."""
-        if norm_type not in self._norm_cache:
-            self._reduce_grads()
-            self._norm_cache[norm_type] = self._param_grad_norms(norm_type).unbind()
+        cache = self._cached_param_norms(norm_type)
         if self._grad_multipliers or self._clip_coef is not None:
             return [self._param_grad_norm(p, norm_type) for p in params]
-        cache, index = self._norm_cache[norm_type], self._param_index
+        index = self._param_index
         return [cache[index[p]] for p in params]
+
+    def _cached_param_norms(self, norm_type: float) -> tuple:
+        """Every parameter's gradient norm before any multiplier, one 0-d tensor each (in ``_param_list``'s
+        order), computed at the first ask of the step (reducing the gradients first) and cached for it."""
+        cached = self._norm_cache.get(norm_type)
+        if cached is None:
+            self._reduce_grads()
+            # (one unbind for every parameter's view of the vector: torch's clip asks for each, and an indexing
+            # op per parameter was half of its ~6 torch ops per parameter before session 30)
+            cached = self._norm_cache[norm_type] = self._param_grad_norms(norm_type).unbind()
+        return cached
 
     def _make_norm_pieces(self) -> tuple:
         """(a view of every non-empty piece of the grad shards, each piece's parameter index as a device tensor or
