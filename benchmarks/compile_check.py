@@ -271,12 +271,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
                 out.append((f"flatten {src_dtype}->{out_dtype} acc={acc}".replace("torch.", ""), flat))
 
     def flat_one_block():  # (the one-block kernel from a 2-byte source, which benchmarks.run times beside the default)
-        default = flatten_mod.BLOCKS_PER_PROGRAM
-        flatten_mod.BLOCKS_PER_PROGRAM = {2: 1, 4: 1}
-        try:
+        with flatten_mod.one_block_per_program():
             flatten_into(_t(n + 1000, torch.bfloat16), [_t(n, torch.bfloat16), _t(33, torch.bfloat16)], [0, n])
-        finally:
-            flatten_mod.BLOCKS_PER_PROGRAM = default
     out.append(("flatten bfloat16->bfloat16, one block per program (the kernel the H200 measured)", flat_one_block))
     for x_dtype in (torch.bfloat16, torch.float32):
         for tensor_factor in (False, True):

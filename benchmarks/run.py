@@ -117,13 +117,9 @@ def flatten_job(n, device, src_dtype, accumulate, many):
             torch.cat(srcs, out=out)
 
         def one_block():  # (the kernel the H200 measured at 83 % of copy from bf16, 2026-11-30; session 37's A/B)
-            from tritonshard.kernels import flatten as flatten_mod
-            default = flatten_mod.BLOCKS_PER_PROGRAM
-            flatten_mod.BLOCKS_PER_PROGRAM = {2: 1, 4: 1}
-            try:
+            from tritonshard.kernels.flatten import one_block_per_program
+            with one_block_per_program():
                 flatten_into(out, srcs, offsets, accumulate=accumulate)
-            finally:
-                flatten_mod.BLOCKS_PER_PROGRAM = default
         if not accumulate:
             one_block()
             assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), "one block per program != reference"

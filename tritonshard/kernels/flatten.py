@@ -23,6 +23,7 @@ what lands in ``out``); contiguous ones are read in place.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import numbers
 import operator
@@ -49,6 +50,18 @@ BLOCK = 4096
 #: blocks of a 2-byte source put 32 KB of loads in flight per program. Not yet measured on a GPU (benchmarks.run's
 #: "flatten bf16->bf16" rows time both); the same bits either way. See _flatten_kernel.
 BLOCKS_PER_PROGRAM = {2: 4, 4: 1}
+
+
+@contextlib.contextmanager
+def one_block_per_program():
+    """Inside, every launch copies one block per program, the kernel measured before session 37: for benchmarks
+    and compile_check, which time or compile it beside the default."""
+    global BLOCKS_PER_PROGRAM
+    default, BLOCKS_PER_PROGRAM = BLOCKS_PER_PROGRAM, {2: 1, 4: 1}
+    try:
+        yield
+    finally:
+        BLOCKS_PER_PROGRAM = default
 
 
 @triton.jit
