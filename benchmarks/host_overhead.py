@@ -299,7 +299,7 @@ def _measure_torch_clip(num_params: int, rounds: int) -> dict:
     ``foreach=True`` (its default on CUDA), against ``opt.clip_grad_norm_``: ``num_params`` parameters of 64 x 64 in
     ~25 buckets, their gradients from a real backward (placeholders, as a loop has them), the clip alone timed (the
     reduction it starts included), each way's minimum over ``rounds`` rounds, the ways taking turns. The ops: those
-    of one clip, counted by a TorchDispatchMode (on a GPU each is a launch, beside the Triton kernels')."""
+    of one more clip, untimed, counted by a TorchDispatchMode (on a GPU each is a launch, beside the Triton kernels')."""
     import collections
 
     import tritonshard
@@ -320,10 +320,11 @@ def _measure_torch_clip(num_params: int, rounds: int) -> dict:
     weights = [torch.randn(64, 64) for _ in params]
     ways = {"torch": dict(foreach=None), "torch, foreach=True": dict(foreach=True), "opt.clip_grad_norm_": None}
     best, ops = collections.defaultdict(lambda: math.inf), {}
-    for r in range(rounds + 3):
+    for r in range(rounds + 4):  # (3 rounds of warm-up, ``rounds`` timed, then one counted, not timed)
+        counted = r == rounds + 3
         for way, kwargs in ways.items():
             sum((p.float() * w).sum() for p, w in zip(params, weights)).backward()
-            counter = _Count() if r == rounds + 2 else contextlib.nullcontext()
+            counter = _Count() if counted else contextlib.nullcontext()
             with counter:
                 t0 = time.perf_counter()
                 if kwargs is None:
@@ -331,10 +332,10 @@ def _measure_torch_clip(num_params: int, rounds: int) -> dict:
                 else:
                     torch.nn.utils.clip_grad_norm_(params, 1.0, **kwargs)
                 elapsed = time.perf_counter() - t0
-            if r >= 3:
-                best[way] = min(best[way], elapsed)
-            if r == rounds + 2:
+            if counted:
                 ops[way] = counter.ops
+            elif r >= 3:
+                best[way] = min(best[way], elapsed)
             opt.step()
             opt.zero_grad()
     return {way: {"host_ms": best[way] * 1e3, "torch_ops": ops[way]} for way in ways} | {
