@@ -26,7 +26,8 @@ from tests.optim import test_loop_fuzz  # noqa: E402
 MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.OverlappedTrainingLoop,
                                     test_loop_fuzz.OneRankOverlappedTrainingLoop, test_loop_fuzz.SGDTrainingLoop,
                                     test_loop_fuzz.ScaledTrainingLoop, test_loop_fuzz.CompiledTrainingLoop,
-                                    test_loop_fuzz.TracedTrainingLoop, test_loop_fuzz.GraphedTrainingLoop)}
+                                    test_loop_fuzz.TracedTrainingLoop, test_loop_fuzz.GraphedTrainingLoop,
+                                    test_loop_fuzz.LionTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:

@@ -5,9 +5,9 @@ default options, with overlap_comm and a bucket per parameter, under torch's Gra
 compiled by torch.compile, and with cuda_graph=True (its graphs emulated).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
-bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (clipped by torch's
-clip_grad_norm_ where the loop clips), whose rounding is the bf16 weight (tests/optim/training.py's reference, one
-rank). Where torch.optim would use a gradient a step already applied (no zero_grad() between), ShardedAdamW must
+bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (torch.optim.SGD for ShardedSGD,
+the paper's Lion in plain torch for ShardedLion; clipped by torch's clip_grad_norm_ where the loop clips), whose
+rounding is the bf16 weight (tests/optim/training.py's reference, one rank). Where torch.optim would use a gradient a step already applied (no zero_grad() between), ShardedAdamW must
 raise instead (tests/optim/test_spent_grads.py), and with overlap_comm a backward after the one whose end launched
 the reduce-scatters must raise (README: run the others inside no_sync()); the loop goes on after clearing both.
 Every other call must succeed and leave the same weights, masters and step counts.
@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tests.helpers import overlap_machinery
-from tritonshard import ShardedAdamW, ShardedSGD
+from tests.optim.training import PaperLion
+from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.optim.model_sync import ShardedGrad
 
@@ -50,6 +51,7 @@ HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
                         ("eps", (1e-8, 1e-6))],
     torch.optim.SGD: [("weight_decay", (0.0, 0.1, 0.3)), ("momentum", (0.9, 0.5)), ("dampening", (0.1, 0.0))],
+    PaperLion: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.99), (0.95, 0.98), (0.8, 0.9)))],
 }
 #: how the loop edits ``opt.state`` (an LR finder's reset, code written for torch.optim): see :func:`edit_state`
 STATE_EDITS = ("clear", "deleted", "count restarted", "moment zeroed")
@@ -685,6 +687,15 @@ class SGDTrainingLoop(TrainingLoop):
     HPARAMS = dict(momentum=0.9, dampening=0.1, foreach=False)
 
 
+class LionTrainingLoop(TrainingLoop):
+    """ShardedLion against the paper's Lion in plain torch (tests/optim/training.py's PaperLion, as torch.optim has
+    none): the sign of the interpolated momentum, so a step moves every trained weight by the lr, and the weights
+    and masters follow torch's only where the interpolation's sign does (a value within an fp32 ulp of zero, which
+    random gradients do not make)."""
+    OURS, THEIRS = ShardedLion, PaperLion
+    HPARAMS = dict(betas=(0.9, 0.99))
+
+
 class ScaledTrainingLoop(TrainingLoop):
     """The same loops under torch.amp.GradScaler's recipe: ``scaler.scale(loss).backward()``, ``scaler.unscale_(opt)``
     at any point (before or after a clip, or never), ``scaler.step(opt); scaler.update()``, and gradients that
@@ -849,7 +860,8 @@ class TracedTrainingLoop(CompiledTrainingLoop):
     set_grads = clear_some = freeze = add_group = divide = clip_value = None
 
 
-for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):
+for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop,
+                LionTrainingLoop):
     machine.TestCase.settings = settings(max_examples=40, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 # (its paths are the plain loop's backward and the overlapped loop's rules, each fuzzed above: fewer examples)
@@ -863,6 +875,7 @@ test_training_loops_match_torch_optim = TrainingLoop.TestCase
 test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCase
 test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlappedTrainingLoop.TestCase
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
+test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase
