@@ -27,7 +27,7 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
                                     test_loop_fuzz.OneRankOverlappedTrainingLoop, test_loop_fuzz.SGDTrainingLoop,
                                     test_loop_fuzz.ScaledTrainingLoop, test_loop_fuzz.CompiledTrainingLoop,
                                     test_loop_fuzz.TracedTrainingLoop, test_loop_fuzz.GraphedTrainingLoop,
-                                    test_loop_fuzz.LionTrainingLoop)}
+                                    test_loop_fuzz.LionTrainingLoop, test_loop_fuzz.MuonTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:
@@ -54,8 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
-    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "adamw-scaled", "adamw-scaled-overlap",
-                                    "after-clip")]
+    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "lion", "muon", "adamw-scaled",
+                                    "adamw-scaled-overlap", "after-clip")]
     parser.add_argument("--machines", default=",".join(MACHINES),
                         help="comma-separated: " + ", ".join([*MACHINES, *ranks]))
     args = parser.parse_args()

@@ -2,18 +2,21 @@
 (the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
 parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
 default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
-compiled by torch.compile, and with cuda_graph=True (its graphs emulated).
+compiled by torch.compile, and with cuda_graph=True (its graphs emulated); and ShardedSGD, ShardedLion and
+ShardedMuon with the default options.
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (torch.optim.SGD for ShardedSGD,
-the paper's Lion in plain torch for ShardedLion; clipped by torch's clip_grad_norm_ where the loop clips), whose
-rounding is the bf16 weight (tests/optim/training.py's reference, one rank). Where torch.optim would use a gradient a step already applied (no zero_grad() between), ShardedAdamW must
+the paper's Lion in plain torch for ShardedLion, torch.optim.Muon + AdamW for ShardedMuon; clipped by torch's
+clip_grad_norm_ where the loop clips), whose rounding is the bf16 weight (tests/optim/training.py's reference, one
+rank). Where torch.optim would use a gradient a step already applied (no zero_grad() between), ShardedAdamW must
 raise instead (tests/optim/test_spent_grads.py), and with overlap_comm a backward after the one whose end launched
 the reduce-scatters must raise (README: run the others inside no_sync()); the loop goes on after clearing both.
 Every other call must succeed and leave the same weights, masters and step counts.
 
 Tolerances: the masters to 2e-6 absolute (values ~0.3: a few fp32 ulps per step of fp32 op order, torch's CPU
-kernels contract some multiply-adds and the interpreter does not; a wrong step moves a master by ~lr = 1e-2), the
+kernels contract some multiply-adds and the interpreter does not; a wrong step moves a master by ~lr = 1e-2; 1e-4
+for ShardedMuon, MuonTrainingLoop says why), the
 bf16 weights bit for bit but where torch's master lies within that 2e-6 of a rounding boundary, where ours may be
 the other rounding (and the reference then takes it: compare_with_torch), the returned norms to 1e-5 relative
 (fp32 sums in another order)."""
@@ -32,8 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tests.helpers import overlap_machinery
-from tests.optim.training import PaperLion
-from tritonshard import ShardedAdamW, ShardedLion, ShardedSGD
+from tests.optim.training import PaperLion, TorchMuonAdamW
+from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.optim.model_sync import ShardedGrad
 
@@ -53,6 +56,10 @@ HPARAM_CHOICES = {
     torch.optim.SGD: [("weight_decay", (0.0, 0.1, 0.3)), ("momentum", (0.9, 0.5)), ("dampening", (0.1, 0.0))],
     PaperLion: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.99), (0.95, 0.98), (0.8, 0.9)))],
 }
+#: ShardedMuon's reference (MuonReference, below): group 0 Muon, group 1 AdamW
+_MUON_CHOICES = {0: [("weight_decay", (0.0, 0.1, 0.3)), ("momentum", (0.95, 0.8)), ("nesterov", (True, False)),
+                     ("adjust_lr_fn", (None, "match_rms_adamw"))],
+                 1: HPARAM_CHOICES[torch.optim.AdamW]}
 #: how the loop edits ``opt.state`` (an LR finder's reset, code written for torch.optim): see :func:`edit_state`
 STATE_EDITS = ("clear", "deleted", "count restarted", "moment zeroed")
 
@@ -73,11 +80,13 @@ class _Net(torch.nn.Module):
         return self(x, heads)  # (through the module's call: an attached model's hooks run)
 
 
-def _groups(model, extra: bool = False):
+def _groups(model, extra: bool = False, **options):
+    """The loops' param groups: the matrices with weight decay, the biases without, and the extra head once added;
+    ``options`` go to the biases' group and the extra head's (ShardedMuon's: use_muon=False, AdamW there)."""
     decay = [model.trunk.weight] + [model.heads[h].weight for h in HEADS]
     groups = [dict(params=decay, weight_decay=0.1),
-              dict(params=[model.trunk.bias] + [model.heads[h].bias for h in HEADS], weight_decay=0.0)]
-    return groups + [_extra_group(model)] if extra else groups
+              dict(params=[model.trunk.bias] + [model.heads[h].bias for h in HEADS], weight_decay=0.0, **options)]
+    return groups + [_extra_group(model, **options)] if extra else groups
 
 
 def _extra_group(model, **options):
@@ -89,6 +98,8 @@ class TrainingLoop(RuleBasedStateMachine):
     OURS, THEIRS, HPARAMS = ShardedAdamW, torch.optim.AdamW, dict(foreach=False)
     MACHINERY = False  # overlap_comm's machinery of many ranks in this one process (tests.helpers.overlap_machinery)
     CLAMPS = True  # the clip_value rule runs (not under a loss scale: see ScaledTrainingLoop)
+    GROUP_OPTIONS: dict = {}  # options of the biases' group and the extra head's (_groups)
+    ATOL = MASTER_ATOL  # the masters' tolerance (the module's docstring)
 
     def __init__(self):
         super().__init__()
@@ -99,7 +110,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.launched = False      # overlap_comm: a backward outside no_sync() launched this step's reduce-scatters
         self.ref = copy.deepcopy(fp32).to(torch.bfloat16)  # autograd's bf16 gradients; fp32 holds the masters
-        self.ropt = self.THEIRS(_groups(fp32), lr=LRS[0], **self.HPARAMS)
+        self.ropt = self.THEIRS(_groups(fp32, **self.GROUP_OPTIONS), lr=LRS[0], **self.HPARAMS)
         names = [n for n, _ in fp32.named_parameters()]
         self.ours = dict(self.model.named_parameters())
         self.refs = dict(self.ref.named_parameters())
@@ -121,7 +132,7 @@ class TrainingLoop(RuleBasedStateMachine):
     def _ours(self, lr=LRS[0]):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
         with overlap_machinery(self.MACHINERY):
-            opt = self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
+            opt = self.OURS(_groups(self.model, self.added, **self.GROUP_OPTIONS), lr=lr, **hparams, **self.OPTIONS)
         if self.OPTIONS.get("overlap_comm"):  # (attached, as overlap_comm is meant to be used: the model's hooks)
             opt.attach(self.model)
         return opt
@@ -415,7 +426,7 @@ class TrainingLoop(RuleBasedStateMachine):
             for n in self.names:  # group yet, keeps its fp32 values, which add_group takes)
                 if id(self.ours[n]) in held:
                     self.masters[n].copy_(self.refs[n].float())
-        self.ropt = self.THEIRS(_groups(self.fp32, self.added), lr=lr, **self.HPARAMS)
+        self.ropt = self.THEIRS(_groups(self.fp32, self.added, **self.GROUP_OPTIONS), lr=lr, **self.HPARAMS)
         self.launched = False
 
     @rule(lr=st.sampled_from(LRS))
@@ -454,8 +465,8 @@ class TrainingLoop(RuleBasedStateMachine):
         backward and its step() it is an error: README): it trains from the next step, from its current weights,
         with a count and state of its own, as in torch.optim."""
         lr = self.opt.param_groups[0]["lr"]
-        self.opt.add_param_group(_extra_group(self.model, lr=lr))
-        self.ropt.add_param_group(_extra_group(self.fp32, lr=lr))
+        self.opt.add_param_group(_extra_group(self.model, lr=lr, **self.GROUP_OPTIONS))
+        self.ropt.add_param_group(_extra_group(self.fp32, lr=lr, **self.GROUP_OPTIONS))
         self.added = True
 
     @precondition(lambda self: not self.held and all(p.grad is None for p in self.refs.values()))
@@ -466,7 +477,7 @@ class TrainingLoop(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):
-        compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters)
+        compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, atol=self.ATOL)
 
 
 SPENT = "was used by the last step() and is gone"  # (the spent-gradient error: test_spent_grads.py)
@@ -498,6 +509,8 @@ def set_hparam(opt, ropt, group: int, setting: int) -> None:
     """The same hyper-parameter of :data:`HPARAM_CHOICES` (``setting`` picks which, and its value) set in param
     group ``group`` of ``opt`` and of ``ropt``, torch.optim's."""
     choices = HPARAM_CHOICES[type(ropt)]
+    if isinstance(choices, dict):  # (per group: ShardedMuon's Muon group 0 and AdamW group 1)
+        choices = choices[group]
     key, values = choices[setting % len(choices)]
     value = values[(setting // 8) % len(values)]
     opt.param_groups[group][key] = value
@@ -591,9 +604,10 @@ def reference_step(ropt, masters: dict, grads: dict, replicas: list) -> None:
                 refs[n].copy_(masters[n])
 
 
-def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=()) -> None:
+def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=(), atol: float = MASTER_ATOL) -> None:
     """Our weights (``ours``: name -> parameter) against the reference's bf16 weights (``refs``), our masters and
-    step counts against torch.optim's (``ropt`` over ``masters``), with the module's tolerances.
+    step counts against torch.optim's (``ropt`` over ``masters``), with the module's tolerances (``atol``: the
+    masters').
 
     A weight of ours must be the reference's, or a rounding of a value within the masters' tolerance of torch's
     master: where torch's master lies that close to a bf16 rounding boundary (a tie: ours 1 fp32 ulp off it by the
@@ -609,10 +623,10 @@ def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=()) -> No
         # (ours in the reference's bf16: the extra head, in no group before add_group, is the model's fp32 weight)
         mine, ref = ours[n].detach().to(refs[n].dtype), refs[n].detach()
         master = masters[n].detach().float()
-        lowest, highest = (master - MASTER_ATOL).to(ref.dtype), (master + MASTER_ATOL).to(ref.dtype)
+        lowest, highest = (master - atol).to(ref.dtype), (master + atol).to(ref.dtype)
         other = mine != ref
         assert (~other | ((mine >= lowest) & (mine <= highest))).all(), (
-            f"{n}: weights differ from torch.optim's (not a rounding of a value within {MASTER_ATOL} of its master)")
+            f"{n}: weights differ from torch.optim's (not a rounding of a value within {atol} of its master)")
         if other.any():
             with torch.no_grad():
                 for weights in (refs, *replicas):
@@ -625,7 +639,7 @@ def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=()) -> No
             assert float(entry.get("step", 0)) == float(rstate.get("step", 0)), f"{n}: step count"
         if "master" in entry:
             torch.testing.assert_close(entry["master"].reshape(ref.shape), masters[n].detach(),
-                                       rtol=0, atol=MASTER_ATOL, msg=f"{n}: master")
+                                       rtol=0, atol=atol, msg=f"{n}: master")
 
 
 class OverlappedTrainingLoop(TrainingLoop):
@@ -694,6 +708,73 @@ class LionTrainingLoop(TrainingLoop):
     random gradients do not make)."""
     OURS, THEIRS = ShardedLion, PaperLion
     HPARAMS = dict(betas=(0.9, 0.99))
+
+
+class _JoinedState:
+    """``opt.state`` of :class:`MuonReference`: its Muon's and its AdamW's, as one mapping (what the loops read and
+    edit of torch.optim's state)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def _holder(self, p):
+        return next((o.state for o in self.optimizers if p in o.state), None)
+
+    def get(self, p, default=None):
+        holder = self._holder(p)
+        return default if holder is None else holder[p]
+
+    def pop(self, p, default=None):
+        holder = self._holder(p)
+        return default if holder is None else holder.pop(p)
+
+    def clear(self):
+        for o in self.optimizers:
+            o.state.clear()
+
+
+class MuonReference(TorchMuonAdamW):
+    """tests/optim/training.py's torch.optim.Muon + torch.optim.AdamW reference, as the loops use a torch.optim
+    optimizer: one ``state`` to read and edit, ``add_param_group`` (to the AdamW, for a group with
+    ``use_muon=False``), and a state_dict round trip that keeps ``param_groups`` the sub-optimizers' own dicts (so
+    that an lr set there reaches them)."""
+
+    def __init__(self, groups, **muon_kw):
+        super().__init__(groups, **muon_kw)
+        self.state = _JoinedState(self.muon, self.adamw)
+
+    def _join(self):
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    def add_param_group(self, group):
+        if not hasattr(self, "state") or not isinstance(self.state, _JoinedState):  # (torch.optim's __init__)
+            return super().add_param_group(group)
+        group = dict(group)
+        (self.muon if group.pop("use_muon", True) else self.adamw).add_param_group(group)
+        self._join()
+
+    def state_dict(self):
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state):
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+        self._join()
+
+
+HPARAM_CHOICES[MuonReference] = _MUON_CHOICES
+
+
+class MuonTrainingLoop(TrainingLoop):
+    """ShardedMuon (the matrices in a Muon group, the biases and the extra head in AdamW ones) against torch.optim.Muon
+    and torch.optim.AdamW (:class:`MuonReference`). Newton-Schulz runs in bf16 on both sides, on inputs computed in
+    another fp32 op order (tests/optim/test_muon.py: a master moves by up to ~4e-6 per step from it, where an lr of
+    1e-2 moves it by ~3e-3), so the masters' tolerance is 1e-4 here: about 25 such steps, more than a loop of 30
+    calls takes."""
+    OURS, THEIRS = ShardedMuon, MuonReference
+    HPARAMS = dict(momentum=0.95, nesterov=True)
+    GROUP_OPTIONS = dict(use_muon=False)
+    ATOL = 1e-4
 
 
 class ScaledTrainingLoop(TrainingLoop):
@@ -860,8 +941,7 @@ class TracedTrainingLoop(CompiledTrainingLoop):
     set_grads = clear_some = freeze = add_group = divide = clip_value = None
 
 
-for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop,
-                LionTrainingLoop):
+for machine in (TrainingLoop, OverlappedTrainingLoop, SGDTrainingLoop, ScaledTrainingLoop, CompiledTrainingLoop):
     machine.TestCase.settings = settings(max_examples=40, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 # (its paths are the plain loop's backward and the overlapped loop's rules, each fuzzed above: fewer examples)
@@ -875,7 +955,12 @@ test_training_loops_match_torch_optim = TrainingLoop.TestCase
 test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCase
 test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlappedTrainingLoop.TestCase
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
+# (their rules are the plain loop's; what is their own is the update: fewer examples)
+for machine in (LionTrainingLoop, MuonTrainingLoop):
+    machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
+                                         suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
+test_muon_training_loops_match_torch_optim_muon = MuonTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase

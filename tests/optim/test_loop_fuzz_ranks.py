@@ -13,9 +13,10 @@ keeps the same scale.
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
 reduce-scatter(SUM) computes) and multiplied by 1/2 in fp32; a parameter without a gradient on every rank is
-skipped, as torch.optim skips it; then torch's clip_grad_norm_ and torch.optim.AdamW / SGD on fp32 masters, whose
-rounding is the bf16 weight (tests/optim/training.py's reference). Every rank simulates both ranks' replicas, so
-every rank knows the whole state and every rank takes the same decisions.
+skipped, as torch.optim skips it; then torch's clip_grad_norm_ and torch.optim.AdamW / SGD (the paper's Lion,
+tests/optim/training.py's PaperLion; torch.optim.Muon + AdamW) on fp32 masters, whose rounding is the bf16 weight
+(tests/optim/training.py's reference). Every rank simulates both ranks' replicas, so every rank knows the whole state and every rank takes
+the same decisions.
 
 Where ShardedAdamW must raise instead of doing what torch.optim does (a spent gradient reused: test_spent_grads.py;
 a backward onto launched reductions with overlap_comm), the loop expects the error on every rank and goes on after
@@ -41,12 +42,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.distributed import run_on_ranks
-from tritonshard import ShardedAdamW, ShardedSGD
+from tests.optim.training import PaperLion
+from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 
-from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, SPENT as _SPENT, STATE_EDITS, WRITES, _extra_group, _groups, \
-    _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, \
+from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
+    MuonReference, MuonTrainingLoop, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, \
     write_weight, written
 
 WORLD = 2
@@ -55,6 +57,9 @@ MACHINES = {
     "adamw-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),  # (attached: the gathers run on
                       dict(overlap_comm=True, bucket_cap_mb=1e-9)),          #  into the next call)
     "sgd": (ShardedSGD, torch.optim.SGD, dict(momentum=0.9, dampening=0.1, foreach=False), {}),
+    "lion": (ShardedLion, PaperLion, dict(betas=(0.9, 0.99)), {}),  # (the paper's Lion: test_loop_fuzz.py)
+    # (the matrices in a Muon group, each owned by one rank; the rest in AdamW groups: test_loop_fuzz.py)
+    "muon": (ShardedMuon, MuonReference, MuonTrainingLoop.HPARAMS, {}),
     # under torch.amp.GradScaler's recipe (test_loop_fuzz.py's ScaledTrainingLoop): scaler.scale(loss).backward(),
     # scaler.unscale_(opt) (before or after a clip), scaler.step(opt); scaler.update(), infs set by hand on a rank
     "adamw-scaled": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), {}),
@@ -62,6 +67,10 @@ MACHINES = {
                              dict(overlap_comm=True, bucket_cap_mb=1e-9)),
 }
 SCALED = "adamw-scaled"
+#: per machine: the options of the biases' group and the extra head's, and the masters' tolerance (test_loop_fuzz.py's
+#: MuonTrainingLoop says why ShardedMuon's is wider)
+GROUP_OPTIONS = {"muon": MuonTrainingLoop.GROUP_OPTIONS}
+ATOLS = {"muon": MuonTrainingLoop.ATOL}
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
 
 
@@ -71,6 +80,7 @@ class _RankLoop:
     def __init__(self, rank: int, machine: str):
         self.rank = rank
         self.OURS, self.THEIRS, self.HPARAMS, self.OPTIONS = MACHINES[machine]
+        self.group_options, self.atol = GROUP_OPTIONS.get(machine, {}), ATOLS.get(machine, MASTER_ATOL)
         fp32 = _Net()
         self.model = copy.deepcopy(fp32)
         self.added = False  # add_group added the extra head
@@ -78,7 +88,7 @@ class _RankLoop:
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.refs_models = [copy.deepcopy(fp32).to(torch.bfloat16) for _ in range(WORLD)]
         self.fp32 = fp32
-        self.ropt = self.THEIRS(_groups(fp32), lr=LRS[0], **self.HPARAMS)
+        self.ropt = self.THEIRS(_groups(fp32, **self.group_options), lr=LRS[0], **self.HPARAMS)
         self.names = [n for n, _ in fp32.named_parameters()]
         self.ours = dict(self.model.named_parameters())
         self.refs = [dict(m.named_parameters()) for m in self.refs_models]
@@ -110,7 +120,7 @@ class _RankLoop:
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        opt = self.OURS(_groups(self.model, self.added), lr=lr, **hparams, **self.OPTIONS)
+        opt = self.OURS(_groups(self.model, self.added, **self.group_options), lr=lr, **hparams, **self.OPTIONS)
         if self.OPTIONS.get("overlap_comm"):  # step() leaves the all-gathers in flight, into whatever comes next
             opt.attach(self.model)
         return opt
@@ -580,7 +590,7 @@ class _RankLoop:
             for n in self.names:
                 if id(self.ours[n]) in held:
                     self.masters[n].copy_(self.refs[0][n].float())
-        self.ropt = self.THEIRS(_groups(self.fp32, self.added), lr=lr, **self.HPARAMS)
+        self.ropt = self.THEIRS(_groups(self.fp32, self.added, **self.group_options), lr=lr, **self.HPARAMS)
         self.launched = False
         self._new_optimizer()
 
@@ -596,14 +606,14 @@ class _RankLoop:
         if self.added or self.clipped is not None or self.launched or self._any_grad():
             return self.skipped.append("add_group twice or with gradients")
         lr = self.opt.param_groups[0]["lr"]
-        self.opt.add_param_group(_extra_group(self.model, lr=lr))
-        self.ropt.add_param_group(_extra_group(self.fp32, lr=lr))
+        self.opt.add_param_group(_extra_group(self.model, lr=lr, **self.group_options))
+        self.ropt.add_param_group(_extra_group(self.fp32, lr=lr, **self.group_options))
         self.added = True
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):  # (every rank's replica holds the same weights after a step)
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs[0], self.masters,
-                           replicas=self.refs[1:])
+                           replicas=self.refs[1:], atol=self.atol)
 
 
 def _run_program(rank, world_size, machine, program, directory):
