@@ -303,6 +303,11 @@ def test_host_overhead_benchmark_smoke(tmp_path):
     assert sum(n.startswith("launch ") for n in names) == row["launches_per_step_at_lo"], names
     assert all(a["us"] <= b["us"] for a, b in zip(events, events[1:])) and events[0]["us"] > 0, events
     assert "| us | + us | event |" in proc.stdout and "| launch _adamw_kernel |" in proc.stdout
+    # ... and the host calls that are not our Python (session 38: on the dry run, the one allocation a steady step
+    # makes, the norm clip_grad_norm_ returns; on a GPU also the runtime's and the driver's calls)
+    ops = {r["op"]: r for r in row["timeline"]["host_ops"]}
+    assert ops["aten::empty"]["calls_per_step"] == 1 and not any(n.startswith("tritonshard.") for n in ops), ops
+    assert "The same step's host calls under torch.profiler" in proc.stdout
     # the per-parameter figures: every phase of each mode (overlap_comm on one rank, and with the machinery of many
     # ranks, session 33), and the iteration their sum
     for mode in ("no overlap_comm", "overlap_comm", "overlap_comm (many ranks)"):
