@@ -27,7 +27,8 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
                                     test_loop_fuzz.OneRankOverlappedTrainingLoop, test_loop_fuzz.SGDTrainingLoop,
                                     test_loop_fuzz.ScaledTrainingLoop, test_loop_fuzz.CompiledTrainingLoop,
                                     test_loop_fuzz.TracedTrainingLoop, test_loop_fuzz.GraphedTrainingLoop,
-                                    test_loop_fuzz.LionTrainingLoop, test_loop_fuzz.MuonTrainingLoop)}
+                                    test_loop_fuzz.LionTrainingLoop, test_loop_fuzz.MuonTrainingLoop,
+                                    test_loop_fuzz.MuonOverlappedTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:

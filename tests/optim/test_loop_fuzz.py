@@ -3,7 +3,7 @@
 parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
 default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
 compiled by torch.compile, and with cuda_graph=True (its graphs emulated); and ShardedSGD, ShardedLion and
-ShardedMuon with the default options.
+ShardedMuon with the default options (ShardedMuon also with overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (torch.optim.SGD for ShardedSGD,
@@ -777,6 +777,13 @@ class MuonTrainingLoop(TrainingLoop):
     ATOL = 1e-4
 
 
+class MuonOverlappedTrainingLoop(MuonTrainingLoop):
+    """ShardedMuon with overlap_comm as on many ranks (OverlappedTrainingLoop's options): each bucket's own update
+    (Newton-Schulz on the matrices this rank owns) and gather, in the order the next forward needs them."""
+    OPTIONS = OverlappedTrainingLoop.OPTIONS
+    MACHINERY = True
+
+
 class ScaledTrainingLoop(TrainingLoop):
     """The same loops under torch.amp.GradScaler's recipe: ``scaler.scale(loss).backward()``, ``scaler.unscale_(opt)``
     at any point (before or after a clip, or never), ``scaler.step(opt); scaler.update()``, and gradients that
@@ -956,11 +963,12 @@ test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCa
 test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlappedTrainingLoop.TestCase
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
-for machine in (LionTrainingLoop, MuonTrainingLoop):
+for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
 test_muon_training_loops_match_torch_optim_muon = MuonTrainingLoop.TestCase
+test_overlapped_muon_training_loops_match_torch_optim_muon = MuonOverlappedTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase
