@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
-    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "lion", "muon", "adamw-scaled",
+    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "lion", "muon", "muon-overlap", "adamw-scaled",
                                     "adamw-scaled-overlap", "after-clip")]
     parser.add_argument("--machines", default=",".join(MACHINES),
                         help="comma-separated: " + ", ".join([*MACHINES, *ranks]))

@@ -15,8 +15,8 @@ weights), a parameter's missing on a rank counted as zeros there, summed over th
 reduce-scatter(SUM) computes) and multiplied by 1/2 in fp32; a parameter without a gradient on every rank is
 skipped, as torch.optim skips it; then torch's clip_grad_norm_ and torch.optim.AdamW / SGD (the paper's Lion,
 tests/optim/training.py's PaperLion; torch.optim.Muon + AdamW) on fp32 masters, whose rounding is the bf16 weight
-(tests/optim/training.py's reference). Every rank simulates both ranks' replicas, so every rank knows the whole state and every rank takes
-the same decisions.
+(tests/optim/training.py's reference). Every rank simulates both ranks' replicas, so every rank knows the whole
+state and every rank takes the same decisions.
 
 Where ShardedAdamW must raise instead of doing what torch.optim does (a spent gradient reused: test_spent_grads.py;
 a backward onto launched reductions with overlap_comm), the loop expects the error on every rank and goes on after
@@ -48,8 +48,8 @@ from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
-    MuonReference, MuonTrainingLoop, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, raises_spent, reference_clip, reference_step, set_hparam, \
-    write_weight, written
+    MuonReference, MuonTrainingLoop, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
+    raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -60,6 +60,7 @@ MACHINES = {
     "lion": (ShardedLion, PaperLion, dict(betas=(0.9, 0.99)), {}),  # (the paper's Lion: test_loop_fuzz.py)
     # (the matrices in a Muon group, each owned by one rank; the rest in AdamW groups: test_loop_fuzz.py)
     "muon": (ShardedMuon, MuonReference, MuonTrainingLoop.HPARAMS, {}),
+    "muon-overlap": (ShardedMuon, MuonReference, MuonTrainingLoop.HPARAMS, dict(overlap_comm=True, bucket_cap_mb=1e-9)),
     # under torch.amp.GradScaler's recipe (test_loop_fuzz.py's ScaledTrainingLoop): scaler.scale(loss).backward(),
     # scaler.unscale_(opt) (before or after a clip), scaler.step(opt); scaler.update(), infs set by hand on a rank
     "adamw-scaled": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), {}),
@@ -69,8 +70,8 @@ MACHINES = {
 SCALED = "adamw-scaled"
 #: per machine: the options of the biases' group and the extra head's, and the masters' tolerance (test_loop_fuzz.py's
 #: MuonTrainingLoop says why ShardedMuon's is wider)
-GROUP_OPTIONS = {"muon": MuonTrainingLoop.GROUP_OPTIONS}
-ATOLS = {"muon": MuonTrainingLoop.ATOL}
+GROUP_OPTIONS = {"muon": MuonTrainingLoop.GROUP_OPTIONS, "muon-overlap": MuonTrainingLoop.GROUP_OPTIONS}
+ATOLS = {"muon": MuonTrainingLoop.ATOL, "muon-overlap": MuonTrainingLoop.ATOL}
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
 
 
