@@ -385,13 +385,66 @@ def test_other_uses_of_param_grad_are_errors_that_say_where_the_gradient_is():
     assert isinstance(g, ShardedGrad) and g.shape == model.lm_head.weight.shape
     with pytest.raises(RuntimeError, match=r"'lm_head\.weight'.*opt\.clip_grad_norm_"):
         g.sum()
-    with pytest.raises(RuntimeError, match="reading .data"):
-        g.data
+    with pytest.raises(RuntimeError, match="reading .T"):  # (a view of values that are not here)
+        g.T
+    assert g.data is g and g.detach() is g  # (aliases, as torch's: the next test)
     # the per-parameter norm is the parameter's own gradient norm: their norm is the global norm
     per_param = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
     assert_close_rel(per_param.norm(), opt.grad_norm(), 1e-6, what="norm of per-parameter norms")
     opt.zero_grad()
     # (torch.amp.GradScaler's unscale_ on them was an error too; it is supported now: tests/optim/test_grad_scaler.py)
+
+
+def _clipped_through(how: str) -> torch.Tensor:
+    """The weights after one ShardedSGD step (no momentum: the weights move by lr x the clipped gradient) of a bf16
+    MLP whose gradients were clipped ``how``: "none"; "foreach" (torch's clip on a GPU multiplies with
+    ``torch._foreach_mul_`` by the coefficient); "detach" (torch 1.x's clip_grad_norm_: each norm of
+    ``p.grad.detach()``, ``p.grad.detach().mul_(coef)`` where coef < 1); "data" (the same through
+    ``p.grad.data``, as older loops wrote it). The coefficient is computed the same way in each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 4)).to(torch.bfloat16)
+    opt = ShardedSGD(model.parameters(), lr=0.5)
+    model(torch.randn(5, 6).to(torch.bfloat16)).float().square().sum().backward()
+    params = list(model.parameters())
+    read = (lambda g: g.data) if how == "data" else (lambda g: g.detach())
+    total = torch.norm(torch.stack([torch.norm(read(p.grad), 2.0) for p in params]), 2.0)
+    coef = 0.5 / (total + 1e-6)
+    assert float(coef) < 1, "the test must clip"
+    if how == "foreach":
+        torch._foreach_mul_([p.grad for p in params], coef)
+    elif how != "none":
+        for p in params:
+            read(p.grad).mul_(coef)
+    opt.step()
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def test_param_grad_data_and_detach_are_the_gradient_lightnings_grad_norm_and_torch_1x_clipping():
+    """``p.grad.data`` and ``p.grad.detach()`` give the placeholder back (an alias, as torch's do), so what code
+    does through them is done to the gradient: Lightning's ``grad_norm`` (``p.grad.data.norm(2)`` per parameter,
+    logged from ``on_before_optimizer_step``) reads each parameter's gradient norm, and torch 1.x's clip
+    (``p.grad.detach().mul_(coef)``) or an older loop's (``p.grad.data.mul_``) clips the update bit for bit as
+    torch's foreach clip does. Until session 38 ``.data`` was an error ("reading .data") and ``detach()`` too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 4)).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = ShardedSGD(model.parameters(), lr=0.5)
+    x = torch.randn(5, 6).to(torch.bfloat16)
+    for m in (model, twin):
+        m(x).float().square().sum().backward()
+    # lightning.pytorch.utilities.grad_norm, as it is written there
+    norms = {f"grad_2.0_norm/{name}": p.grad.data.norm(2.0) for name, p in model.named_parameters()
+             if p.grad is not None}
+    total = torch.tensor(list(norms.values())).norm(2.0)
+    for name, p in twin.named_parameters():  # (ours in fp32 over the same bf16 values: fp32 sums in another order)
+        torch.testing.assert_close(norms[f"grad_2.0_norm/{name}"].float(), torch.linalg.vector_norm(p.grad.float()),
+                                   rtol=1e-5, atol=0, msg=name)
+    torch.testing.assert_close(total.float(), opt.grad_norm().float(), rtol=1e-5, atol=0)
+    opt.zero_grad()
+    runs = {how: _clipped_through(how) for how in ("none", "foreach", "detach", "data")}
+    assert not torch.equal(runs["none"], runs["foreach"]), "the clip must change the step"
+    for how in ("detach", "data"):
+        assert_bitwise_equal(runs[how], runs["foreach"], f"weights after clipping through p.grad.{how}")
 
 
 def test_model_zero_grad_between_backward_and_step_discards_the_gradients():

@@ -273,6 +273,11 @@ _METADATA_METHODS = frozenset({
     "is_neg", "is_conj", "_is_zerotensor", "is_pinned",
 })
 _NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm}
+#: what gives the same gradient back without autograd history: ``p.grad.data`` (read) and ``p.grad.detach()``, the
+#: placeholder itself (``.norm()`` / ``.mul_()`` / ``.zero_()`` on it are the gradient's): Lightning's
+#: ``grad_norm`` reads ``p.grad.data.norm(p)``, torch 1.x's clip_grad_norm_ multiplied ``p.grad.detach()``, and
+#: older loops clip through ``p.grad.data.mul_`` (an error "reading .data" until session 38)
+_ALIASES = {torch.Tensor.detach}
 _REDUCING = {torch._foreach_norm, torch._amp_foreach_non_finite_check_and_unscale_}  # (with _NORMS: the reduction)
 
 
@@ -280,7 +285,8 @@ class ShardedGrad(torch.Tensor):
     """``param.grad`` after backward: the gradient lives in the optimizer's grad buffer (sharded after the
     reduce-scatter), not here. No storage; shape, dtype and device are the parameter's.
 
-    Supported, with torch.optim's meaning: ``torch.linalg.vector_norm`` / ``.norm()`` / ``torch._foreach_norm``
+    Supported, with torch.optim's meaning: ``.data`` and ``.detach()`` (the placeholder again: an alias, as
+    torch's are), ``torch.linalg.vector_norm`` / ``.norm()`` / ``torch._foreach_norm``
     (the parameter's gradient norm over all ranks, after averaging, unscaled), ``mul_`` / ``_foreach_mul_`` by one
     coefficient for every parameter (``torch.nn.utils.clip_grad_norm_``: folded into the update), ``clamp_`` /
     ``clamp_min_`` / ``clamp_max_`` / ``_foreach_clamp_min_`` / ``_foreach_clamp_max_``
@@ -319,6 +325,8 @@ class ShardedGrad(torch.Tensor):
         answer = _metadata(func, name, args, kwargs)
         if answer is not _NOT_METADATA:
             return answer
+        if func in _ALIASES or (name == "__get__" and _attribute(func) == "data"):
+            return args[0]
         if name == "__get__":
             raise _unsupported(args[0], f"reading .{_attribute(func)}")
         if func in _NORMS:
