@@ -252,13 +252,17 @@ class TrainingLoop(RuleBasedStateMachine):
 
     # (a second clip in a step clips the gradients the first one clipped, as torch's does: until session 26 ours
     # computed its coefficient from the unclipped ones, and torch's after ours clipped twice over)
-    # ("torch foreach": torch's clip as it runs on a GPU, where foreach is its default: _foreach_norm, _foreach_mul_)
-    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]), how=st.sampled_from(["opt", "torch", "torch foreach"]))
+    # ("torch foreach": torch's clip as it runs on a GPU, where foreach is its default: _foreach_norm, _foreach_mul_;
+    # "torch 1.x": its clip before get_total_norm, through p.grad.detach(), as older loops still write it)
+    @rule(max_norm=st.sampled_from([0.05, 1.0, 100.0]),
+          how=st.sampled_from(["opt", "torch", "torch foreach", "torch 1.x"]))
     def clip(self, max_norm, how):
         if how.startswith("torch") and self.by_hand:
             # torch's clip on a plain bf16 gradient computes its norm and multiplies in bf16, as it would for any
             # bf16 model: not the fp32 arithmetic of the reference (nor of the placeholders, which give fp32 norms)
             how = "opt"
+        if how == "torch 1.x" and self._nonfinite():
+            how = "torch"  # (its NaN coefficient multiplied nothing, where today's torch's multiplies: the reference)
         if self._reuses_spent():
             raises_spent(lambda: self._clip(max_norm, how), "clipping a spent gradient")
             return self._recover()
@@ -313,7 +317,7 @@ class TrainingLoop(RuleBasedStateMachine):
             self._reduced()
 
     @precondition(lambda self: not self.by_hand)  # (a plain bf16 gradient's norm is torch's own, in bf16)
-    @rule(how=st.sampled_from(["per-parameter", "opt.grad_norm()", "get_total_norm"]))
+    @rule(how=st.sampled_from(["per-parameter", "per-parameter .data", "opt.grad_norm()", "get_total_norm"]))
     def read_norms(self, how):
         """A log line: the gradients' norms as ``param.grad`` holds them now (after a clip, an unscale_), as
         torch.optim's loop would read them; reading them reduces the gradients, as a clip does. (Until session 26
@@ -327,7 +331,7 @@ class TrainingLoop(RuleBasedStateMachine):
             norms = read_norms(self.opt, self.model, how)
         grads = self._master_grads()
         present = [grads[n] for n in self.names if grads[n] is not None]
-        want = torch.stack([g.norm() for g in present]) if how == "per-parameter" else (
+        want = torch.stack([g.norm() for g in present]) if how.startswith("per-parameter") else (
             torch.nn.utils.get_total_norm(present).reshape(1))
         torch.testing.assert_close(norms.float(), want, rtol=1e-5, atol=1e-7, equal_nan=True)
         self._reduced()
@@ -556,9 +560,21 @@ def raises_spent(call, what: str) -> None:
 
 def clip(opt, model, max_norm, how: str):
     """The loop's clip: the optimizer's (``how="opt"``) or torch's over ``param.grad`` (``"torch"``: its default on
-    the CPU, a norm and a multiply per parameter; ``"torch foreach"``: its default on a GPU); its norm."""
+    the CPU, a norm and a multiply per parameter; ``"torch foreach"``: its default on a GPU; ``"torch 1.x"``: its
+    code before get_total_norm, each norm of and each multiply through ``p.grad.detach()``, only where the
+    coefficient is below 1); its norm."""
     if how == "opt":
         return opt.clip_grad_norm_(max_norm)
+    if how == "torch 1.x":
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return torch.tensor(0.0)
+        total = torch.norm(torch.stack([torch.norm(p.grad.detach(), 2.0) for p in params]), 2.0)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1:
+            for p in params:
+                p.grad.detach().mul_(coef)
+        return total
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
                                           foreach=True if how == "torch foreach" else None)
 
@@ -572,10 +588,13 @@ def divide_grads(model, divisor) -> None:
 
 def read_norms(opt, model, how: str) -> torch.Tensor:
     """The loop's norms of the gradients, as a log line reads them: each parameter's (those with a gradient, in the
-    model's order), the optimizer's total, or torch's total over ``param.grad``."""
+    model's order; also through ``.data``, as Lightning's grad_norm), the optimizer's total, or torch's total over
+    ``param.grad``."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if how == "per-parameter":
         return torch.stack([g.norm() for g in grads])
+    if how == "per-parameter .data":  # (Lightning's grad_norm: p.grad.data.norm(2) per parameter)
+        return torch.stack([g.data.norm(2.0) for g in grads])
     return (opt.grad_norm() if how == "opt.grad_norm()" else torch.nn.utils.get_total_norm(grads)).reshape(1)
 
 
