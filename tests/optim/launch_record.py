@@ -91,6 +91,7 @@ def main() -> None:
         out["lion"] = _other_optimizer(rec, "ShardedLion", dict(weight_decay=0.1, state_dtype=torch.bfloat16))
         out["adamw_overlap"] = _other_optimizer(rec, "ShardedAdamW", dict(overlap_comm=True,
                                                                           state_dtype=torch.bfloat16))
+        out["torch_clip"] = _torch_clip(rec)
     json.dump(out, sys.stdout)
     from tritonshard.comm import destroy_process_group
     destroy_process_group()  # (freed now: at interpreter shutdown gloo can abort, failing the exit code)
@@ -111,6 +112,29 @@ def _other_optimizer(rec, name: str, kwargs: dict) -> dict:
     dispatch = [step(), step()]
     _launch.set_bound_launches(True)
     return {"buckets": len(opt.buckets), "dispatch": dispatch, "bound": [step(), step(), step(), step()]}
+
+
+def _torch_clip(rec) -> dict:
+    """Steps with torch's clip_grad_norm_ over param.grad (HF Trainer's, accelerate's), each step's kernels by
+    name: plain, and with a clip_grad_value_ first (the shards changed since the reduction: the per-parameter
+    norms read the pieces again)."""
+    from tritonshard import ShardedAdamW
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 67), torch.nn.Tanh(), torch.nn.Linear(67, 5))
+    params = list(model.parameters())
+    opt = ShardedAdamW(params, lr=1e-3, bucket_cap_mb=1e-9)  # (a bucket per parameter)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    steps = []
+    for clamp in (False, False, False, True, True, True):
+        model(x).float().square().mean().backward()  # (a backward's gradients: placeholders, which torch's clip
+        if clamp:                                     # asks for their norms)
+            torch.nn.utils.clip_grad_value_(params, 1e30)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        calls, rec.calls = rec.calls, []
+        steps.append({"clamp": clamp, "kernels": [name for name, _ in calls]})
+    return {"buckets": len(opt.buckets), "steps": steps}
 
 
 def _stepper(rec, opt, sched, params, grads):

@@ -165,3 +165,19 @@ def test_sgd_and_lion_updates_are_bound_too(record, name, kernel):
     *_, replayed = rec["bound"]
     assert replayed["replays"] == per_step, "every launch must replay"
     _assert_same_launches(_per_step_values_checked(rec["dispatch"][-1]), replayed)
+
+
+def test_torchs_clip_reads_the_gradients_once(record):
+    """torch's clip_grad_norm_ over param.grad (HF Trainer's): the step's norm pass cuts its blocks at each
+    parameter's piece of the shards, so the per-parameter norms torch asks for add up its partials (one
+    _segment_sums_kernel) instead of a second norm pass over every gradient (session 38). After a clamp
+    (clip_grad_value_, which writes the shards after the reduction) they are read again."""
+    rec = record["torch_clip"]
+    assert rec["buckets"] == 4
+    steps = rec["steps"]
+    for step in steps[1:3] + steps[4:6]:  # (the first of each kind binds: its checked launchers, one per piece)
+        kernels = step["kernels"]
+        reads = kernels.count("_partials_multi_kernel")
+        assert reads == (2 if step["clamp"] else 1), kernels
+        assert kernels.count("_segment_sums_kernel") == 1 and kernels.count("_finalize_kernel") == 1, kernels
+        assert "_scale_kernel" not in kernels, kernels

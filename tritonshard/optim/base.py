@@ -724,6 +724,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._reciprocals: dict = {}  # id(divisor) -> (divisor, 1 / divisor) of this step's p.grad.div_(divisor)
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
         self._clamped = False  # clip_grad_value_ clamped this step's reduced gradients (the reduction's sum_sq is stale)
+        # this step's reduction ran its norm pass over the pieces (_consume_all_reduced): their partials are there
+        # for torch's per-parameter norms (_piece_sums_of_squares)
+        self._partials_of_pieces = False
         self._state_exposed = False
         self._hooks: list = []
         self._grad_accumulators: list = []  # the parameters' AccumulateGrad nodes, alive with their pre-hooks
@@ -1984,21 +1987,31 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         all-reduce of the totals, and the fp32 ``(sum_sq, found_inf)`` in ``_reduced_bufs``."""
         self._launch_all()
         self._adopt_observed_order()
-        if not self._consume_all_reduced():
+        self._partials_of_pieces = False
+        pieces = self._consume_all_reduced()
+        if not pieces:
             for i in self._launch_order:
                 self._consume_reduced(self.buckets[i])
-        # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout. On
-        # one rank the finalize's store rounds (into _reduced_pair, the fp32 (sum_sq, found_inf)); with more, after
-        # the all-reduce of the fp64 totals, in one launch (kernels/scalars.py)
+        # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout
+        # (also blocks cut at the pieces instead of the shards). On one rank the finalize's store rounds (into
+        # _reduced_pair, the fp32 (sum_sq, found_inf)); with more, after the all-reduce of the fp64 totals, in one
+        # launch (kernels/scalars.py)
         many = comm.is_initialized() and self.world_size > 1
         totals = self._norm_totals if many else self._reduced_pair
+        plan = self._piece_norm_plan if pieces is True and self._partials_of_pieces else None
+        workspace = self._norm_workspace if plan is None else plan.workspace
         if self._hot_path():  # one launch for every bucket, bound (the same tensors every step)
-            if self._finalize_spec is None:
-                self._finalize_spec = finalize_launch_spec(self._norm_workspace, totals)
-            _launch.launch(self._norm_launches, "finalize", self._finalize_spec,
-                           lambda: kernels().finalize_sum_sq_(self._norm_workspace, totals))
+            if plan is not None:
+                if plan.finalize is None:
+                    plan.finalize = finalize_launch_spec(workspace, totals)
+                spec, key = plan.finalize, "finalize pieces"
+            else:
+                if self._finalize_spec is None:
+                    self._finalize_spec = finalize_launch_spec(workspace, totals)
+                spec, key = self._finalize_spec, "finalize"
+            _launch.launch(self._norm_launches, key, spec, lambda: kernels().finalize_sum_sq_(workspace, totals))
         else:
-            kernels().finalize_sum_sq_(self._norm_workspace, totals)
+            kernels().finalize_sum_sq_(workspace, totals)
         if many:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
             if self._scalar_kernels_run():  # (one bound launch instead of three ops, kernels/scalars.py)
@@ -2026,12 +2039,29 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._entry("reduce")
 
     def _consume_all_reduced(self) -> bool:
-        """:meth:`_consume_reduced` for every bucket, the norm passes in one launch (each grad shard's partials into
-        its slice of the workspace, the same values as per bucket), where the kernels allow (see
-        :meth:`_flatten_together`). False, having done nothing, where each bucket takes its own steps: with
+        """:meth:`_consume_reduced` for every bucket, the norm passes in one launch, where the kernels allow (see
+        :meth:`_flatten_together`). Its blocks are cut at the pieces of the shards (each parameter's part of this
+        rank's shard, :meth:`_make_norm_pieces`), their partials in the pieces' workspace, which the finalize
+        sums (``_partials_of_pieces``), so torch's per-parameter norms later in the step add those partials up
+        instead of reading the gradients again (:meth:`_piece_sums_of_squares`); else (no piece plan, a cuda_graph
+        capture, whose replays run no Python) each grad shard's partials into its slice of the workspace, the same
+        values as per bucket. False, having done nothing, where each bucket takes its own steps: with
         ``ordered_reduce`` (a fold per bucket) or a replica group (an all-reduce per bucket), or one bucket."""
         if self._ordered or self.replica_size > 1 or len(self.buckets) < 2 or not self._flatten_together():
             return False
+        plan = self._piece_plan() if self._graphs is None else None
+        spec = plan.spec(self._grad_average) if plan is not None else None
+        if spec is not None:
+            for i in self._launch_order:
+                self._wait_reduced(self.buckets[i])
+
+            def checked_pieces():
+                for v, part in zip(plan.views, plan.slices):
+                    kernels().sum_sq_partials_(v, self._grad_average, part)
+            with _trace("tritonshard.kernel.sum_sq_partials_"):
+                _launch.launch(self._norm_launches, "norm pieces", spec, checked_pieces)
+            self._partials_of_pieces = True
+            return True
         shards = [b.grad_buffer.get_local_shard() for b in self.buckets]
         if self._norm_spec is None:  # built once: the shards and the workspace never move, the factor is 1/d
             self._norm_spec = partials_multi_launch_spec(
@@ -2172,7 +2202,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             # cannot: the eager rerun after a compiled step clears it, _finish_compiled_step)
             self._zeroed.clear()
         self._reduced, self._clip_coef, self._reduced_early = None, None, False
-        self._clamped = False
+        self._clamped = self._partials_of_pieces = False
         self._step_cache.clear()
         self._grad_multipliers.clear()
         self._reciprocals.clear()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -595,37 +596,54 @@ class ModelViewMixin:
             self._norm_pieces = made
         return made
 
-    def _piece_sums_of_squares(self, views: list):
-        """Each piece's sum of squares (fp64, one per view of :meth:`_make_norm_pieces`), in two launches where the
-        Triton kernels run, outside torch.compile: the norm pass's kernel over the pieces (per-block partials in
-        fp64, as the step's norm pass takes them) into a workspace of their own, then one program per piece adding
-        its partials in a fixed order (:func:`~tritonshard.kernels.scale.segment_sums_`). Before session 37 a
-        ``torch.linalg.vector_norm`` per piece: ~150 ops for a 125M model's 148 parameters at every torch clip
-        (HF Trainer's, accelerate's), each a launch on a GPU, for the same one read of the gradients. None where
-        this path does not run (the caller takes the torch ops). The plan (workspace, tables, output) is made once
-        per set of pieces."""
+    def _piece_plan(self) -> Optional["_PiecePlan"]:
+        """The launches over every piece of the grad shards (views of :meth:`_make_norm_pieces`), made once per set
+        of pieces: their workspace, per-piece slices of it, the segment sums and their output. None where the
+        Triton kernels do not run here, under torch.compile, or without a piece."""
         if not triton_kernels_run(self.device) or torch.compiler.is_compiling():
             return None
+        views, _ = self._norm_pieces if self._norm_pieces is not None else self._make_norm_pieces()
         plan = self._piece_norm_plan
-        if plan is None or plan[0] is not views:
-            workspace, slices = shared_sum_sq_workspace([v.numel() for v in views], self.device)
-            spec = partials_multi_launch_spec(views, 1.0, slices)
-            if spec is None:  # (pieces of two dtypes or devices: the torch ops)
+        if plan is None or plan.views is not views:
+            if not views:
                 return None
+            workspace, slices = shared_sum_sq_workspace([v.numel() for v in views], self.device)
             counts = [s.numel() for s, _ in slices]
             starts = [0] + list(itertools.accumulate(counts))[:-1]
             tables = [torch.tensor(t, dtype=torch.int64).to(self.device, non_blocking=True) for t in (starts, counts)]
             out = torch.empty(len(views), dtype=torch.float64, device=self.device)
-            segments = segment_sums_launch_spec(workspace[0], *tables, out)
-            plan = self._piece_norm_plan = (views, spec, segments, out, slices, {})
-        _, spec, segments, out, slices, launches = plan
+            plan = self._piece_norm_plan = _PiecePlan(views, workspace, slices,
+                                                      segment_sums_launch_spec(workspace[0], *tables, out), out)
+        return plan
 
-        def checked_pieces():
-            for v, part in zip(views, slices):
-                sum_sq_partials_(v, 1.0, part)
-        _launch.launch(launches, "pieces", spec, checked_pieces)
-        _launch.launch(launches, "segments", segments, lambda: segment_sums_(segments[2][0], *segments[2][1:3], out))
-        return out
+    def _piece_sums_of_squares(self, views: list):
+        """Each piece's sum of squares (fp64, one per view of :meth:`_make_norm_pieces`) as ``(sums, factor)``: the
+        sums of squares of the gradient times ``factor`` (1 or the 1/d average). Where this step's reduction ran
+        the norm pass over the pieces (``_consume_all_reduced``: its partials, of the gradient times 1/d, are in
+        the pieces' workspace) and nothing changed the shards since (a clamp), one launch adding each piece's
+        partials (:func:`~tritonshard.kernels.scale.segment_sums_`): the gradients are read once per step for the
+        step's norm and torch's per-parameter norms alike (HF Trainer's and accelerate's clip; session 38, before
+        which the pieces were read again here). Else two launches: the norm pass's kernel over the pieces (factor
+        1) into that workspace, then the segment sums (session 37; before it a ``torch.linalg.vector_norm`` per
+        piece). ``(None, 1.0)`` where this path does not run (the caller takes the torch ops)."""
+        plan = self._piece_plan()
+        if plan is None or plan.views is not views:
+            return None, 1.0
+        factor = self._grad_average
+        if not (self._partials_of_pieces and not self._clamped and self._reduced is not None
+                and _power_of_two(factor)):  # (else 1/d changes the bits of a per-parameter norm: read again)
+            spec, factor = plan.spec(1.0), 1.0
+            if spec is None:  # (pieces of two dtypes or devices: the torch ops)
+                return None, 1.0
+
+            def checked_pieces():
+                for v, part in zip(views, plan.slices):
+                    sum_sq_partials_(v, 1.0, part)
+            _launch.launch(plan.launches, "pieces", spec, checked_pieces)
+        segments = plan.segments
+        _launch.launch(plan.launches, "segments", segments,
+                       lambda: segment_sums_(segments[2][0], *segments[2][1:3], plan.out))
+        return plan.out, factor
 
     @torch.no_grad()
     def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
@@ -634,8 +652,8 @@ class ModelViewMixin:
         is_inf = norm_type == math.inf
         views, idx = self._norm_pieces if self._norm_pieces is not None else self._make_norm_pieces()
         acc = torch.zeros(len(self._param_list), dtype=torch.float64, device=self.device)
-        sums = self._piece_sums_of_squares(views) if norm_type == 2.0 and views else None
-        if sums is not None:  # (the 2-norm where the Triton kernels run: two launches for every piece)
+        sums, factor = self._piece_sums_of_squares(views) if norm_type == 2.0 and views else (None, 1.0)
+        if sums is not None:  # (the 2-norm where the Triton kernels run: one or two launches for every piece)
             acc.index_add_(0, idx, sums)
         elif views:
             # each piece's norm in one pass accumulating in fp64 (torch's reduction upcasts as it reads: no fp64
@@ -652,8 +670,32 @@ class ModelViewMixin:
             self._entry("param_norms")
             dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
         norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
-        norms = (norms * self._grad_average).float()  # the shards hold the SUM over ranks
+        # the shards hold the SUM over ranks: times the 1/d average, unless the sums took it (a power of two: the
+        # same bits, sqrt(sum((g/d)^2)) = sqrt(sum(g^2)) / d exactly in fp64)
+        norms = (norms if factor != 1.0 else norms * self._grad_average).float()
         return norms / self._scale if self._scale is not None else norms
+
+
+class _PiecePlan:
+    """:meth:`ModelViewMixin._piece_plan`: the pieces, their workspace and per-piece slices of it, the segment sums'
+    launch and output, the norm pass's launch over them per factor (:meth:`spec`), the bound launches."""
+
+    def __init__(self, views: list, workspace: tuple, slices: list, segments: tuple, out: torch.Tensor):
+        self.views, self.workspace, self.slices, self.segments, self.out = views, workspace, slices, segments, out
+        self.launches: dict = {}
+        self._specs: dict = {}
+        self.finalize = None  # the step's finalize over this workspace (ShardedOptimizer._reduce_phase), once built
+
+    def spec(self, factor: float) -> Optional[tuple]:
+        """The norm pass over every piece, each element times ``factor`` (None: pieces of two dtypes or devices)."""
+        if factor not in self._specs:
+            self._specs[factor] = partials_multi_launch_spec(self.views, factor, self.slices)
+        return self._specs[factor]
+
+
+def _power_of_two(x: float) -> bool:
+    m, _ = math.frexp(x)
+    return x > 0 and m == 0.5
 
 
 def _le(a, b) -> bool:
