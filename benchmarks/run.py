@@ -165,9 +165,9 @@ def sum_sq_job(n, device):
 
 
 def norm_pass_job(n, device):
-    """The norm pass as ShardedOptimizer's step() launches it: one launch over every bucket's grad shard (here
-    ``n`` elements in shards of ~1M, each its own allocation as a bucket's is, sizes off the block), partials
-    into one workspace, then the one-program finalize. Ours: the default four blocks per program; beside it the
+    """The norm pass as ShardedOptimizer's step() launches it: one launch over every parameter's piece of the grad
+    shards (since session 38; every bucket's shard before; here ``n`` elements in tensors of ~1M, each its own
+    allocation, sizes off the block), partials into one workspace, then the one-program finalize. Ours: the default four blocks per program; beside it the
     same launch with one block per program (the kernel the H200 measured at ~48 % of the copy bandwidth in the
     1B step, session 32; the same partials, checked here bit for bit) and PyTorch's per-tensor norms."""
     from tritonshard.kernels import _launch, finalize_sum_sq_
@@ -312,7 +312,7 @@ def lion_job(n, device):
 # the reference, then returns (ours, [(name of a PyTorch way, fn), ...]): one table row per PyTorch way.
 JOBS = {
     # (first: a stage that runs out of time keeps it; session 37's open question, four blocks per program or one)
-    "norm pass bf16 (what step() runs: one launch over ~1M-element grad shards)":
+    "norm pass bf16 (what step() runs: one launch over ~1M-element pieces of the grad shards)":
         ("sum_sq bf16", "finalize_sum_sq_", norm_pass_job),
     "flatten fp32->bf16 (4 tensors)":
         ("flatten fp32->bf16", "flatten_into", lambda n, d: flatten_job(n, d, torch.float32, False, False)),
