@@ -23,9 +23,11 @@
 #      device-bound and 0.5 ms over its target, session 32); at 25 MB the step's scalars in launches against
 #      the torch ops they replaced in session 34 (--scalars-ab, side by side); and for the models in
 #      TIMELINE_MODELS (125M) the default step's host timeline, event by event (--host-timeline: each call and
-#      kernel launch from the step's start; the 125M step is host-bound, session 35). ShardedAdamW, torch
-#      AdamW, the kernel table and the sweep are measured first: a model stopped by the stage's timeout still
-#      writes what it measured (session 35)                                                                  60
+#      kernel launch from the step's start; the 125M step is host-bound, session 35; since session 38 also the
+#      step's host calls under torch.profiler: on CUDA, the runtime's and the driver's); then the HF Trainer's
+#      loop: after a backward, torch's clip over param.grad + step beside opt.clip_grad_norm_ + step (session
+#      38: one read of the gradients for both norms). ShardedAdamW, torch AdamW, the kernel table and the sweep
+#      are measured first: a model stopped by the stage's timeout still writes what it measured (session 35) 60
 #   5. end to end, side by side on the same model, data and seed (benchmarks.e2e): torch AMP and ShardedAdamW
 #      with and without overlap, at 85M and 302M, two rounds each, round-robin (the host's speed drifts by up
 #      to +-30 % on that machine and every configuration is host-bound there: one run each compared the

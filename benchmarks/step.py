@@ -375,6 +375,70 @@ def bench_ours(shapes, device, reps):
             "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"]}
 
 
+class _GradsFrom(torch.autograd.Function):
+    """A backward whose gradients are the given tensors: autograd's AccumulateGrad copies each into its parameter's
+    ``.grad`` (a new tensor, as every backward's) and the optimizer's hooks flush them at its end, so ``param.grad``
+    holds tritonshard's placeholders afterwards, as after a real backward (where torch's clip finds them)."""
+
+    @staticmethod
+    def forward(ctx, grads, *params):
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.grads)
+
+
+def timed_after(prepare, fn, device, reps: int) -> tuple[float, float]:
+    """:func:`timed_host` of ``fn``, with ``prepare()`` (untimed, and finished on the device) before each call."""
+    for _ in range(WARMUP):
+        prepare()
+        fn()
+    host, wall = [], []
+    for _ in range(reps):
+        prepare()
+        h, w = host_and_wall(fn, device)
+        host.append(h)
+        wall.append(w)
+    return statistics.median(host), statistics.median(wall)
+
+
+def _after_backward(shapes, device, reps, clip: str) -> dict:
+    """ShardedAdamW's clip + step + zero_grad after a backward (untimed, its flush included): the loop of the HF
+    Trainer and accelerate, whose clip is torch's ``clip_grad_norm_`` over ``param.grad`` (``clip="torch"``, with
+    foreach=True, its default on CUDA), beside the optimizer's own clip (``clip="opt"``) in the same harness."""
+    reset_peak(device)
+    params = bench_params(shapes, device)
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+    grads = bf16_grads(shapes, device)
+
+    def backward():
+        _GradsFrom.apply(grads, *params).backward()
+
+    def step():
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        else:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    host, wall = timed_after(backward, step, device, reps)
+    how = "torch.nn.utils.clip_grad_norm_(foreach=True) over param.grad (HF Trainer's)" if clip == "torch" else \
+        "opt.clip_grad_norm_"
+    return {"impl": f"tritonshard.ShardedAdamW after a backward: {how} + step + zero_grad", "step_ms": wall * 1e3,
+            "host_ms": host * 1e3, "peak_bytes": peak_bytes(device),
+            "note": f"host {host * 1e3:.2f} ms; the backward's flush not timed"}
+
+
+def bench_after_backward(shapes, device, reps):
+    return _after_backward(shapes, device, reps, "opt")
+
+
+def bench_hf_clip(shapes, device, reps):
+    return _after_backward(shapes, device, reps, "torch")
+
+
 def muon_split(shapes):
     """The blocks' matrices (Muon) and the rest: embeddings and positions (the first two shapes), norms, biases."""
     muon = [i for i, s in enumerate(shapes) if len(s) == 2 and i >= 2]
@@ -471,7 +535,8 @@ def main(argv=None):
                    help="also ShardedAdamW's step kernel by kernel (torch.profiler: device ms per step on CUDA)")
     p.add_argument("--host-timeline", action="store_true",
                    help="also where ShardedAdamW's step spends its host time, event by event (default bucket_cap_mb)")
-    p.add_argument("--skip", nargs="*", default=[], choices=["ours", "torch", "fsdp2", "muon", "torch_muon"],
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["ours", "torch", "after_backward", "hf_clip", "fsdp2", "muon", "torch_muon"],
                    help="implementations to leave out (a GPU check short of time)")
     args = p.parse_args(argv)
     device = local_device()  # indexed on CUDA: device_id= below and the memory stats need the index
@@ -489,7 +554,7 @@ def main(argv=None):
     rows = []
     where = dict(model=args.model, params=n, device=str(device))
     benches = {"ours": bench_ours, "torch": bench_torch, "fsdp2": bench_fsdp2, "muon": bench_muon,
-               "torch_muon": bench_torch_muon}
+               "torch_muon": bench_torch_muon, "after_backward": bench_after_backward, "hf_clip": bench_hf_clip}
 
     def implementations(keys):
         for key in keys:
@@ -539,6 +604,7 @@ def main(argv=None):
                 shapes, device, args.reps, args.bucket_caps, args.graph_caps), where))
         if args.host_timeline:
             rows.extend(_measured("ShardedAdamW host timeline", timeline, where))
+        implementations(("after_backward", "hf_clip"))  # (the HF Trainer's loop: session 38)
         if args.scalars_ab is not None:
             rows.extend(_measured("step scalars A/B", lambda: [
                 bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)], where))

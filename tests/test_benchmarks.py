@@ -45,7 +45,11 @@ def test_microbenchmarks_smoke(tmp_path):
 
 def test_step_benchmark_smoke(tmp_path):
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path)])
-    ours, theirs, fsdp, muon, torch_muon = rows
+    ours, theirs, after_backward, hf_clip, fsdp, muon, torch_muon = rows  # (its order: the GPU check's stage 4)
+    # after a backward (its placeholders): the optimizer's clip, and torch's over param.grad (the HF Trainer's)
+    for row in (after_backward, hf_clip):
+        assert "error" not in row and row["step_ms"] > 0 and row["host_ms"] > 0, row
+    assert "HF Trainer" in hf_clip["impl"] and "opt.clip_grad_norm_" in after_backward["impl"]
     assert "error" not in muon and muon["step_ms"] > 0 and 0 < muon["newton_schulz_ms"]
     assert "error" not in torch_muon and torch_muon["step_ms"] > 0
     # Muon keeps one state (momentum) where AdamW keeps two: fewer optimizer bytes than ShardedAdamW at world size 1
@@ -63,7 +67,8 @@ def test_step_scalars_side_by_side_smoke(tmp_path):
     # launches and one with the torch ops (its own switch), taking turns
     md = tmp_path / "results.md"
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--scalars-ab", "25",
-                            "--markdown", str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon"])
+                            "--markdown", str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon", "after_backward",
+                            "hf_clip"])
     ours, ab = rows
     assert "error" not in ab, ab
     assert all(ab[f"{side}_{t}_ms"] > 0 for side in ("kernels", "torch_ops") for t in ("host", "wall")), ab
@@ -77,7 +82,7 @@ def test_step_kernel_breakdown_smoke(tmp_path):
     # launchers' host ranges stand in for the device's kernels: the same table, no measurement)
     md = tmp_path / "results.md"
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--kernels", "--markdown",
-                            str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon"])
+                            str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon", "after_backward", "hf_clip"])
     ours, breakdown = rows
     assert "error" not in breakdown, breakdown
     names = [k["kernel"] for k in breakdown["kernels"]]
@@ -209,6 +214,11 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert "| kernel |" in results and "## Optimizer step, tiny" in results, results
     assert "| 0.01 |" in results and "host us / bucket" in results, "the bucket_cap_mb sweep:\n" + results
     assert "kernel by kernel (tiny" in results, "the step's kernels:\n" + results
+    # the HF Trainer's loop (torch's clip over the placeholders a backward left) beside the optimizer's clip, in the
+    # same harness (session 38)
+    for how in ("opt.clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(foreach=True)"):
+        row = next(line for line in results.splitlines() if f"after a backward: {how}" in line)
+        assert "did not run" not in row and "host " in row, row
     assert "## End to end, tiny" in results, results
     # stage host: the dry-run host measurement, both its figures in results.md
     host = results.split("## Host time of the GPU code path")[1]
