@@ -3,7 +3,8 @@
 parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
 default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
 compiled by torch.compile, and with cuda_graph=True (its graphs emulated); and ShardedSGD, ShardedLion and
-ShardedMuon with the default options (ShardedMuon also with overlap_comm).
+ShardedMuon with the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with
+overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (torch.optim.SGD for ShardedSGD,
@@ -28,6 +29,7 @@ import os
 import tempfile
 import warnings
 
+import pytest
 import torch
 from torch.amp.grad_scaler import OptState
 from hypothesis import HealthCheck, settings
@@ -796,6 +798,37 @@ class MuonTrainingLoop(TrainingLoop):
     ATOL = 1e-4
 
 
+class SGDGraphedTrainingLoop(GraphedTrainingLoop):
+    """GraphedTrainingLoop with ShardedSGD (its captured update reads -lr from a tensor of its own)."""
+    OURS, THEIRS, HPARAMS = SGDTrainingLoop.OURS, SGDTrainingLoop.THEIRS, SGDTrainingLoop.HPARAMS
+
+
+class LionGraphedTrainingLoop(GraphedTrainingLoop):
+    """GraphedTrainingLoop with ShardedLion (its captured update reads 1 - lr*wd and -lr from a tensor)."""
+    OURS, THEIRS, HPARAMS = LionTrainingLoop.OURS, LionTrainingLoop.THEIRS, LionTrainingLoop.HPARAMS
+
+
+@pytest.mark.parametrize("machine", [SGDGraphedTrainingLoop, LionGraphedTrainingLoop], ids=["sgd", "lion"])
+def test_a_replayed_sgd_or_lion_step_after_a_step_of_the_other_clip_kind_runs_its_captures_ops(machine):
+    """Found by the loop fuzzer in session 38 (ShardedLion, then ShardedSGD, with cuda_graph=True): a step without
+    a clip captured, one with a clip (another graph key), then the first kind again, replayed: each bucket's
+    update was bound for the clip's kind (a tensor grad_scale), so the replayed step's eager run rebound through
+    the checked launcher, which computes the coefficients from the lr tensor with torch ops of its own: other ops
+    than the capture's (the same values), which the emulated replay refuses. One binding per kind now
+    (sgd.py's _launch_one). Three groups (add_group), so each group's bucket is launched on its own."""
+    state = machine()
+    try:
+        state.add_group()
+        state.backward_clip_and_step(clip=False, times=1)
+        state.backward(sync=False)
+        state.step()
+        state.clip_value(foreach=False, value=0.05)
+        state.backward_clip_and_step(clip=True, times=1)
+        state.backward_clip_and_step(clip=False, times=1)
+    finally:
+        state.teardown()
+
+
 class MuonOverlappedTrainingLoop(MuonTrainingLoop):
     """ShardedMuon with overlap_comm as on many ranks (OverlappedTrainingLoop's options): each bucket's own update
     (Newton-Schulz on the matrices this rank owns) and gather, in the order the next forward needs them."""
@@ -982,12 +1015,15 @@ test_overlapped_training_loops_match_torch_optim = OverlappedTrainingLoop.TestCa
 test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlappedTrainingLoop.TestCase
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
-for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop):
+for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop, SGDGraphedTrainingLoop,
+                LionGraphedTrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
 test_muon_training_loops_match_torch_optim_muon = MuonTrainingLoop.TestCase
 test_overlapped_muon_training_loops_match_torch_optim_muon = MuonOverlappedTrainingLoop.TestCase
+test_graphed_sgd_training_loops_match_torch_optim = SGDGraphedTrainingLoop.TestCase
+test_graphed_lion_training_loops_match_the_papers_lion = LionGraphedTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase

@@ -158,11 +158,19 @@ class ShardedLion(ShardedOptimizer):
 
 
 def _launch_one(bucket: _Bucket, spec, checked_launch) -> None:
-    """One bucket's update: bound (replayed from the second launch on) where there is a spec, else checked."""
+    """One bucket's update: bound (replayed from the second launch on) where there is a spec, else checked.
+
+    A binding per kind of grad_scale (a number: no clip; a tensor: a clip or another multiplier), so a loop that
+    clips some steps and not others replays both. With ``cuda_graph=True`` that is also what keeps an eager step
+    the ops of its key's capture: the checked launcher computes the coefficients from the lr tensor with torch ops
+    of its own (the same values as the bound launch's, which reads them from the tensor the step wrote), so a step
+    that rebound after a step of the other kind ran other ops than the capture it shares a key with (found in
+    session 38 by the loop fuzzer's graph emulation with ShardedSGD and ShardedLion: harmless on a GPU, whose
+    replay runs the captured ops, but it left the emulation unable to check those replays)."""
     if spec is None:
         checked_launch()
     else:
-        _launch.launch(bucket.launches, "update", spec, checked_launch)
+        _launch.launch(bucket.launches, ("update", spec[3]["GRAD_SCALE_IS_TENSOR"]), spec, checked_launch)
 
 
 def _seed(state_kwargs: dict):
