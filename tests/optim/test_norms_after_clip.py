@@ -183,3 +183,43 @@ def test_torchs_per_parameter_norms_from_the_reductions_partials_are_those_of_a_
     H200, by bandwidth). The reduction's partials are of the gradient times 1/d, a power of two here, so each
     norm has the bits of the second read's (times 1/d after the square root), and so do the clip and the step."""
     run_on_ranks(_one_read_against_two, world_size)
+
+
+def _per_parameter_norms_on_every_rank(rank, world_size):
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    opt = ShardedSGD(param_groups(model), lr=LR, bucket_cap_mb=1e-9)
+    pieces = sum(1 for b in opt.buckets for piece in b.param_buffer.shard_pieces() if piece.numel)
+    for m in (model, ref):
+        loss_fn(m, batch(rank, 0, 0)).backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    norms = torch.stack(torch._foreach_norm([p.grad for p in params])).float()
+    every = [torch.empty_like(norms) for _ in range(world_size)]
+    torch.distributed.all_gather(every, norms)
+    for r, theirs in enumerate(every):
+        assert_bitwise_equal(theirs, norms, f"per-parameter norms of rank {r} against rank {rank} of {world_size} "
+                                            f"(this rank holds {pieces} pieces)")
+    want = []  # DDP's: the average of every rank's bf16 gradient, here in fp32
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = q.grad.float() if q.grad is not None else torch.zeros(q.shape)
+        torch.distributed.all_reduce(g)
+        if p.grad is not None:
+            want.append((g / world_size).norm())
+    # (ours: the reduce-scatter's bf16 sums, one rounding of ~2^-9 relative per element; 1/d off is 4x)
+    assert_close_rel(norms, torch.stack(want), 1e-2, what=f"per-parameter norms, rank {rank} of {world_size}")
+    counts = [torch.zeros((), dtype=torch.int64) for _ in range(world_size)]
+    torch.distributed.all_gather(counts, torch.tensor(pieces))
+    if world_size == 4:
+        assert min(int(c) for c in counts) == 0, f"the case needs a rank without pieces: {counts}"
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_per_parameter_norms_agree_on_every_rank_also_one_holding_no_piece(world_size):
+    """torch's per-parameter norms are sums over the ranks' pieces, added up by an all-reduce, then scaled once:
+    every rank must put its sums in the same units. The day session 38 made them come from the step's norm pass
+    (the gradient times 1/d) where a rank's pieces were there, a rank holding no piece at all (4 ranks over this
+    small model: rank 3's shards are all padding) kept the old units and multiplied by 1/d after: its norms, and so
+    its clip coefficient, were 1/4 of the other ranks' (found by a probe before it landed). 3 ranks: 1/3 is no
+    power of two, the pieces are read again."""
+    run_on_ranks(_per_parameter_norms_on_every_rank, world_size)

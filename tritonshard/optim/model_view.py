@@ -616,34 +616,34 @@ class ModelViewMixin:
                                                       segment_sums_launch_spec(workspace[0], *tables, out), out)
         return plan
 
-    def _piece_sums_of_squares(self, views: list):
-        """Each piece's sum of squares (fp64, one per view of :meth:`_make_norm_pieces`) as ``(sums, factor)``: the
-        sums of squares of the gradient times ``factor`` (1 or the 1/d average). Where this step's reduction ran
-        the norm pass over the pieces (``_consume_all_reduced``: its partials, of the gradient times 1/d, are in
-        the pieces' workspace) and nothing changed the shards since (a clamp), one launch adding each piece's
-        partials (:func:`~tritonshard.kernels.scale.segment_sums_`): the gradients are read once per step for the
-        step's norm and torch's per-parameter norms alike (HF Trainer's and accelerate's clip; session 38, before
-        which the pieces were read again here). Else two launches: the norm pass's kernel over the pieces (factor
-        1) into that workspace, then the segment sums (session 37; before it a ``torch.linalg.vector_norm`` per
-        piece). ``(None, 1.0)`` where this path does not run (the caller takes the torch ops)."""
+    def _piece_sums_of_squares(self, views: list, factor: float):
+        """Each piece's sum of squares of the gradient times ``factor`` (1, or the 1/d average where it is a power of
+        two: :meth:`_param_grad_norms`), fp64, one per view of :meth:`_make_norm_pieces`. Where this step's
+        reduction ran the norm pass over the pieces (``_consume_all_reduced``: its partials, of the gradient times
+        1/d, are in the pieces' workspace), ``factor`` is that 1/d and nothing changed the shards since (a clamp),
+        one launch adding each piece's partials (:func:`~tritonshard.kernels.scale.segment_sums_`): the gradients
+        are read once per step for the step's norm and torch's per-parameter norms alike (HF Trainer's and
+        accelerate's clip; session 38, before which the pieces were read again here). Else two launches: the norm
+        pass's kernel over the pieces (times ``factor``) into that workspace, then the segment sums (session 37;
+        before it a ``torch.linalg.vector_norm`` per piece). None where this path does not run (the caller takes
+        the torch ops)."""
         plan = self._piece_plan()
         if plan is None or plan.views is not views:
-            return None, 1.0
-        factor = self._grad_average
+            return None
         if not (self._partials_of_pieces and not self._clamped and self._reduced is not None
-                and _power_of_two(factor)):  # (else 1/d changes the bits of a per-parameter norm: read again)
-            spec, factor = plan.spec(1.0), 1.0
+                and factor == self._grad_average):
+            spec = plan.spec(factor)
             if spec is None:  # (pieces of two dtypes or devices: the torch ops)
-                return None, 1.0
+                return None
 
             def checked_pieces():
                 for v, part in zip(views, plan.slices):
-                    sum_sq_partials_(v, 1.0, part)
-            _launch.launch(plan.launches, "pieces", spec, checked_pieces)
+                    sum_sq_partials_(v, factor, part)
+            _launch.launch(plan.launches, ("pieces", factor), spec, checked_pieces)
         segments = plan.segments
         _launch.launch(plan.launches, "segments", segments,
                        lambda: segment_sums_(segments[2][0], *segments[2][1:3], plan.out))
-        return plan.out, factor
+        return plan.out
 
     @torch.no_grad()
     def _param_grad_norms(self, norm_type: float) -> torch.Tensor:
@@ -652,7 +652,13 @@ class ModelViewMixin:
         is_inf = norm_type == math.inf
         views, idx = self._norm_pieces if self._norm_pieces is not None else self._make_norm_pieces()
         acc = torch.zeros(len(self._param_list), dtype=torch.float64, device=self.device)
-        sums, factor = self._piece_sums_of_squares(views) if norm_type == 2.0 and views else (None, 1.0)
+        # the 2-norm's sums are of the gradient times the 1/d average where that is a power of two (the norm pass's
+        # partials are: one read of the gradients for both, _piece_sums_of_squares), on every rank whichever way
+        # it took them (the sums are added over the ranks below: until it was one factor for all, a rank holding
+        # no piece, or reading its pieces again, scaled its norms by 1/d once more, found by a 4-rank probe the
+        # day it was written); sqrt(sum((g/d)^2)) = sqrt(sum(g^2)) / d exactly in fp64: the bits of before
+        factor = self._grad_average if norm_type == 2.0 and _power_of_two(self._grad_average) else 1.0
+        sums = self._piece_sums_of_squares(views, factor) if norm_type == 2.0 and views else None
         if sums is not None:  # (the 2-norm where the Triton kernels run: one or two launches for every piece)
             acc.index_add_(0, idx, sums)
         elif views:
@@ -664,14 +670,15 @@ class ModelViewMixin:
             stacked = torch.stack([torch.linalg.vector_norm(v, norm_type, dtype=torch.float64) for v in views])
             if is_inf:
                 acc.scatter_reduce_(0, idx, stacked, reduce="amax")
+            elif norm_type == 2.0:
+                acc.index_add_(0, idx, stacked.square_() if factor == 1.0 else stacked.square_().mul_(factor ** 2))
             else:
-                acc.index_add_(0, idx, stacked.square_() if norm_type == 2.0 else stacked.pow_(norm_type))
+                acc.index_add_(0, idx, stacked.pow_(norm_type))
         if comm.is_initialized() and self.world_size > 1:
             self._entry("param_norms")
             dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=self.process_group)
         norms = acc if is_inf else (acc.sqrt() if norm_type == 2.0 else acc.pow(1.0 / norm_type))
-        # the shards hold the SUM over ranks: times the 1/d average, unless the sums took it (a power of two: the
-        # same bits, sqrt(sum((g/d)^2)) = sqrt(sum(g^2)) / d exactly in fp64)
+        # the shards hold the SUM over ranks: times the 1/d average, unless the sums took it (above)
         norms = (norms if factor != 1.0 else norms * self._grad_average).float()
         return norms / self._scale if self._scale is not None else norms
 
