@@ -107,7 +107,7 @@ def _ranks_unfreeze_different(rank, world_size):
     model = model.to(torch.bfloat16)
     for p in [*model[0].parameters(), *model[1].parameters()]:
         p.requires_grad_(False)
-    opt = ShardedAdamW(list(model.parameters()), lr=1e-2)
+    opt = ShardedAdamW(list(model.parameters()), lr=1e-2)  # (held: its hooks hold it weakly)
     for p in model[rank].parameters():  # rank 0 the first layer, rank 1 the second: the same shapes
         p.requires_grad_(True)
     x = torch.randn(3, 4).to(torch.bfloat16)
@@ -115,6 +115,7 @@ def _ranks_unfreeze_different(rank, world_size):
                                          r"parameters \(rank 0: .*\['params'\]\[0\].*, rank 1: .*\['params'\]\[2\].*"
                                          r"every rank must unfreeze the same parameters"):
         model(x).float().sum().backward()
+    assert opt.skipped_steps == 0  # (no step was taken)
 
 
 def test_ranks_that_unfreeze_different_parameters_get_an_error():
