@@ -59,14 +59,7 @@ def timed(fn, device, reps: int) -> float:
 def timed_host(fn, device, reps: int) -> tuple[float, float]:
     """(host seconds, wall seconds), medians: host = until ``fn`` returns (what the CPU spends launching), wall =
     until the device has finished too. host ~ wall means the GPU waits on Python (host-bound)."""
-    for _ in range(WARMUP):
-        fn()
-    host, wall = [], []
-    for _ in range(reps):
-        h, w = host_and_wall(fn, device)
-        host.append(h)
-        wall.append(w)
-    return statistics.median(host), statistics.median(wall)
+    return timed_after(lambda: None, fn, device, reps)
 
 
 def host_and_wall(fn, device) -> tuple[float, float]:
@@ -391,7 +384,8 @@ class _GradsFrom(torch.autograd.Function):
 
 
 def timed_after(prepare, fn, device, reps: int) -> tuple[float, float]:
-    """:func:`timed_host` of ``fn``, with ``prepare()`` (untimed, and finished on the device) before each call."""
+    """:func:`timed_host` of ``fn``, with ``prepare()`` before each call (untimed: ``host_and_wall`` starts from an
+    idle device)."""
     for _ in range(WARMUP):
         prepare()
         fn()

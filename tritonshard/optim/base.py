@@ -1014,7 +1014,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._group_launches: dict = {}
         self._norm_spec = None  # the norm pass of every bucket in one launch (_consume_all_reduced), once built
         self._norm_launches: dict = {}
-        self._finalize_spec = None  # its finalize, bound on the hot path
+        self._finalize_specs: dict = {}  # its finalize, bound on the hot path, by launch key (workspace)
         self._step_cache.clear()
         if self._graphs is not None:
             self._graphs.forget()
@@ -1043,7 +1043,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # every non-empty piece of the grad shards as a view, and its parameter index on the device (see
         # _param_grad_norms): made at the first per-parameter norm, again after new buckets
         self._norm_pieces: Optional[tuple] = None
-        self._piece_norm_plan: Optional[tuple] = None  # (their launches: _piece_sums_of_squares)
+        self._piece_norm_plan = None  # (their launches and workspace: model_view._PiecePlan)
         for p in added:
             frozen = not p.requires_grad  # (adopted for a gradient it holds: _adopt_unfrozen)
             if frozen:  # torch checks requires_grad only when a hook is registered; the hook stays on the tensor,
@@ -1988,8 +1988,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._launch_all()
         self._adopt_observed_order()
         self._partials_of_pieces = False
-        pieces = self._consume_all_reduced()
-        if not pieces:
+        if not self._consume_all_reduced():
             for i in self._launch_order:
                 self._consume_reduced(self.buckets[i])
         # rounded to fp32 once, after the fp64 sums over blocks, buckets and ranks: the same bits for any layout
@@ -1998,17 +1997,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # launch (kernels/scalars.py)
         many = comm.is_initialized() and self.world_size > 1
         totals = self._norm_totals if many else self._reduced_pair
-        plan = self._piece_norm_plan if pieces is True and self._partials_of_pieces else None
-        workspace = self._norm_workspace if plan is None else plan.workspace
+        if self._partials_of_pieces:
+            workspace, key = self._piece_norm_plan.workspace, "finalize pieces"
+        else:
+            workspace, key = self._norm_workspace, "finalize"
         if self._hot_path():  # one launch for every bucket, bound (the same tensors every step)
-            if plan is not None:
-                if plan.finalize is None:
-                    plan.finalize = finalize_launch_spec(workspace, totals)
-                spec, key = plan.finalize, "finalize pieces"
-            else:
-                if self._finalize_spec is None:
-                    self._finalize_spec = finalize_launch_spec(workspace, totals)
-                spec, key = self._finalize_spec, "finalize"
+            spec = self._finalize_specs.get(key)
+            if spec is None:
+                spec = self._finalize_specs[key] = finalize_launch_spec(workspace, totals)
             _launch.launch(self._norm_launches, key, spec, lambda: kernels().finalize_sum_sq_(workspace, totals))
         else:
             kernels().finalize_sum_sq_(workspace, totals)

@@ -691,7 +691,6 @@ class _PiecePlan:
         self.views, self.workspace, self.slices, self.segments, self.out = views, workspace, slices, segments, out
         self.launches: dict = {}
         self._specs: dict = {}
-        self.finalize = None  # the step's finalize over this workspace (ShardedOptimizer._reduce_phase), once built
 
     def spec(self, factor: float) -> Optional[tuple]:
         """The norm pass over every piece, each element times ``factor`` (None: pieces of two dtypes or devices)."""
