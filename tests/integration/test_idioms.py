@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.utils.prune
 
 from tests.distributed import run_on_ranks
-from tests.helpers import assert_bitwise_equal, assert_close_rel
+from tests.helpers import assert_bitwise_equal, assert_close_rel, overlap_machinery
 from tests.integration.hf import eval_loss, flat_weights, lm_loss, tiny_gpt2, tiny_llama, tokens
 from tests.optim.training import LR, MAX_NORM, Reference, batch, loss_fn, make_model, param_groups, schedule
 from tritonshard import ShardedAdamW, ShardedSGD
@@ -503,6 +503,83 @@ def test_torch_autograd_grad_over_the_parameters_between_backward_and_step_chang
         assert_bitwise_equal(a, b, f"torch's clip norm at step {step}, autograd.grad {call}")
     for a, b in zip(weights, ref_weights):
         assert_bitwise_equal(a, b, f"weights, autograd.grad {call}")
+
+
+def _penalty_net() -> torch.nn.Module:
+    torch.manual_seed(0)  # (the last bias's gradient does not depend on any weight: a penalty's backward misses it)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+
+
+def _backward_with_create_graph(model, x: torch.Tensor, then: str, opt=None) -> None:
+    """``loss.backward(create_graph=True)``, then ``then``: ``"penalty"`` adds the gradient of a penalty on
+    ``param.grad`` (a gradient-norm regularizer: the sum of the squared gradients, backward onto them), ``"read"``
+    only reads them through autograd (a Hessian-vector product) and steps with them as they are; ``"... after a
+    micro-batch"``: a plain backward of another batch first (inside ``no_sync()``), whose gradients torch's
+    ``param.grad`` holds and the penalty reads with the new ones."""
+    if then.endswith("after a micro-batch"):
+        with opt.no_sync() if opt is not None else contextlib.nullcontext():
+            model(x.flip(0) * 2).float().square().mean().backward()
+    model(x).float().square().mean().backward(create_graph=True)
+    grads = [p.grad for p in model.parameters()]
+    if then.startswith("penalty"):
+        sum((g.float() ** 2).sum() for g in grads).backward()
+    else:
+        hvp = torch.autograd.grad(sum((g.float() * 0.5).sum() for g in grads), list(model.parameters()),
+                                  allow_unused=True)
+        assert any(h is not None and h.abs().sum() > 0 for h in hvp)
+
+
+def _create_graph_input(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 7, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
+
+
+def _create_graph_run(rank, world_size, then, overlap, machinery, out):
+    with overlap_machinery(machinery):
+        model = _penalty_net()
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
+    opt.attach(model)
+    for step in range(3):
+        _backward_with_create_graph(model, _create_graph_input(step, rank), then, opt)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    # torch.optim on fp32 masters and a bf16 twin, every rank's gradients summed in bf16 in rank order and
+    # multiplied by 1 / d in fp32 (what the reduce-scatter and the update compute: tests/optim/training.py)
+    masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
+    twin = _penalty_net().to(torch.bfloat16)
+    reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    for step in range(3):
+        total = None
+        for r in range(world_size):
+            _backward_with_create_graph(twin, _create_graph_input(step, r), then)
+            grads = [p.grad.detach() for p in twin.parameters()]
+            twin.zero_grad()
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        for m, g in zip(masters, total):
+            m.grad = g.float() * (1.0 / world_size)
+        reference.step()
+        reference.zero_grad()
+        with torch.no_grad():
+            for q, m in zip(twin.parameters(), masters):
+                q.copy_(m)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"{name}, rank {rank} of {world_size}, {then}")
+
+
+@pytest.mark.parametrize("world_size, overlap, machinery", [(1, False, False), (1, True, False), (1, True, True),
+                                                            (2, False, False), (2, True, True)])
+@pytest.mark.parametrize("then", ["penalty", "read", "penalty after a micro-batch", "read after a micro-batch"])
+def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_does(then, world_size, overlap,
+                                                                                      machinery):
+    """``loss.backward(create_graph=True)`` (a penalty on the gradients, a Hessian-vector product): torch leaves
+    each gradient in ``param.grad`` with its graph, and a second backward adds onto it. Until session 39 the end of
+    that backward took them into the buffers, and reading ``param.grad`` was an error ("float() on the gradient
+    of '0.weight'"); now they stay there until the next backward's end or step(), and the weights are torch.optim's
+    bit for bit (with overlap_comm on 2 ranks the penalty's backward flushes and launches each bucket it
+    completes, the last bias's at its end: the penalty does not reach it). After a micro-batch's backward, whose
+    gradients are in the buffers, the create_graph backward hands them back to ``param.grad`` first, so the penalty
+    reads their sum with the new ones, as torch's (without that, only the new ones: other weights, silently)."""
+    run_on_ranks(_create_graph_run, world_size, then, overlap, machinery, None)
 
 
 # ---------------------------------------------------------------------------------------------- 4. reads after step

@@ -1310,6 +1310,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if len(bucket.ready) == len(bucket.params):  # the bucket's last gradient of this backward
                 if self._observed_order is not None and bucket.index not in self._observed_order:
                     self._observed_order.append(bucket.index)
+                if torch.is_grad_enabled():  # backward(create_graph=True): param.grad stays (_end_of_backward)
+                    return
                 if self._no_sync_depth or self._solo:
                     self._flush_completed(bucket)
                     return
@@ -1351,6 +1353,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._flush_queued = False
         self._completed = []  # (flushed below with every other bucket)
         got_grads, self._grads_this_backward = self._grads_this_backward, False
+        if got_grads and torch.is_grad_enabled():
+            # backward(create_graph=True) (autograd runs its callbacks in the backward's grad mode): torch leaves each
+            # gradient in param.grad with its graph, for code that differentiates it again (a gradient penalty on
+            # the parameters' gradients, a Hessian-vector product) and for a later backward to add onto. So does
+            # this optimizer: the gradients stay there as gradients set by hand do, for the next flush (the next
+            # backward's end, or the reduction's). Until session 39 they were taken into the buffers, and reading
+            # them was an error
+            got_grads = False
         if self._frozen_at_build:  # (parameters unfrozen since: their buckets are flushed and launched below)
             self._adopt_unfrozen()
         if got_grads:  # buckets some of whose parameters got no gradient in this backward
@@ -1638,8 +1648,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if grad is None:  # (the first backward after zero_grad())
             return
         if grad is self._placeholder_list[index]:
-            set_grad(param, None)
             b = self._param_buckets[index]
+            if torch.is_grad_enabled() and not b.rs_launched and self._reduced is None:
+                self._hand_back_grad(param)  # backward(create_graph=True) onto an earlier backward's gradient
+                return
+            set_grad(param, None)
             b.placed.pop(param, None)
             if b.rs_launched:  # accumulating onto a launched reduction: an error at the flush (_take_pending)
                 self._taken_after_launch = True
@@ -1647,6 +1660,23 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             set_grad(param, None)  # torch.optim would add this gradient to the spent one: an error if the sum is used
             self._spent.pop(param, None)
             self._stale[param] = True
+
+    def _hand_back_grad(self, param: torch.Tensor) -> None:
+        """A backward with ``create_graph=True`` is about to add onto ``param``'s gradient, which an earlier backward
+        (a micro-batch's) left in the grad buffer: torch's ``param.grad`` holds that gradient, and the sum autograd
+        makes of it (with the new one's graph) is what code differentiating ``param.grad`` reads, a penalty on it.
+        So it goes back into ``param.grad``, a plain tensor in the parameter's dtype, its part of the buffer zeroed;
+        the next flush takes the sum, as it takes a gradient set by hand (onto the zeros: the bits of an
+        accumulation in the buffer where the grad buffer has the parameter's dtype). Before a reduction only (after
+        one the buffer holds shards of the sum over the ranks: the pre-hook takes the placeholder out as for any
+        backward, and the flush's error follows)."""
+        b, i = self._bucket_of[param]
+        self._after_last_step_readers()
+        view = b.grad_buffer.get_views()[i]
+        grad = view.to(param.dtype, copy=True)
+        view.zero_()
+        b.placed.pop(param, None)
+        set_grad(param, grad)
 
     def _take_back_cleared(self, b: _Bucket) -> None:
         """torch semantics for code that cleared or replaced ``param.grad`` after we took the gradient
