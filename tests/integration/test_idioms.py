@@ -515,11 +515,14 @@ def _backward_with_create_graph(model, x: torch.Tensor, then: str, opt=None) -> 
     ``param.grad`` (a gradient-norm regularizer: the sum of the squared gradients, backward onto them), ``"read"``
     only reads them through autograd (a Hessian-vector product) and steps with them as they are; ``"... after a
     micro-batch"``: a plain backward of another batch first (inside ``no_sync()``), whose gradients torch's
-    ``param.grad`` holds and the penalty reads with the new ones."""
-    if then.endswith("after a micro-batch"):
+    ``param.grad`` holds and the penalty reads with the new ones; ``"..., the last layer left out"``: the
+    create_graph backward does not reach the last layer, whose gradients the penalty reads as the micro-batch left
+    them."""
+    if "after a micro-batch" in then:
         with opt.no_sync() if opt is not None else contextlib.nullcontext():
             model(x.flip(0) * 2).float().square().mean().backward()
-    model(x).float().square().mean().backward(create_graph=True)
+    trunk = model[:2] if then.endswith("the last layer left out") else model
+    trunk(x).float().square().mean().backward(create_graph=True)
     grads = [p.grad for p in model.parameters()]
     if then.startswith("penalty"):
         sum((g.float() ** 2).sum() for g in grads).backward()
@@ -568,7 +571,8 @@ def _create_graph_run(rank, world_size, then, overlap, machinery, out):
 
 @pytest.mark.parametrize("world_size, overlap, machinery", [(1, False, False), (1, True, False), (1, True, True),
                                                             (2, False, False), (2, True, True)])
-@pytest.mark.parametrize("then", ["penalty", "read", "penalty after a micro-batch", "read after a micro-batch"])
+@pytest.mark.parametrize("then", ["penalty", "read", "penalty after a micro-batch", "read after a micro-batch",
+                                  "penalty after a micro-batch, the last layer left out"])
 def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_does(then, world_size, overlap,
                                                                                       machinery):
     """``loss.backward(create_graph=True)`` (a penalty on the gradients, a Hessian-vector product): torch leaves
@@ -578,7 +582,9 @@ def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_
     bit for bit (with overlap_comm on 2 ranks the penalty's backward flushes and launches each bucket it
     completes, the last bias's at its end: the penalty does not reach it). After a micro-batch's backward, whose
     gradients are in the buffers, the create_graph backward hands them back to ``param.grad`` first, so the penalty
-    reads their sum with the new ones, as torch's (without that, only the new ones: other weights, silently)."""
+    reads their sum with the new ones, as torch's (without that, only the new ones: other weights, silently), and
+    its end hands back those it did not reach (without that, the penalty's read of them was the placeholder's
+    error)."""
     run_on_ranks(_create_graph_run, world_size, then, overlap, machinery, None)
 
 

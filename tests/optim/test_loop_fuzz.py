@@ -252,6 +252,27 @@ class TrainingLoop(RuleBasedStateMachine):
         grads = torch.autograd.grad(self.model.loss(x, sorted(heads)), params, allow_unused=True)
         assert any(g is not None for g in grads)
 
+    # (torch's own rule: a penalty's backward frees the graph its gradients keep, so a second penalty over them
+    # fails in torch too until they are cleared)
+    @precondition(lambda self: not self.launched and not self.held and not self._reuses_spent()
+                  and all(p.grad is None or p.grad.grad_fn is None for p in self.refs.values()))
+    @rule(heads=st.sets(st.sampled_from(HEADS), min_size=1))
+    def penalty_backward(self, heads):
+        """``loss.backward(create_graph=True)``, then a penalty on every gradient backward onto them (a
+        gradient-norm regularizer): torch leaves each gradient in ``param.grad`` with its graph, the penalty reads
+        the sum with any earlier micro-batch's (ours hands those back from the buffers), and the second backward
+        adds onto them; its end flushes (and with overlap_comm launches) as any backward's. (Until session 39 the
+        penalty's read was an error.)"""
+        x = torch.randn(5, 7, generator=torch.Generator().manual_seed(20_000 + self.batch))
+        self.batch += 1
+        for model in (self.model, self.ref):
+            with warnings.catch_warnings():  # (torch's note on the reference cycle it makes: the loop's choice)
+                warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True", UserWarning)
+                model.loss(x, sorted(heads)).backward(create_graph=True)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            sum((g.float() ** 2).sum() for g in grads).mul(0.1).backward()
+        self.launched, self.by_hand, self.clipped = self.overlap, False, None
+
     # (a second clip in a step clips the gradients the first one clipped, as torch's does: until session 26 ours
     # computed its coefficient from the unclipped ones, and torch's after ours clipped twice over)
     # ("torch foreach": torch's clip as it runs on a GPU, where foreach is its default: _foreach_norm, _foreach_mul_;

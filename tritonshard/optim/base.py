@@ -1358,9 +1358,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             # gradient in param.grad with its graph, for code that differentiates it again (a gradient penalty on
             # the parameters' gradients, a Hessian-vector product) and for a later backward to add onto. So does
             # this optimizer: the gradients stay there as gradients set by hand do, for the next flush (the next
-            # backward's end, or the reduction's). Until session 39 they were taken into the buffers, and reading
-            # them was an error
+            # backward's end, or the reduction's), and so do those of earlier backwards that this one did not reach
+            # (the pre-hooks handed back those it reached), which torch's param.grad holds too and a penalty over
+            # every param.grad reads. Until session 39 they were taken into the buffers, and reading them was an
+            # error
             got_grads = False
+            if self._reduced is None:
+                for b in self.buckets:
+                    if b.placed and not b.rs_launched:
+                        for p in [p for p in b.params if p.grad is self._placeholders[p]]:
+                            self._hand_back_grad(p)
         if self._frozen_at_build:  # (parameters unfrozen since: their buckets are flushed and launched below)
             self._adopt_unfrozen()
         if got_grads:  # buckets some of whose parameters got no gradient in this backward
