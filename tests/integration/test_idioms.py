@@ -588,6 +588,74 @@ def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_
     run_on_ranks(_create_graph_run, world_size, then, overlap, machinery, None)
 
 
+def _post_hooked_run(rank, world_size, overlap, machinery):
+    """Three steps of two micro-batches (the first inside no_sync()), with the loop's post-accumulate-grad hooks:
+    the first layer's weight clamps its gradient (a per-parameter clip inside the backward), the last layer's bias
+    records its norm; ours and torch.optim's on fp32 masters, every rank's gradients summed in bf16 in rank order
+    and multiplied by 1 / d in fp32."""
+    seen = {"ours": [], "torch": []}
+
+    def clamp(p):
+        p.grad.clamp_(-0.02, 0.02)
+
+    def hooks(model, key):
+        model[0].weight.register_post_accumulate_grad_hook(clamp)
+        model[2].bias.register_post_accumulate_grad_hook(lambda p: seen[key].append(p.grad.float().norm()))
+
+    def batches(step, r):
+        return [_create_graph_input(10 * step + micro, r) for micro in range(2)]
+
+    with overlap_machinery(machinery):
+        model = _penalty_net()
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
+    opt.attach(model)
+    hooks(model, "ours")
+    for step in range(3):
+        for micro, x in enumerate(batches(step, rank)):
+            with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
+    twin = _penalty_net().to(torch.bfloat16)
+    hooks(twin, "torch")
+    reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    for step in range(3):
+        total = None
+        for r in range(world_size):
+            for x in batches(step, r):
+                twin(x).float().square().mean().backward()
+            grads = [p.grad.detach().clone() for p in twin.parameters()]
+            twin.zero_grad()
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        for m, g in zip(masters, total):
+            m.grad = g.float() * (1.0 / world_size)
+        reference.step()
+        reference.zero_grad()
+        with torch.no_grad():
+            for q, m in zip(twin.parameters(), masters):
+                q.copy_(m)
+    ours_seen = torch.stack(seen["ours"])
+    torch_seen = torch.stack(seen["torch"]).view(3, world_size, 2)[:, rank]  # (the reference runs every rank's)
+    assert_bitwise_equal(ours_seen, torch_seen.reshape(-1), f"the hook's norms, rank {rank}")
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"{name}, rank {rank} of {world_size}")
+
+
+@pytest.mark.parametrize("world_size, overlap, machinery", [(1, False, False), (1, True, False), (1, True, True),
+                                                            (2, False, False), (2, True, True)])
+def test_post_accumulate_grad_hooks_of_the_loop_see_and_write_the_accumulated_gradient(world_size, overlap, machinery):
+    """``p.register_post_accumulate_grad_hook(hook)`` (gradient statistics, a per-parameter clamp inside the
+    backward): torch runs it after each backward's accumulation, on ``param.grad`` holding the sum so far. Until
+    session 39 a later micro-batch's hook saw that micro-batch's gradient alone (the earlier ones were in the
+    buffers), so a clamp clamped only that part and trained other weights, silently; with overlap_comm's machinery
+    the hook of the parameter completing a bucket found its placeholder (an error). Now the earlier gradient is
+    handed back into ``param.grad`` before the backward adds onto it, and a bucket completed by such a parameter is
+    flushed at the end of the backward: the hooks' reads and the weights are torch.optim's bit for bit."""
+    run_on_ranks(_post_hooked_run, world_size, overlap, machinery)
+
+
 # ---------------------------------------------------------------------------------------------- 4. reads after step
 class _PeftStyle(torch.nn.Module):
     """The shape of PEFT's wrappers: PeftModel.base_model (LoraModel).model (the user's model); forward delegates."""
