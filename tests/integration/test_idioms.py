@@ -588,7 +588,7 @@ def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_
     run_on_ranks(_create_graph_run, world_size, then, overlap, machinery, None)
 
 
-def _post_hooked_run(rank, world_size, overlap, machinery):
+def _post_hooked_run(rank, world_size, overlap, machinery, registered):
     """Three steps of two micro-batches (the first inside no_sync()), with the loop's post-accumulate-grad hooks:
     the first layer's weight clamps its gradient (a per-parameter clip inside the backward), the last layer's bias
     records its norm; ours and torch.optim's on fp32 masters, every rank's gradients summed in bf16 in rank order
@@ -605,11 +605,14 @@ def _post_hooked_run(rank, world_size, overlap, machinery):
     def batches(step, r):
         return [_create_graph_input(10 * step + micro, r) for micro in range(2)]
 
+    model = _penalty_net()
+    if registered == "before building":
+        hooks(model, "ours")
     with overlap_machinery(machinery):
-        model = _penalty_net()
         opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
     opt.attach(model)
-    hooks(model, "ours")
+    if registered == "after building":
+        hooks(model, "ours")
     for step in range(3):
         for micro, x in enumerate(batches(step, rank)):
             with opt.no_sync() if micro == 0 else contextlib.nullcontext():
@@ -645,7 +648,9 @@ def _post_hooked_run(rank, world_size, overlap, machinery):
 
 @pytest.mark.parametrize("world_size, overlap, machinery", [(1, False, False), (1, True, False), (1, True, True),
                                                             (2, False, False), (2, True, True)])
-def test_post_accumulate_grad_hooks_of_the_loop_see_and_write_the_accumulated_gradient(world_size, overlap, machinery):
+@pytest.mark.parametrize("registered", ["before building", "after building"])
+def test_post_accumulate_grad_hooks_of_the_loop_see_and_write_the_accumulated_gradient(world_size, overlap, machinery,
+                                                                                        registered):
     """``p.register_post_accumulate_grad_hook(hook)`` (gradient statistics, a per-parameter clamp inside the
     backward): torch runs it after each backward's accumulation, on ``param.grad`` holding the sum so far. Until
     session 39 a later micro-batch's hook saw that micro-batch's gradient alone (the earlier ones were in the
@@ -653,7 +658,7 @@ def test_post_accumulate_grad_hooks_of_the_loop_see_and_write_the_accumulated_gr
     the hook of the parameter completing a bucket found its placeholder (an error). Now the earlier gradient is
     handed back into ``param.grad`` before the backward adds onto it, and a bucket completed by such a parameter is
     flushed at the end of the backward: the hooks' reads and the weights are torch.optim's bit for bit."""
-    run_on_ranks(_post_hooked_run, world_size, overlap, machinery)
+    run_on_ranks(_post_hooked_run, world_size, overlap, machinery, registered)
 
 
 # ---------------------------------------------------------------------------------------------- 4. reads after step

@@ -319,8 +319,9 @@ def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
 
     def count(_):
         waiting.append(sum(type(p.grad) is not ShardedGrad and p.grad is not None for p in model.parameters()))
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(count)
+    for p in model.parameters():  # (through torch's method, which the optimizer does not note: a hook of the loop's
+        # would keep the bucket it completes for the end of the backward, so that the hook reads param.grad)
+        torch.Tensor.register_post_accumulate_grad_hook(p, count)
     x = torch.randn(4, 16).bfloat16()
 
     def backward():

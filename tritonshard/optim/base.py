@@ -124,7 +124,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
                              partials_multi_launch_spec, shared_sum_sq_workspace)
 from . import graphs as _graphs
 from . import model_sync
-from .bucket import HOLDERS_GONE, _Bucket, set_grad, split_into_buckets, trace as _trace
+from .bucket import HOLDERS_GONE, POST_HOOKED, _Bucket, set_grad, split_into_buckets, trace as _trace
 from .bucket import plain_attrs as _PLAIN_ATTRS
 from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin, _names
@@ -1053,7 +1053,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 p.requires_grad_(True)  # for when it is unfrozen
             try:
                 if self._overlap_machinery:  # (its flush needs the accumulated gradient: after accumulation)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(model_sync.GradReadyHook(self)))
+                    self._hooks.append(torch.Tensor.register_post_accumulate_grad_hook(  # (not noted: ours)
+                        p, model_sync.GradReadyHook(self)))
                 # the placeholder goes in a pre-hook of the parameter's AccumulateGrad node, which runs only where
                 # a backward accumulates into param.grad: a tensor hook runs in torch.autograd.grad(loss, params)
                 # too, which leaves param.grad as it is (until session 29 that removed the placeholder, so torch's
@@ -1313,8 +1314,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if len(bucket.ready) == len(bucket.params):  # the bucket's last gradient of this backward
                 if self._observed_order is not None and bucket.index not in self._observed_order:
                     self._observed_order.append(bucket.index)
-                if _grad_enabled() or self._user_post_hooks(param):  # param.grad stays: backward(create_graph=True)
-                    return  # (_end_of_backward), or a hook of the loop's after this one reads it (_hand_back_grad)
+                # param.grad stays: backward(create_graph=True) (_end_of_backward), or a hook of the loop's after
+                # this one reads it (_hand_back_grad)
+                if _grad_enabled() or (id(param) in POST_HOOKED and self._user_post_hooks(param)):
+                    return
                 if self._no_sync_depth or self._solo:
                     self._flush_completed(bucket)
                     return
@@ -1659,7 +1662,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             return
         if grad is self._placeholder_list[index]:
             b = self._param_buckets[index]
-            if (_grad_enabled() or self._user_post_hooks(param)) and not b.rs_launched and self._reduced is None:
+            if ((_grad_enabled() or (POST_HOOKED and id(param) in POST_HOOKED and self._user_post_hooks(param)))
+                    and not b.rs_launched and self._reduced is None):
                 self._hand_back_grad(param)  # backward(create_graph=True), or a post-accumulate hook of the loop's,
                 return  # onto an earlier backward's gradient
             set_grad(param, None)
@@ -1675,7 +1679,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         """Whether ``param`` has post-accumulate-grad hooks other than this optimizer's (``overlap_comm``'s machinery
         has one per parameter): the loop's own (``p.register_post_accumulate_grad_hook``: gradient statistics, a
         per-parameter clamp), which read ``param.grad`` as torch's autograd leaves it, the sum over the backwards so
-        far. One attribute read per parameter and backward after the first since zero_grad() (~0.1 us)."""
+        far. Asked only for the parameters in :data:`~tritonshard.optim.bucket.POST_HOOKED`."""
         hooks = param._post_accumulate_grad_hooks
         return hooks is not None and len(hooks) > self._overlap_machinery
 

@@ -100,6 +100,12 @@ def landed(p: torch.Tensor) -> None:
 #: counter, so only this says to look at their weights. A stale id (a parameter gone since) costs one look.
 DATA_READS: set = set()
 
+#: ids of the parameters whose post-accumulate-grad hooks a backward must look at (``ShardedOptimizer.
+#: _user_post_hooks``): a laid-out parameter given one by the loop (:meth:`WatchedParameter.
+#: register_post_accumulate_grad_hook`) or holding one when laid out, and every parameter of another class, whose
+#: registrations are not seen. Nothing else pays for the look. A stale id (a parameter gone since) costs one look.
+POST_HOOKED: set = set()
+
 
 class WatchedParameter(torch.nn.Parameter):
     """A parameter a tritonshard optimizer holds (its class is switched to this one when it is laid out: torch's
@@ -122,6 +128,13 @@ class WatchedParameter(torch.nn.Parameter):
     @data.setter
     def data(self, value):
         _TENSOR_DATA.__set__(self, value)
+
+    def register_post_accumulate_grad_hook(self, hook):
+        """torch's, noted in :data:`POST_HOOKED`: the hook reads ``param.grad`` as torch's autograd leaves it (the
+        sum over the backwards so far), which the optimizer then keeps there (``ShardedOptimizer._hand_back_grad``).
+        The optimizer's own hook goes past this (``overlap_comm``'s machinery: one per parameter)."""
+        POST_HOOKED.add(id(self))
+        return super().register_post_accumulate_grad_hook(hook)
 
     def __setattr__(self, name, value):
         """``param.grad = g`` (``model.zero_grad()``, a gradient set or cleared by hand) and ``param.data = t``
@@ -153,6 +166,10 @@ def watch(p: torch.Tensor) -> None:
     keeps its class, and its ``.data`` is not watched)."""
     if type(p) is torch.nn.Parameter:
         p.__class__ = WatchedParameter
+        if p._post_accumulate_grad_hooks:  # (registered before the optimizer was built)
+            POST_HOOKED.add(id(p))
+    else:  # (its later registrations are not seen: always looked at)
+        POST_HOOKED.add(id(p))
 
 
 def split_into_buckets(params: list, cap_elems: int) -> list[list]:
