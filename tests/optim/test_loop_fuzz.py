@@ -82,6 +82,11 @@ class _Net(torch.nn.Module):
         return self(x, heads)  # (through the module's call: an attached model's hooks run)
 
 
+def _clamp_grad(p) -> None:
+    """TrainingLoop.add_hook's hook."""
+    p.grad.clamp_(-0.05, 0.05)
+
+
 def _groups(model, extra: bool = False, **options):
     """The loops' param groups: the matrices with weight decay, the biases without, and the extra head once added;
     ``options`` go to the biases' group and the extra head's (ShardedMuon's: use_muon=False, AdamW there)."""
@@ -129,6 +134,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.held: set = set()
         self.by_hand = False       # a gradient set by hand is still a plain bf16 tensor (until a flush: see clip)
         self.batch = 0
+        self.hooked: set = set()   # names given a clamping post-accumulate-grad hook (add_hook)
 
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr=LRS[0]):
@@ -272,6 +278,18 @@ class TrainingLoop(RuleBasedStateMachine):
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             sum((g.float() ** 2).sum() for g in grads).mul(0.1).backward()
         self.launched, self.by_hand, self.clipped = self.overlap, False, None
+
+    @rule(name=st.sampled_from(_NAMES))
+    def add_hook(self, name):
+        """``p.register_post_accumulate_grad_hook(hook)`` by the loop, at any point (a per-parameter clamp inside the
+        backward): every later backward's hook clamps ``param.grad``, the sum over the backwards so far in torch, so
+        ours must hand an earlier micro-batch's gradient back from the buffers first. (Until session 39 it clamped
+        that backward's gradient alone, silently.)"""
+        if name in self.hooked or not self.refs[name].requires_grad:  # (torch refuses a hook on a frozen one)
+            return
+        self.hooked.add(name)
+        for p in (self.ours[name], self.refs[name]):
+            p.register_post_accumulate_grad_hook(_clamp_grad)
 
     # (a second clip in a step clips the gradients the first one clipped, as torch's does: until session 26 ours
     # computed its coefficient from the unclipped ones, and torch's after ours clipped twice over)
