@@ -48,7 +48,7 @@ from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
-    MuonReference, MuonTrainingLoop, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
+    MuonReference, MuonTrainingLoop, _clamp_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
     raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -104,6 +104,7 @@ class _RankLoop:
         self.launched = False   # overlap_comm: a backward outside no_sync() launched the reduce-scatters
         self.by_hand = [False] * WORLD
         self.batch = 0
+        self.hooked = [set() for _ in range(WORLD)]  # per rank: names given a clamping post-accumulate hook
         self.skipped: list = []  # (calls skipped because they would fail on some ranks only)
         self.directory, self.saves = None, 0  # (resume through a checkpoint: set by _run_program)
         # GradScaler (SCALED): one scaler per rank, the same scale on every rank (every rank skips the same steps);
@@ -533,6 +534,19 @@ class _RankLoop:
                     self.kept[w].discard(n)
                     self.set_after[w].discard(n)
 
+    def add_hook(self, names):
+        """Each rank's loop registers a clamping post-accumulate-grad hook on its own parameters (``names``, per
+        rank: ranks may differ), test_loop_fuzz.py's add_hook: every later backward clamps that rank's gradient
+        summed over its backwards so far, before the reduction, in torch's DDP-style reference too."""
+        for w in range(WORLD):
+            for n in sorted(names[w]):
+                if n in self.hooked[w] or not self.refs[w][n].requires_grad:  # (torch refuses a frozen one)
+                    continue
+                self.hooked[w].add(n)
+                self.refs[w][n].register_post_accumulate_grad_hook(_clamp_grad)
+                if w == self.rank:
+                    self.ours[n].register_post_accumulate_grad_hook(_clamp_grad)
+
     def set_lr(self, lr):
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
             g["lr"] = lr
@@ -650,6 +664,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("unscale")),  # (SCALED only; elsewhere nothing)
     st.tuples(st.just("drop"), st.frozensets(st.sampled_from(range(WORLD))), st.sampled_from(["opt", "model"])),
     st.tuples(st.just("overflow"), st.tuples(*[st.frozensets(st.sampled_from(_NAMES), max_size=1)] * WORLD)),
+    st.tuples(st.just("add_hook"), st.tuples(*[_names] * WORLD)),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
 _BACKWARD = st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans())
