@@ -1,6 +1,8 @@
 """Random training loops against torch.optim: the order of backward (inside no_sync() or not), clipping, zero_grad
 (the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
-parameter, a param group added, writing the weights and editing ``opt.state``, as real loops mix them; with the
+parameter, a param group added, writing the weights and editing ``opt.state``, a penalty on the gradients (a
+backward with create_graph=True and one onto them), post-accumulate-grad hooks of the loop's, as real loops mix
+them; with the
 default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
 compiled by torch.compile, and with cuda_graph=True (its graphs emulated); and ShardedSGD, ShardedLion and
 ShardedMuon with the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with
