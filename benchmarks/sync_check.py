@@ -115,6 +115,9 @@ GRAPH_CONFIGS: dict[str, Callable] = {
                                                                                   param_dtype=torch.float16, **kw),
     "ShardedSGD momentum": lambda ps, **kw: tritonshard.ShardedSGD(ps, lr=1e-2, momentum=0.9, **kw),
     "ShardedLion": lambda ps, **kw: tritonshard.ShardedLion(ps, lr=1e-4, **kw),
+    # (one rank: overlap_comm's machinery is out, and the step is captured as without it; graph_check attaches)
+    "ShardedAdamW overlap_comm, one rank": lambda ps, **kw: tritonshard.ShardedAdamW(ps, lr=1e-3, overlap_comm=True,
+                                                                                     **kw),
 }
 #: graph_check's loop, step by step: how the gradients are clipped (opt: opt.clip_grad_norm_, torch:
 #: torch.nn.utils.clip_grad_norm_, none), and what else happens ("sync": on CUDA, under

@@ -117,9 +117,13 @@ def _two_ranks(rank, world_size):
 
 
 def test_options_a_graph_cannot_capture_are_refused_by_name(emulated):
+    """... overlap_comm with the machinery of many ranks (until session 39 also on one rank, where the machinery is
+    out and the step is the one without overlap_comm: GRAPH_CONFIGS' "overlap_comm, one rank" captures it)."""
+    from tests.helpers import overlap_machinery
     params = lambda: torch.nn.Linear(4, 3).parameters()  # noqa: E731
-    with pytest.raises(ValueError, match="cuda_graph=True: overlap_comm=True"):
+    with overlap_machinery(), pytest.raises(ValueError, match="cuda_graph=True: overlap_comm=True on more than one"):
         tritonshard.ShardedAdamW(params(), cuda_graph=True, overlap_comm=True)
+    assert tritonshard.ShardedAdamW(params(), cuda_graph=True, overlap_comm=True)._graphs is not None
     with pytest.raises(ValueError, match="cuda_graph=True: ordered_reduce=True"):
         tritonshard.ShardedAdamW(params(), cuda_graph=True, ordered_reduce=True)
     with pytest.raises(ValueError, match="cuda_graph=True: ShardedMuon's update"):

@@ -1097,9 +1097,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _uncapturable_options(self) -> Optional[str]:
         """Why this optimizer's options keep its step out of a CUDA graph, or None."""
-        if self.overlap_comm:
-            return ("overlap_comm=True launches each bucket's reduce-scatter from the backward hooks, outside step(), "
-                    "and waits for the all-gathers in the next forward; use overlap_comm=False")
+        if self._overlap_machinery:  # (one rank leaves it out: its step is the one without overlap_comm, captured)
+            return ("overlap_comm=True on more than one rank launches each bucket's reduce-scatter from the backward "
+                    "hooks, outside step(), and waits for the all-gathers in the next forward; use "
+                    "overlap_comm=False (on one rank, where there is nothing to overlap, the two go together)")
         if self.ordered_reduce:
             return "ordered_reduce=True is not supported with it"
         if self.replica_group is not None:
@@ -2076,10 +2077,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _after_reduce_replay(self) -> None:
         """The host state :meth:`_reduce_phase` leaves, set after a replay of its graph: every bucket launched and
-        waited for (the checks of a late or cleared gradient read it)."""
+        waited for (the checks of a late or cleared gradient read it). With ``overlap_comm`` on one rank the end of
+        the backward launched them already (each the identity there, its bookkeeping on the host): counted once."""
+        self.reduce_scatters_launched += sum(not b.rs_launched for b in self.buckets)
         for b in self.buckets:
             b.launch_wanted = b.rs_launched = True
-        self.reduce_scatters_launched += len(self.buckets)
         self._next_launch = len(self.buckets)
 
     def _enter_reduce(self) -> None:
