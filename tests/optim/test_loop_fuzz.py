@@ -4,9 +4,9 @@ parameter, a param group added, writing the weights and editing ``opt.state``, a
 backward with create_graph=True and one onto them), post-accumulate-grad hooks of the loop's, as real loops mix
 them; with the
 default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
-compiled by torch.compile, and with cuda_graph=True (its graphs emulated); and ShardedSGD, ShardedLion and
-ShardedMuon with the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with
-overlap_comm).
+compiled by torch.compile, and with cuda_graph=True (its graphs emulated; also with overlap_comm on one rank); and
+ShardedSGD, ShardedLion and ShardedMuon with the default options (ShardedSGD and ShardedLion also with
+cuda_graph=True, ShardedMuon with overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (torch.optim.SGD for ShardedSGD,
@@ -756,6 +756,13 @@ class GraphedTrainingLoop(TrainingLoop):
             self.zero_grad("opt", True)
 
 
+class OverlappedGraphedTrainingLoop(GraphedTrainingLoop):
+    """``cuda_graph=True`` with ``overlap_comm=True`` on one rank (overlap's machinery out: the backward launches
+    the reduce-scatters at its end, each the identity, and the step captured is the one without overlap_comm; until
+    session 39 the pair was a ValueError on one rank too)."""
+    OPTIONS = dict(cuda_graph=True, overlap_comm=True)
+
+
 class SGDTrainingLoop(TrainingLoop):
     """ShardedSGD with momentum, dampening and weight decay against torch.optim.SGD (the momentum buffer starts at
     a parameter's first gradient; a step that skips it leaves it)."""
@@ -1072,6 +1079,11 @@ test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase
 GraphedTrainingLoop.TestCase.settings = settings(max_examples=16, stateful_step_count=14, deadline=None,
                                                  derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 test_graphed_step_training_loops_match_torch_optim = GraphedTrainingLoop.TestCase
+# (the graphed loop's rules and the one-rank overlapped loop's backward, each fuzzed above: fewer examples)
+OverlappedGraphedTrainingLoop.TestCase.settings = settings(max_examples=10, stateful_step_count=14, deadline=None,
+                                                           derandomize=True,
+                                                           suppress_health_check=[HealthCheck.too_slow])
+test_graphed_step_overlapped_on_one_rank_training_loops_match_torch_optim = OverlappedGraphedTrainingLoop.TestCase
 
 
 def _one_weight():
