@@ -2,10 +2,9 @@
 (the optimizer's and the model's, to None or to zeros), step, lr and other hyper-parameter changes, freezing a
 parameter, a param group added, writing the weights and editing ``opt.state``, a penalty on the gradients (a
 backward with create_graph=True and one onto them), post-accumulate-grad hooks of the loop's, as real loops mix
-them; with the
-default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with the step
-compiled by torch.compile, and with cuda_graph=True (its graphs emulated; also with overlap_comm on one rank); and
-ShardedSGD, ShardedLion and ShardedMuon with the default options (ShardedSGD and ShardedLion also with
+them; with the default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with
+the step compiled by torch.compile, and with cuda_graph=True (its graphs emulated; also with overlap_comm on one
+rank); and ShardedSGD, ShardedLion and ShardedMuon with the default options (ShardedSGD and ShardedLion also with
 cuda_graph=True, ShardedMuon with overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
