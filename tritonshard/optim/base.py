@@ -724,6 +724,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._spent: dict = {}
         self._stale: dict = {}
         self._grad_multipliers: dict = {}  # param -> coefficients torch code multiplied its gradient by
+        # ... or, where each multiply was of every gradient the optimizer holds (torch's foreach clip over
+        # model.parameters(), GradScaler's unscale_), the coefficients in order, once for all (one of the two is
+        # empty: model_view._fold_grad_multipliers)
+        self._all_multipliers: list = []
         self._reciprocals: dict = {}  # id(divisor) -> (divisor, 1 / divisor) of this step's p.grad.div_(divisor)
         self._norm_cache: dict = {}        # norm_type -> per-parameter global gradient norms of this step
         self._clamped = False  # clip_grad_value_ clamped this step's reduced gradients (the reduction's sum_sq is stale)
@@ -1026,6 +1030,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._param_list += added
         self._param_index = {p: i for i, p in enumerate(self._param_list)}
         self._param_by_id = {id(p): p for p in self._param_list}  # (bucket.DATA_READS holds ids)
+        # (each parameter's index by id: a look-up without Tensor.__hash__, a Python method, per parameter)
+        self._index_by_id = {id(p): i for i, p in enumerate(self._param_list)}
         for gi in groups:
             for j, p in enumerate(self.param_groups[gi]["params"]):
                 self._param_names[p] = param_name(self.param_groups[gi], gi, j, p)
@@ -2258,6 +2264,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._clamped = self._partials_of_pieces = False
         self._step_cache.clear()
         self._grad_multipliers.clear()
+        self._all_multipliers.clear()
         self._reciprocals.clear()
         self._norm_cache.clear()
 
@@ -2598,7 +2605,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         norm_type = float(norm_type)
         sum_sq, _ = self._reduce_grads(recheck=True)
         if (norm_type == 2.0 and not self._clamped and self._scale is None and self._clip_coef is None
-                and not self._grad_multipliers and self._scalar_kernels_run()):
+                and not self._grad_multipliers and not self._all_multipliers and self._scalar_kernels_run()):
             # the usual clip: the norm, a new tensor at every call as torch's (which the bound launch takes afresh),
             # and its coefficient in one launch (kernels/scalars.py), the same bits as torch's ops: compiled, the
             # norm's sqrt is in it too (no torch op; until session 36 a sqrt and a clone), under the interpreter it
@@ -2677,7 +2684,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 "the skip on inf/NaN work the same; opt.clip_grad_norm_ and torch's clip_grad_norm_ see unscaled "
                 "norms), or build the optimizer with loss_scale=False to let GradScaler do it")
 
-    def _amp_unscale(self, params: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    def _amp_unscale(self, params: list, found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                     placeholders: Optional[list] = None) -> None:
         """``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler's inf check and ``unscale_``) on the
         placeholders of ``params``: reduce the gradients (once per step), OR the global non-finite flag into the
         scaler's ``found_inf``, and fold ``inv_scale`` into the update like any multiplier of ``param.grad`` (so
@@ -2689,9 +2697,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # re-entering the cached reduction and clearing the norm cache). Gradients set by hand (plain tensors in
         # GradScaler's list) were flushed by the reduction: they are unscaled with the others here, by the update
         # (model_sync._amp_unscale calls this before torch's op unscales the plain tensors, no longer in param.grad)
-        multipliers = self._grad_multipliers
-        for p in dict.fromkeys([*params, *(p for b in self.buckets for p in b.placed)]):
-            multipliers.setdefault(p, []).append(inv_scale)
+        self._fold_grad_multipliers(params, inv_scale, placeholders, every_placed=True)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (``loss`` itself without loss scaling): call ``.backward()`` on this."""

@@ -168,7 +168,9 @@ def watch(p: torch.Tensor) -> None:
         p.__class__ = WatchedParameter
         if p._post_accumulate_grad_hooks:  # (registered before the optimizer was built)
             POST_HOOKED.add(id(p))
-    else:  # (its later registrations are not seen: always looked at)
+        else:  # (an id noted for a parameter gone since, which this one reuses)
+            POST_HOOKED.discard(id(p))
+    elif type(p) is not WatchedParameter:  # (its later registrations are not seen: always looked at)
         POST_HOOKED.add(id(p))
 
 

@@ -23,6 +23,8 @@ keeps every torch idiom either correct or loud (never silently wrong):
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import weakref
 from typing import Optional
 
@@ -492,9 +494,21 @@ def _norm(t, ord_) -> torch.Tensor:
     return opt._param_grad_norm(param, float(ord_))
 
 
+_OPTIMIZER_REF, _PARAM_REF = operator.attrgetter("_optimizer"), operator.attrgetter("_param")
+_call = getattr(operator, "call", lambda f: f())  # (operator.call: Python 3.11 on)
+
+
 def _by_optimizer(tensors) -> tuple[list, list]:
     """The placeholders among ``tensors`` grouped by their optimizer, ``[(optimizer, positions, parameters)]``,
-    and the positions of the other tensors."""
+    and the positions of the other tensors. The usual list (torch's clip over ``model.parameters()``: every one a
+    placeholder of one optimizer) in a few C-level passes, ~0.2 us per tensor less than the loop (twice per clip)."""
+    if tensors and set(map(type, tensors)) == {ShardedGrad}:
+        refs = set(map(_OPTIMIZER_REF, tensors))  # (one weak reference per optimizer: weakref.ref reuses it)
+        opt = next(iter(refs))() if len(refs) == 1 else None
+        if opt is not None:
+            params = list(map(_call, map(_PARAM_REF, tensors)))
+            if not any(map(operator.is_, params, itertools.repeat(None))):
+                return [(opt, list(range(len(tensors))), params)], []
     groups, others, last = {}, [], None
     for i, t in enumerate(tensors):
         if not isinstance(t, ShardedGrad):
@@ -530,8 +544,8 @@ def _foreach_fold(tensors, coef) -> None:
     """``torch._foreach_mul_(tensors, coef)`` with one coefficient (torch's clip: its clip coefficient): each
     optimizer's placeholders folded in one call (:meth:`_fold_grad_multipliers`), the other tensors multiplied."""
     groups, others = _by_optimizer(tensors)
-    for opt, _, params in groups:
-        opt._fold_grad_multipliers(params, coef)
+    for opt, positions, params in groups:
+        opt._fold_grad_multipliers(params, coef, [tensors[i] for i in positions])
     for i in others:
         tensors[i].mul_(coef)
 
@@ -596,8 +610,8 @@ def _amp_unscale(grads, found_inf, inv_scale) -> None:
     into the buffers, where the update unscales them with the rest; torch's op then unscales the plain tensors
     (those, now out of param.grad, and any other optimizer's)."""
     groups, others = _by_optimizer(grads)
-    for opt, _, params in groups:
-        opt._amp_unscale(params, found_inf, inv_scale)
+    for opt, positions, params in groups:
+        opt._amp_unscale(params, found_inf, inv_scale, [grads[i] for i in positions])
     plain = [grads[i] for i in others]
     if plain:
         with torch._C.DisableTorchFunctionSubclass():
