@@ -1366,7 +1366,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._flush_queued = False
         self._completed = []  # (flushed below with every other bucket)
         got_grads, self._grads_this_backward = self._grads_this_backward, False
-        if got_grads and torch.is_grad_enabled():
+        if got_grads and _grad_enabled():
             # backward(create_graph=True) (autograd runs its callbacks in the backward's grad mode): torch leaves each
             # gradient in param.grad with its graph, for code that differentiates it again (a gradient penalty on
             # the parameters' gradients, a Hessian-vector product) and for a later backward to add onto. So does
@@ -1697,11 +1697,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         ``param.grad`` reads, a penalty on it), or a post-accumulate-grad hook of the loop's (:meth:`_user_post_hooks`;
         until session 39 it read this backward's gradient alone, and a hook writing it, a clamp, changed that part
         only, silently). So it goes back into ``param.grad``, a plain tensor in the parameter's dtype, its part of
-        the buffer zeroed;
-        the next flush takes the sum, as it takes a gradient set by hand (onto the zeros: the bits of an
-        accumulation in the buffer where the grad buffer has the parameter's dtype). Before a reduction only (after
-        one the buffer holds shards of the sum over the ranks: the pre-hook takes the placeholder out as for any
-        backward, and the flush's error follows)."""
+        the buffer zeroed; the next flush takes the sum, as it takes a gradient set by hand (onto the zeros: the
+        bits of an accumulation in the buffer where the grad buffer has the parameter's dtype). Before a reduction
+        only (after one the buffer holds shards of the sum over the ranks: the pre-hook takes the placeholder out as
+        for any backward, and the flush's error follows)."""
         b, i = self._bucket_of[param]
         self._after_last_step_readers()
         view = b.grad_buffer.get_views()[i]

@@ -499,6 +499,8 @@ class ModelViewMixin:
         if not every_placed:  # (GradScaler's unscale_ reduced already, and is over the optimizer's own list)
             self._reduce_grads()  # the multiply applies to everything accumulated so far, and nothing may follow
             self._list_dependent = True
+        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
+        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
         if not self._grad_multipliers and placeholders is not None and self._every_placed_once(
                 params, placeholders, covers=not every_placed):
             self._all_multipliers.append(coef)
@@ -532,8 +534,6 @@ class ModelViewMixin:
     def _multipliers_of(self, p: torch.Tensor):
         """The coefficients torch code multiplied ``p.grad`` by this step, in order."""
         return self._all_multipliers or self._grad_multipliers.get(p, ())
-        # (the norm cache stays: it holds the norms before any multiplier, which _param_grad_norm applies, so a norm
-        # read after torch's clip on every rank, a log line on rank 0 only, needs no collective of its own)
 
     @torch.no_grad()
     def _clamp_grads(self, params: list, low, high) -> None:
