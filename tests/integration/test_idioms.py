@@ -536,6 +536,33 @@ def _create_graph_input(step: int, rank: int) -> torch.Tensor:
     return torch.randn(5, 7, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
 
 
+def _trained_by_torch(world_size: int, backward, prepare=None) -> torch.nn.Module:
+    """_penalty_net's bf16 twin after three steps of torch.optim.AdamW (lr 1e-2) on its fp32 masters: each step
+    every rank's backwards (``backward(twin, step, rank)``, after ``prepare(twin)``), their gradients summed in
+    bf16 in rank order and multiplied by 1 / d in fp32 (what the reduce-scatter and the update compute:
+    tests/optim/training.py)."""
+    masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
+    twin = _penalty_net().to(torch.bfloat16)
+    if prepare is not None:
+        prepare(twin)
+    reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    for step in range(3):
+        total = None
+        for r in range(world_size):
+            backward(twin, step, r)
+            grads = [p.grad.detach().clone() for p in twin.parameters()]
+            twin.zero_grad()
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        for m, g in zip(masters, total):
+            m.grad = g.float() * (1.0 / world_size)
+        reference.step()
+        reference.zero_grad()
+        with torch.no_grad():
+            for q, m in zip(twin.parameters(), masters):
+                q.copy_(m)
+    return twin
+
+
 def _create_graph_run(rank, world_size, then, overlap, machinery, out):
     with overlap_machinery(machinery):
         model = _penalty_net()
@@ -546,25 +573,8 @@ def _create_graph_run(rank, world_size, then, overlap, machinery, out):
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
-    # torch.optim on fp32 masters and a bf16 twin, every rank's gradients summed in bf16 in rank order and
-    # multiplied by 1 / d in fp32 (what the reduce-scatter and the update compute: tests/optim/training.py)
-    masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
-    twin = _penalty_net().to(torch.bfloat16)
-    reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
-    for step in range(3):
-        total = None
-        for r in range(world_size):
-            _backward_with_create_graph(twin, _create_graph_input(step, r), then)
-            grads = [p.grad.detach() for p in twin.parameters()]
-            twin.zero_grad()
-            total = grads if total is None else [a + b for a, b in zip(total, grads)]
-        for m, g in zip(masters, total):
-            m.grad = g.float() * (1.0 / world_size)
-        reference.step()
-        reference.zero_grad()
-        with torch.no_grad():
-            for q, m in zip(twin.parameters(), masters):
-                q.copy_(m)
+    twin = _trained_by_torch(world_size, lambda twin, step, r: _backward_with_create_graph(
+        twin, _create_graph_input(step, r), then))
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert_bitwise_equal(p.detach(), q.detach(), f"{name}, rank {rank} of {world_size}, {then}")
 
@@ -620,25 +630,10 @@ def _post_hooked_run(rank, world_size, overlap, machinery, registered):
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
-    masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
-    twin = _penalty_net().to(torch.bfloat16)
-    hooks(twin, "torch")
-    reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
-    for step in range(3):
-        total = None
-        for r in range(world_size):
-            for x in batches(step, r):
-                twin(x).float().square().mean().backward()
-            grads = [p.grad.detach().clone() for p in twin.parameters()]
-            twin.zero_grad()
-            total = grads if total is None else [a + b for a, b in zip(total, grads)]
-        for m, g in zip(masters, total):
-            m.grad = g.float() * (1.0 / world_size)
-        reference.step()
-        reference.zero_grad()
-        with torch.no_grad():
-            for q, m in zip(twin.parameters(), masters):
-                q.copy_(m)
+    def backwards(twin, step, r):
+        for x in batches(step, r):
+            twin(x).float().square().mean().backward()
+    twin = _trained_by_torch(world_size, backwards, prepare=lambda twin: hooks(twin, "torch"))
     ours_seen = torch.stack(seen["ours"])
     torch_seen = torch.stack(seen["torch"]).view(3, world_size, 2)[:, rank]  # (the reference runs every rank's)
     assert_bitwise_equal(ours_seen, torch_seen.reshape(-1), f"the hook's norms, rank {rank}")
