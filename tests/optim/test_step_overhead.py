@@ -240,6 +240,22 @@ def test_torchs_clip_over_the_placeholders_costs_one_torch_op_per_parameter(norm
         assert sum(ops.values()) <= params + 80, ops
 
 
+@contextlib.contextmanager
+def _counted_hashes():
+    """Inside, Tensor.__hash__ calls are counted into the yielded one-element list (Parameter and its subclasses
+    inherit it: hash() looks it up on the class)."""
+    calls, tensor_hash = [0], torch.Tensor.__hash__
+
+    def counting(self):
+        calls[0] += 1
+        return tensor_hash(self)
+    torch.Tensor.__hash__ = counting
+    try:
+        yield calls
+    finally:
+        torch.Tensor.__hash__ = tensor_hash
+
+
 def _hashes_per_iteration(n_params: int, overlap_comm: bool, machinery: bool = False) -> int:
     """Tensor.__hash__ calls in one steady iteration (two micro-batches, the first in no_sync(), then clip, step and
     zero_grad) of a ShardedAdamW over ``n_params`` parameters in one bucket."""
@@ -260,17 +276,8 @@ def _hashes_per_iteration(n_params: int, overlap_comm: bool, machinery: bool = F
 
     for _ in range(2):
         iteration()
-    calls = [0]
-    tensor_hash = torch.Tensor.__hash__
-
-    def counting(self):
-        calls[0] += 1
-        return tensor_hash(self)
-    torch.Tensor.__hash__ = counting  # (Parameter and its subclasses inherit it: hash() looks it up on the class)
-    try:
+    with _counted_hashes() as calls:
         iteration()
-    finally:
-        torch.Tensor.__hash__ = tensor_hash
     return calls[0]
 
 
@@ -292,23 +299,11 @@ def _hashes_of_torchs_clip_and_step(n_params: int, scaler: bool) -> tuple[int, t
     """Tensor.__hash__ calls in torch's foreach clip (its default on CUDA; after GradScaler's unscale_ with
     ``scaler``) and the step after it, the coefficients the optimizer noted for every held gradient, and the torch
     ops of the clip."""
-    torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(8)) for _ in range(n_params)]
-    opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=n_params * 8 * 2 / 3 / 2 ** 20)
+    params, opt, loss = _three_buckets(n_params)
     amp = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
-    x = torch.randn(8).bfloat16()
-    calls, tensor_hash = [0], torch.Tensor.__hash__
-
-    def counting(self):
-        calls[0] += 1
-        return tensor_hash(self)
-
     for _ in range(3):
-        loss = torch.stack([(p * x).sum() for p in params]).sum()
-        (amp.scale(loss) if scaler else loss).backward()
-        calls[0] = 0
-        torch.Tensor.__hash__ = counting  # (Parameter and its subclasses inherit it)
-        try:
+        (amp.scale(loss()) if scaler else loss()).backward()
+        with _counted_hashes() as calls:
             if scaler:
                 amp.unscale_(opt)
             counter = _CountOps()
@@ -320,10 +315,17 @@ def _hashes_of_torchs_clip_and_step(n_params: int, scaler: bool) -> tuple[int, t
                 amp.update()
             else:
                 opt.step()
-        finally:
-            torch.Tensor.__hash__ = tensor_hash
         opt.zero_grad()
     return calls[0], noted, sum(counter.ops.values())
+
+
+def _three_buckets(n_params: int) -> tuple:
+    """``n_params`` parameters of 8 in three buckets, their ShardedAdamW, and a loss over all of them."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8)) for _ in range(n_params)]
+    opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=n_params * 8 * 2 / 3 / 2 ** 20)
+    x = torch.randn(8).bfloat16()
+    return params, opt, lambda: torch.stack([(p * x).sum() for p in params]).sum()
 
 
 @pytest.mark.parametrize("scaler", [False, True], ids=["", "after GradScaler's unscale_"])
@@ -347,29 +349,16 @@ def _hashes_of_the_step_after(how: str, n_params: int) -> int:
     """Tensor.__hash__ calls in step() after torch code multiplied each gradient on its own: ``"clip"`` torch's
     clip without foreach (a mul_ per gradient by its one coefficient tensor), ``"divide"`` ``p.grad /= 4`` per
     parameter (a reciprocal per parameter: equal numbers, other objects)."""
-    torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(8)) for _ in range(n_params)]
-    opt = tritonshard.ShardedAdamW(params, lr=1e-3, bucket_cap_mb=n_params * 8 * 2 / 3 / 2 ** 20)
-    x = torch.randn(8).bfloat16()
-    calls, tensor_hash = [0], torch.Tensor.__hash__
-
-    def counting(self):
-        calls[0] += 1
-        return tensor_hash(self)
-
+    params, opt, loss = _three_buckets(n_params)
     for _ in range(3):
-        torch.stack([(p * x).sum() for p in params]).sum().backward()
+        loss().backward()
         if how == "clip":
             torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
         else:
             for p in params:
                 p.grad /= 4
-        calls[0] = 0
-        torch.Tensor.__hash__ = counting
-        try:
+        with _counted_hashes() as calls:
             opt.step()
-        finally:
-            torch.Tensor.__hash__ = tensor_hash
         opt.zero_grad()
     return calls[0]
 
