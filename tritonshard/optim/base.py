@@ -1379,8 +1379,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if self._reduced is None:
                 for b in self.buckets:
                     if b.placed and not b.rs_launched:
-                        for p in [p for p in b.params if p.grad is self._placeholders[p]]:
-                            self._hand_back_grad(p)
+                        for p, placeholder in zip(b.params, b.grad_placeholders):
+                            if p.grad is placeholder:
+                                self._hand_back_grad(p)
         if self._frozen_at_build:  # (parameters unfrozen since: their buckets are flushed and launched below)
             self._adopt_unfrozen()
         if got_grads:  # buckets some of whose parameters got no gradient in this backward
