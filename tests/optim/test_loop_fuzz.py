@@ -50,8 +50,10 @@ _NAMES = ["trunk.weight", "trunk.bias"] + [f"heads.{h}.{k}" for h in HEADS for k
 LRS = (1e-2, 3e-3, 2e-2)
 #: how the loop writes the weights between two calls (loaded weights, an EMA swapped in, a padding row zeroed, weight
 #: clipping): in place through the module attribute under no_grad, through ``.data`` of the parameter the loop
-#: holds, or ``model.load_state_dict(strict=False)``
-WRITES = ("attribute", "data", "load_state_dict")
+#: holds, or ``model.load_state_dict(strict=False)``; the first and the last also with fp32 values (an fp32
+#: checkpoint: the masters take them unrounded, as torch.optim's fp32 weights do; through ``.data`` they would not,
+#: a limit the README states)
+WRITES = ("attribute", "data", "load_state_dict", "attribute fp32", "load_state_dict fp32")
 #: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
@@ -491,7 +493,7 @@ class TrainingLoop(RuleBasedStateMachine):
         """Weights written between any two calls: torch.optim trains on from the written values (its masters are
         the weights), with the gradients it holds."""
         for n in sorted(names):
-            value = written(self.refs[n], seed)
+            value = written(self.refs[n], seed, how)
             write_weight(self.model, self.ours[n], n, value, how)
             with torch.no_grad():
                 self.refs[n].copy_(value)
@@ -529,19 +531,22 @@ class TrainingLoop(RuleBasedStateMachine):
 SPENT = "was used by the last step() and is gone"  # (the spent-gradient error: test_spent_grads.py)
 
 
-def written(ref: torch.Tensor, seed: int) -> torch.Tensor:
-    """New bf16 values for a weight whose reference value is ``ref``: every element moved up, by 3% to 6% of
+def written(ref: torch.Tensor, seed: int, how: str = "") -> torch.Tensor:
+    """New bf16 values (fp32 for a ``how`` of :data:`WRITES` ending in fp32) for a weight whose reference value is
+    ``ref``: every element moved up, by 3% to 6% of
     (1 + |value|) (``seed`` picks how much), so that it differs from the old weight by many ulps and no series of
     writes comes back to a weight the optimizer last saw. (tritonshard reconciles a master only where the weight
     no longer is the master's rounding: a value equal to it keeps the master's fp32 bits, where torch.optim's
     would be the written value; two writes in opposite directions found that, a limit the README states.)"""
     step = torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed)) * 0.03 + 0.03
-    return (ref.float() + step * (1 + ref.float().abs())).to(torch.bfloat16)
+    value = ref.float() + step * (1 + ref.float().abs())
+    return value if how.endswith("fp32") else value.to(torch.bfloat16)
 
 
 def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None:
     """The loop writes ``value`` into the weight ``name`` of ``model`` (``param``: the parameter it holds), ``how``
     one of :data:`WRITES`."""
+    how = how.removesuffix(" fp32")
     with torch.no_grad():
         if how == "attribute":
             functools.reduce(getattr, name.split("."), model).copy_(value)

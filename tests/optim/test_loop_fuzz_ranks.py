@@ -558,7 +558,7 @@ class _RankLoop:
         """The same weights written on every rank (a load, an EMA swapped in), between any two calls: right after
         step() with overlap_comm, while the gathers are in flight."""
         for n in sorted(names):
-            value = written(self.refs[0][n], seed)
+            value = written(self.refs[0][n], seed, how)
             write_weight(self.model, self.ours[n], n, value, how)
             with torch.no_grad():
                 for w in range(WORLD):

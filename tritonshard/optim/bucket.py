@@ -129,6 +129,28 @@ class WatchedParameter(torch.nn.Parameter):
     def data(self, value):
         _TENSOR_DATA.__set__(self, value)
 
+    def copy_(self, src, non_blocking=False):
+        """torch's ``copy_``, after this parameter's in-flight all-gather (which would land on the copy), and with a
+        source of another floating dtype (an fp32 checkpoint into the bf16 weights: ``model.load_state_dict``
+        copies each tensor with this, as does ``p.copy_(w)`` under ``no_grad``) also into the owning optimizer's
+        fp32 master, unrounded (:meth:`_Bucket.write_master`): the weights get its bf16 rounding as in torch, the
+        master its fp32 value, as when the optimizer is built after the load, whose construction takes the
+        original values. Until session 40 the master took the rounded weight (what the step's reconcile sees), so
+        a fine-tune loaded after building the optimizer started from masters 2^-9 (relative) away from the
+        checkpoint, and trained to other weights than one built after the load, silently. Where nothing changes
+        the weights until the step, their reconcile keeps such a master; an element written again since (a row
+        zeroed) takes the new value as any write does."""
+        if torch.compiler.is_compiling():
+            return super().copy_(src, non_blocking)
+        landed(self)
+        out = super().copy_(src, non_blocking)
+        if isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point():
+            ref = OWNER.get(id(self))
+            b = ref() if ref is not None else None
+            if b is not None:
+                b.write_master(self, src, non_blocking)
+        return out
+
     def register_post_accumulate_grad_hook(self, hook):
         """torch's, noted in :data:`POST_HOOKED`: the hook reads ``param.grad`` as torch's autograd leaves it (the
         sum over the backwards so far), which the optimizer then keeps there (``ShardedOptimizer._hand_back_grad``).
@@ -283,6 +305,24 @@ class _Bucket:
         if self.master_remainder is None:
             return self.master
         return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
+
+    @torch.no_grad()
+    def write_master(self, p: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """``src`` (of ``p``'s shape, or broadcast to it; any floating dtype and device) into the master of ``p``'s
+        pieces of this rank's shard, as fp32 (:meth:`WatchedParameter.copy_`, which has written its bf16 rounding
+        into the weights). With stored remainders the remainder of its split (whose high half is that rounding)."""
+        index = next(i for i, q in enumerate(self.params) if q is p)
+        flat = (src if tuple(src.shape) == tuple(p.shape) else src.expand(p.shape)).detach().reshape(-1)
+        for piece in self.param_buffer.shard_pieces():
+            if piece.tensor_index != index:
+                continue
+            value = flat[piece.tensor_start:piece.tensor_end]
+            dst = slice(piece.shard_start, piece.shard_end)
+            if self.master_remainder is None:
+                self.master[dst].copy_(value, non_blocking=non_blocking)
+            else:
+                value = value.to(device=self.master_remainder.device, dtype=torch.float32, non_blocking=non_blocking)
+                self.master_remainder[dst].copy_(split_bf16_remainder(value)[1])
 
     def set_master(self, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""
