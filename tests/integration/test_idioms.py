@@ -68,7 +68,7 @@ def test_load_state_dict_after_building_the_optimizer_trains_from_the_loaded_wei
 
 
 def _load(model, weights: dict, how: str) -> None:
-    if how == "load_state_dict":
+    if how in ("load_state_dict", "resume from torch.optim"):
         model.load_state_dict(weights)
         return
     params = dict(model.named_parameters())
@@ -85,12 +85,20 @@ def _trained_after_a_load(rank: int, when: str, how: str, **kwargs) -> tuple[tor
     """A tiny Llama given fp32 weights before building its ShardedAdamW or after, trained 2 steps: (this rank's
     masters, the bf16 weights)."""
     model = tiny_llama(0)
-    pretrained = tiny_llama(1).state_dict()  # fp32 (the model holds bf16 once the optimizer is built)
+    source, saved_opt = tiny_llama(1), None
+    if how == "resume from torch.optim":  # (a run of torch AMP's kind: fp32 weights, torch.optim.AdamW)
+        torch_opt = torch.optim.AdamW(source.parameters(), lr=1e-3, weight_decay=0.1)
+        lm_loss(source, tokens(7)).backward()
+        torch_opt.step()
+        saved_opt = torch_opt.state_dict()
+    pretrained = source.state_dict()  # fp32 (the model holds bf16 once the optimizer is built)
     if when == "before":
         _load(model, pretrained, how)
     opt = ShardedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_cap_mb=0.05, **kwargs)
     if when == "after":
         _load(model, pretrained, how)
+    if saved_opt is not None:  # (moments and counts; its dict has no masters: they stay the model's)
+        opt.load_state_dict(saved_opt)
     _train(model, opt, steps=2, rank=rank)
     return torch.cat([b.master_fp32() for b in opt.buckets]), flat_weights(model)
 
@@ -104,12 +112,14 @@ def _load_before_or_after_building(rank, world_size, how, kwargs):
 
 @pytest.mark.parametrize("how, world_size, kwargs", [
     ("load_state_dict", 1, {}), ("copy_ from fp64", 1, {}), ("load, then a row zeroed", 1, {}),
-    ("load_state_dict", 1, {"store_param_remainders": True}), ("load_state_dict", 2, {})],
-    ids=["load_state_dict", "copy_ from fp64", "row zeroed after", "remainders", "2 ranks"])
+    ("load_state_dict", 1, {"store_param_remainders": True}), ("load_state_dict", 2, {}),
+    ("resume from torch.optim", 1, {})],
+    ids=["load_state_dict", "copy_ from fp64", "row zeroed after", "remainders", "2 ranks", "torch.optim resume"])
 def test_fp32_weights_loaded_after_building_train_as_if_loaded_before(how, world_size, kwargs):
     """Fine-tuning from an fp32 checkpoint, loaded into the model after the optimizer was built (the brief's
-    idiom): the masters take the checkpoint's fp32 values, as the construction does when the load comes first,
-    and training continues bit for bit as that run. Until session 40 they took its bf16 rounding (within 2^-9 of
+    idiom), also with the optimizer state of a torch.optim.AdamW run (a move from torch AMP): the masters take the
+    checkpoint's fp32 values, as the construction does when the load comes first, and training continues bit for
+    bit as that run. Until session 40 they took its bf16 rounding (within 2^-9 of
     it): other masters and, after a few steps, other weights, silently."""
     if world_size == 1:
         _load_before_or_after_building(0, 1, how, kwargs)
