@@ -133,7 +133,9 @@ class StateDictMixin:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dict from :meth:`state_dict` (any world size or bucket size) or from a plain
         ``torch.optim.AdamW`` (then the master weights stay what this optimizer took from the model's weights at
-        construction, and parameters that have no state there start from zero moments).
+        construction, or the fp32 weights loaded into the model since, unrounded, see
+        :meth:`~tritonshard.optim.bucket.WatchedParameter.copy_`; parameters that have no state there start from
+        zero moments).
 
         The bf16 parameters are re-derived from the loaded master weights (round to nearest even), exactly as
         every step writes them, so a resumed run continues bit for bit.
