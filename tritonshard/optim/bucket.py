@@ -185,7 +185,12 @@ WatchedParameter.__module__ = torch.nn.Parameter.__module__
 
 def watch(p: torch.Tensor) -> None:
     """Switch ``p``'s class to :class:`WatchedParameter` (a plain ``torch.nn.Parameter`` only: another subclass
-    keeps its class, and its ``.data`` is not watched)."""
+    keeps its class, and its ``.data`` is not watched). Its values are the optimizer's from here (laid out, or
+    taken back by a step's look): a read of ``.data`` noted under its id before is another parameter's, gone,
+    whose id it reuses (or its own, which that look follows already). Until session 40 such a note made the
+    first step of a compiled one look at the weights eagerly: under ``fullgraph=True`` an error, now and then
+    (the test suite under xdist met one)."""
+    DATA_READS.discard(id(p))
     if type(p) is torch.nn.Parameter:
         p.__class__ = WatchedParameter
         if p._post_accumulate_grad_hooks:  # (registered before the optimizer was built)
