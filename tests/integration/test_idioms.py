@@ -127,6 +127,37 @@ def test_fp32_weights_loaded_after_building_train_as_if_loaded_before(how, world
         run_on_ranks(_load_before_or_after_building, world_size, how, kwargs)
 
 
+@pytest.mark.parametrize("restore", ["copy_", "load_state_dict", ".data"])
+def test_an_fp32_ema_swapped_in_for_evaluation_and_back_out_leaves_the_masters_bit_for_bit(restore):
+    """An fp32 EMA of the weights copied into the model to evaluate it, then the weights saved before put back
+    (a bf16 copy of the model's own), with no step between: the masters must be what they were, as torch.optim's
+    fp32 weights are. The first version of session 40's fp32 loads (the source written into the masters at the
+    copy) left the EMA's values in them, or the bf16 weights, silently: an fp32 copy is taken as the master only
+    where nothing wrote the weight after it."""
+    results = []
+    for swap in (False, True):
+        model = tiny_gpt2(0)
+        opt = ShardedAdamW(model.parameters(), lr=3e-3)
+        ema = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        _train(model, opt, steps=2)
+        if swap:
+            backup = {n: p.detach().clone() for n, p in model.named_parameters()}
+            ema = {n: 0.9 * e + 0.1 * backup[n].float() for n, e in ema.items()}  # (off the weights' roundings)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(ema[n])
+            eval_loss(model)
+            if restore == "load_state_dict":
+                model.load_state_dict(backup, strict=False)
+            else:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        (p.data if restore == ".data" else p).copy_(backup[n])
+        _train(model, opt, steps=2, first_step=2)
+        results.append(torch.cat([b.master for b in opt.buckets]))
+    assert_bitwise_equal(results[1], results[0], f"masters after an EMA swapped in and out ({restore})")
+
+
 def test_loading_the_weights_the_model_already_has_keeps_the_fp32_master_bits():
     """The reconcile is elementwise: a write of the values already there (a resume that reloads the model's own
     weights) must leave the fp32 master exactly as it was, not round it to bf16."""

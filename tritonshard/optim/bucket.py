@@ -73,13 +73,17 @@ def _holder_gone(_ref) -> None:
     HOLDERS_GONE[0] += 1
 
 
-def _must_look(p: torch.Tensor) -> None:
+def _must_look(p: torch.Tensor, written: bool = False) -> None:
     """The next step of ``p``'s optimizer must look at the parameters: run eagerly if compiled (see
-    WatchedParameter)."""
+    WatchedParameter). ``written``: ``p``'s values may have been written past its version counter (``.data``
+    handed out or replaced): an fp32 copy noted for its master (:meth:`_Bucket.note_precise`) no longer holds."""
     ref = OWNER.get(id(p))
     b = ref() if ref is not None else None
-    if b is not None and b.step_flags is not None:
-        b.step_flags.eager_step_needed = True
+    if b is not None:
+        if b.step_flags is not None:
+            b.step_flags.eager_step_needed = True
+        if written and b.precise:
+            b.precise.pop(id(p), None)
 
 
 def landed(p: torch.Tensor) -> None:
@@ -122,33 +126,34 @@ class WatchedParameter(torch.nn.Parameter):
     def data(self):
         DATA_READS.add(id(self))
         landed(self)  # (what it hands out may be read or written at once)
-        _must_look(self)
+        _must_look(self, written=True)
         return _TENSOR_DATA.__get__(self)
 
     @data.setter
     def data(self, value):
-        _TENSOR_DATA.__set__(self, value)
+        _TENSOR_DATA.__set__(self, value)  # (__setattr__ notes it)
 
     def copy_(self, src, non_blocking=False):
         """torch's ``copy_``, after this parameter's in-flight all-gather (which would land on the copy), and with a
         source of another floating dtype (an fp32 checkpoint into the bf16 weights: ``model.load_state_dict``
-        copies each tensor with this, as does ``p.copy_(w)`` under ``no_grad``) also into the owning optimizer's
-        fp32 master, unrounded (:meth:`_Bucket.write_master`): the weights get its bf16 rounding as in torch, the
-        master its fp32 value, as when the optimizer is built after the load, whose construction takes the
-        original values. Until session 40 the master took the rounded weight (what the step's reconcile sees), so
-        a fine-tune loaded after building the optimizer started from masters 2^-9 (relative) away from the
-        checkpoint, and trained to other weights than one built after the load, silently. Where nothing changes
-        the weights until the step, their reconcile keeps such a master; an element written again since (a row
-        zeroed) takes the new value as any write does."""
+        copies each tensor with this, as does ``p.copy_(w)`` under ``no_grad``) noted for the owning optimizer's
+        fp32 master (:meth:`_Bucket.note_precise`): the weights get its bf16 rounding, as in torch, and the next
+        look at the weights (the step's) takes its fp32 value as the master where nothing wrote the weight since
+        (an fp32 EMA swapped in to evaluate, then the weights put back: the masters stay as they were), as the
+        optimizer built after the load takes the original values. Until session 40 the master took the rounded
+        weight, so a fine-tune loaded after building the optimizer started from masters 2^-9 (relative) away from
+        the checkpoint, and trained to other weights than one built after the load, silently."""
         if torch.compiler.is_compiling():
             return super().copy_(src, non_blocking)
         landed(self)
         out = super().copy_(src, non_blocking)
-        if isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point():
-            ref = OWNER.get(id(self))
-            b = ref() if ref is not None else None
-            if b is not None:
-                b.write_master(self, src, non_blocking)
+        ref = OWNER.get(id(self))
+        b = ref() if ref is not None else None
+        if b is not None:
+            if isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point():
+                b.note_precise(self, src, non_blocking)
+            elif b.precise:
+                b.precise.pop(id(self), None)
         return out
 
     def register_post_accumulate_grad_hook(self, hook):
@@ -167,7 +172,7 @@ class WatchedParameter(torch.nn.Parameter):
         here. Cost: ~0.2 us per assignment (a Python frame), nothing per read."""
         _OBJECT_SETATTR(self, name, value)
         if (name == "grad" or name == "data") and not torch.compiler.is_compiling():
-            _must_look(self)
+            _must_look(self, written=name == "data")
 
     def __repr__(self, *, tensor_contents=None):
         return torch.nn.Parameter.__repr__(torch.nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
@@ -262,6 +267,9 @@ class _Bucket:
         if remainders:
             self.master_remainder = split_bf16_remainder(self.master)[1]
             self.master = None
+        #: id of a parameter -> its pieces' fp32 values: a copy of another floating dtype
+        #: into it (:meth:`note_precise`), for the next look at the weights (:meth:`take_precise`)
+        self.precise: dict = {}
         self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
         self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
         # per-step communication state, reset by step() / zero_grad()
@@ -312,22 +320,36 @@ class _Bucket:
         return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
 
     @torch.no_grad()
-    def write_master(self, p: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-        """``src`` (of ``p``'s shape, or broadcast to it; any floating dtype and device) into the master of ``p``'s
-        pieces of this rank's shard, as fp32 (:meth:`WatchedParameter.copy_`, which has written its bf16 rounding
-        into the weights). With stored remainders the remainder of its split (whose high half is that rounding)."""
+    def note_precise(self, p: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """``src`` (of ``p``'s shape, or broadcast to it; any floating dtype and device), just copied into ``p``
+        (:meth:`WatchedParameter.copy_`), kept as fp32 for ``p``'s pieces of this rank's shard, for
+        :meth:`take_precise`. Memory: 4 bytes per element of those pieces until then (the next step)."""
         index = next(i for i, q in enumerate(self.params) if q is p)
         flat = (src if tuple(src.shape) == tuple(p.shape) else src.expand(p.shape)).detach().reshape(-1)
-        for piece in self.param_buffer.shard_pieces():
-            if piece.tensor_index != index:
-                continue
-            value = flat[piece.tensor_start:piece.tensor_end]
-            dst = slice(piece.shard_start, piece.shard_end)
-            if self.master_remainder is None:
-                self.master[dst].copy_(value, non_blocking=non_blocking)
-            else:
-                value = value.to(device=self.master_remainder.device, dtype=torch.float32, non_blocking=non_blocking)
-                self.master_remainder[dst].copy_(split_bf16_remainder(value)[1])
+        device = self.param_buffer.get_data().device
+        pieces = [(slice(piece.shard_start, piece.shard_end),
+                   flat[piece.tensor_start:piece.tensor_end].to(device, torch.float32, non_blocking=non_blocking,
+                                                                copy=True))
+                  for piece in self.param_buffer.shard_pieces() if piece.tensor_index == index]
+        self.precise[id(p)] = pieces
+
+    @torch.no_grad()
+    def take_precise(self) -> None:
+        """The fp32 sources :meth:`note_precise` kept, into the master wherever the weight is still their rounding
+        (the remainder of their split, whose high half is that rounding, with stored remainders); an element
+        written since (a row zeroed after a load) is left to the reconcile, which follows the weight. A copy of
+        the parameter's own dtype since (the weights put back after an EMA swapped in), or ``.data`` handed out,
+        dropped the note already (:meth:`WatchedParameter.copy_`, ``.data``)."""
+        shard = self.param_buffer.get_local_shard()
+        for pieces in self.precise.values():
+            for dst, value in pieces:
+                hi, weight = value.to(shard.dtype), shard[dst]
+                if self.master_remainder is None:
+                    self.master[dst].copy_(torch.where(weight == hi, value, self.master[dst]))
+                else:
+                    rem = self.master_remainder[dst]
+                    rem.copy_(torch.where(weight == hi, split_bf16_remainder(value)[1], rem))
+        self.precise.clear()
 
     def set_master(self, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""

@@ -298,7 +298,11 @@ class ModelViewMixin:
     def _reconcile_master(self, b: _Bucket) -> None:
         """Master := the parameter's value wherever the bf16 shard is not the rounding of the master (an outside
         write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
-        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays)."""
+        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays). First,
+        the fp32 values copied into the weights since, where the weights still hold their roundings
+        (:meth:`_Bucket.take_precise`)."""
+        if b.precise:
+            b.take_precise()
         if b.master_remainder is not None:
             return
         shard = b.param_buffer.get_local_shard()
