@@ -1325,7 +1325,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 # this one reads it (_hand_back_grad)
                 if _grad_enabled() or (id(param) in POST_HOOKED and self._user_post_hooks(param)):
                     return
-                if self._no_sync_depth or self._solo:
+                if self._no_sync_depth:  # (one rank runs this machinery in tests and benchmarks only: there as on
+                    # many, a flush and a launch per bucket outside no_sync(), each launch the identity)
                     self._flush_completed(bucket)
                     return
                 self._flush_bucket(bucket)
@@ -1334,10 +1335,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     self._launch_in_order()
 
     def _flush_completed(self, bucket: _Bucket) -> None:
-        """overlap_comm, a bucket completed where nothing is launched for it now (inside ``no_sync()``; on one rank,
-        where the machinery runs in tests only): flushed with the next completed ones, FLUSH_TOGETHER
-        buckets in one flush (one flatten launch, one pass of the Python around it), the rest at the end of the
-        backward. A flush of its own per bucket cost ~45 us of host time on the GPU path (session 32: with the 302M
+        """overlap_comm, a bucket completed where nothing is launched for it now (inside ``no_sync()``): flushed with
+        the next completed ones, FLUSH_TOGETHER buckets in one flush (one flatten launch, one pass of the Python
+        around it), the rest at the end of the backward. A flush of its own per bucket cost ~45 us of host time on the GPU path (session 32: with the 302M
         example's 26 buckets, four at a time saved ~1.3 ms per backward on this repo's CPU machine, flushing all at
         the end ~3 ms); waiting for FLUSH_TOGETHER keeps at most FLUSH_TOGETHER - 1 more buckets' gradients alive
         than a flush per bucket (75 MB at the default ``bucket_cap_mb``), where flushing only at the end would keep
@@ -1357,10 +1357,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 del groups[next(iter(groups))]
             launches = groups[key] = {}
         self._flush_buckets(done, launches)
-        if not self._no_sync_depth:  # (one rank: their launches, in order; each the identity)
-            for b in done:
-                b.launch_wanted = True
-            self._launch_in_order()
 
     def _end_of_backward(self) -> None:
         self._flush_queued = False
