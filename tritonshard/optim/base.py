@@ -1337,11 +1337,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _flush_completed(self, bucket: _Bucket) -> None:
         """overlap_comm, a bucket completed where nothing is launched for it now (inside ``no_sync()``): flushed with
         the next completed ones, FLUSH_TOGETHER buckets in one flush (one flatten launch, one pass of the Python
-        around it), the rest at the end of the backward. A flush of its own per bucket cost ~45 us of host time on the GPU path (session 32: with the 302M
-        example's 26 buckets, four at a time saved ~1.3 ms per backward on this repo's CPU machine, flushing all at
-        the end ~3 ms); waiting for FLUSH_TOGETHER keeps at most FLUSH_TOGETHER - 1 more buckets' gradients alive
-        than a flush per bucket (75 MB at the default ``bucket_cap_mb``), where flushing only at the end would keep
-        the whole model's."""
+        around it), the rest at the end of the backward. A flush of its own per bucket cost ~45 us of host time on
+        the GPU path (session 32: with the 302M example's 26 buckets, four at a time saved ~1.3 ms per backward on
+        this repo's CPU machine, flushing all at the end ~3 ms); waiting for FLUSH_TOGETHER keeps at most
+        FLUSH_TOGETHER - 1 more buckets' gradients alive than a flush per bucket (75 MB at the default
+        ``bucket_cap_mb``), where flushing only at the end would keep the whole model's."""
         done = self._completed
         done.append(bucket)
         if len(done) < FLUSH_TOGETHER:

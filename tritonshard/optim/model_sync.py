@@ -743,6 +743,11 @@ class _GuardedModule:
         return _rebuild_module, (type(self)._tritonshard_base, state)
 
 
+_is_compiling = torch.compiler.is_compiling
+_ABSENT = object()  # (an attribute name not among a module's parameters)
+_NO_PARAMETERS: dict = {}
+
+
 class _GuardedAttributes(_GuardedModule):
     """:class:`_GuardedModule` for a model whose optimizer leaves its all-gathers in flight after ``step()``
     (``overlap_comm``): a parameter read as an attribute (``model.lm_head.weight``, a block's ``.weight``) waits
@@ -768,10 +773,6 @@ class _GuardedAttributes(_GuardedModule):
                 b.wait_gather()
         return value
 
-
-_is_compiling = torch.compiler.is_compiling
-_ABSENT = object()
-_NO_PARAMETERS: dict = {}
 
 
 class _GuardedDDP(_GuardedModule):
