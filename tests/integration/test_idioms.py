@@ -629,13 +629,13 @@ def _create_graph_input(step: int, rank: int) -> torch.Tensor:
     return torch.randn(5, 7, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
 
 
-def _trained_by_torch(world_size: int, backward, prepare=None) -> torch.nn.Module:
-    """_penalty_net's bf16 twin after three steps of torch.optim.AdamW (lr 1e-2) on its fp32 masters: each step
+def _trained_by_torch(world_size: int, backward, prepare=None, net=_penalty_net) -> torch.nn.Module:
+    """``net()``'s bf16 twin after three steps of torch.optim.AdamW (lr 1e-2) on its fp32 masters: each step
     every rank's backwards (``backward(twin, step, rank)``, after ``prepare(twin)``), their gradients summed in
     bf16 in rank order and multiplied by 1 / d in fp32 (what the reduce-scatter and the update compute:
     tests/optim/training.py)."""
-    masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
-    twin = _penalty_net().to(torch.bfloat16)
+    masters = [p.detach().clone().requires_grad_() for p in net().parameters()]
+    twin = net().to(torch.bfloat16)
     if prepare is not None:
         prepare(twin)
     reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
@@ -689,6 +689,39 @@ def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_
     its end hands back those it did not reach (without that, the penalty's read of them was the placeholder's
     error)."""
     run_on_ranks(_create_graph_run, world_size, then, overlap, machinery, None)
+
+
+def _bf16_penalty_net() -> torch.nn.Module:
+    """_penalty_net with weights a bf16 model holds exactly (its last layer can stay frozen, in bf16, while the
+    optimizer is built)."""
+    net = _penalty_net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(p.bfloat16())
+    return net
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")  # (torch's note on
+# the reference cycle this idiom makes: the loop's choice)
+def test_a_penalty_backward_over_a_parameter_unfrozen_since_building_differentiates_through_its_gradient():
+    """The last layer frozen when the optimizer is built, unfrozen before the first backward with
+    ``create_graph=True`` and a penalty on every ``param.grad``: the end of that backward lays the layer out (its
+    new buckets), and its gradient, which the penalty reads, keeps its graph, as in torch; the first layer's
+    penalty gradient flows through it. Until session 40 laying it out detached that gradient: the first layer
+    trained to other weights, silently (found by tests.optim.loop_fuzz_long: freeze, a new optimizer, unfreeze,
+    a penalty)."""
+    model = _bf16_penalty_net().to(torch.bfloat16)
+    model[2].requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=1e-9)
+    model[2].requires_grad_(True)
+    for step in range(3):
+        _backward_with_create_graph(model, _create_graph_input(step, 0), "penalty")
+        opt.step()
+        opt.zero_grad()
+    twin = _trained_by_torch(1, lambda twin, step, r: _backward_with_create_graph(
+        twin, _create_graph_input(step, r), "penalty"), net=_bf16_penalty_net)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"{name}, the last layer unfrozen since building")
 
 
 def _post_hooked_run(rank, world_size, overlap, machinery, registered):

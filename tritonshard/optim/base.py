@@ -855,7 +855,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _restore_grads(self, held: list) -> None:
         """The gradients of :func:`_held_grads` back, for the next step to use as torch.optim would use the
         ``param.grad`` it finds: a plain one in the parameter's new dtype (autograd requires it; rounded once),
-        taken as a gradient set by hand; another optimizer's placeholder (``zero_grad(set_to_none=False)``, its
+        taken as a gradient set by hand, with its graph where it has one (``backward(create_graph=True)``: a
+        penalty on it differentiates through it; until session 40 detached here, where a parameter unfrozen since
+        the optimizer was built is laid out at the end of that backward, so the penalty missed every term through
+        that gradient, silently: found by tests.optim.loop_fuzz_long); another optimizer's placeholder (``zero_grad(set_to_none=False)``, its
         only meaning between steps) as a gradient of zeros, in this optimizer's placeholder; another optimizer's
         spent marker (its last step() used that gradient, nothing cleared it since) as this optimizer's, so that
         a step or a clip that would apply it again is the same error (torch.optim would apply it again)."""
@@ -866,7 +869,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             elif isinstance(g, ShardedGrad):
                 self._hold_zeros(self._bucket_of[p][0], [p])
             else:
-                set_grad(p, g.detach().to(dtype=p.dtype))
+                set_grad(p, (g if g.requires_grad else g.detach()).to(dtype=p.dtype))
 
     def _add_buckets(self, gi: int, params: list, groups) -> None:
         """New buckets of ``params`` (of param group ``gi``) join the optimizer after construction (``groups``: see
