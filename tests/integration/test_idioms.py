@@ -68,6 +68,8 @@ def test_load_state_dict_after_building_the_optimizer_trains_from_the_loaded_wei
 
 
 def _load(model, weights: dict, how: str) -> None:
+    """``weights`` (fp32) into ``model`` as a loop writes them: ``model.load_state_dict``, or ``p.copy_`` per
+    parameter under ``no_grad`` (from fp64 for ``how="copy_ from fp64"``)."""
     if how in ("load_state_dict", "resume from torch.optim"):
         model.load_state_dict(weights)
         return
@@ -119,8 +121,8 @@ def test_fp32_weights_loaded_after_building_train_as_if_loaded_before(how, world
     """Fine-tuning from an fp32 checkpoint, loaded into the model after the optimizer was built (the brief's
     idiom), also with the optimizer state of a torch.optim.AdamW run (a move from torch AMP): the masters take the
     checkpoint's fp32 values, as the construction does when the load comes first, and training continues bit for
-    bit as that run. Until session 40 they took its bf16 rounding (within 2^-9 of
-    it): other masters and, after a few steps, other weights, silently."""
+    bit as that run. Until session 40 they took its bf16 rounding (within 2^-9 of it): other masters and, after a
+    few steps, other weights, silently."""
     if world_size == 1:
         _load_before_or_after_building(0, 1, how, kwargs)
     else:
