@@ -129,6 +129,26 @@ def test_fp32_weights_loaded_after_building_train_as_if_loaded_before(how, world
         run_on_ranks(_load_before_or_after_building, world_size, how, kwargs)
 
 
+def test_fp32_weights_loaded_into_a_parameter_held_frozen_reach_its_master_when_it_is_laid_out():
+    """A second optimizer built while a head is frozen (a second phase of training) takes the parameters over from
+    the first, but lays the head out only once it trains: fp32 weights loaded into it meanwhile (bf16 since the
+    first optimizer laid it out) reach its master then, unrounded, as they reach a laid-out parameter's. Found by
+    tests.optim.loop_fuzz_long in session 40 (a freeze, a new optimizer, an fp32 write, a gradient set by hand):
+    the new head's master was the bf16 rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ShardedAdamW(model.parameters(), lr=1e-3)
+    model[1].requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    pretrained = {k: torch.randn(v.shape) for k, v in model[1].state_dict().items()}  # (fp32, not bf16 values)
+    model[1].load_state_dict(pretrained)
+    model[1].requires_grad_(True)
+    model(torch.randn(4, 6).bfloat16()).float().square().mean().backward()  # (lays the head out at its end)
+    masters = opt.state_dict()["state"]
+    assert_bitwise_equal(masters[2]["master"], pretrained["weight"], "the head's master")
+    assert_bitwise_equal(masters[3]["master"], pretrained["bias"], "the head's bias master")
+
+
 @pytest.mark.parametrize("restore", ["copy_", "load_state_dict", ".data"])
 def test_an_fp32_ema_swapped_in_for_evaluation_and_back_out_leaves_the_masters_bit_for_bit(restore):
     """An fp32 EMA of the weights copied into the model to evaluate it, then the weights saved before put back

@@ -124,7 +124,7 @@ from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partia
                              partials_multi_launch_spec, shared_sum_sq_workspace)
 from . import graphs as _graphs
 from . import model_sync
-from .bucket import HOLDERS_GONE, POST_HOOKED, _Bucket, set_grad, split_into_buckets, trace as _trace
+from .bucket import HELD_FROZEN, HOLDERS_GONE, POST_HOOKED, _Bucket, set_grad, split_into_buckets, trace as _trace
 from .bucket import plain_attrs as _PLAIN_ATTRS
 from .model_sync import ShardedGrad, SpentGrad
 from .model_view import ModelViewMixin, _names
@@ -798,6 +798,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 other._attached = None
             other._retired_by = (f"a {type(self).__name__} built later over the same parameters "
                                  f"({_names(names)}) took them over")
+            for b in other.buckets:  # (an fp32 copy into a parameter it laid out is kept for the next that does)
+                b.retired = True
 
     def _mid_step(self) -> bool:
         """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
@@ -1040,6 +1042,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 self._param_names[p] = param_name(self.param_groups[gi], gi, j, p)
                 if not p.requires_grad:
                     self._frozen_at_build.append(p)
+                    HELD_FROZEN[p] = True  # (an fp32 copy into it waits for its layout: WatchedParameter.copy_)
         for b in new:
             self._param_views.update(zip(b.params, b.param_buffer.get_views()))
         self._param_ptrs += [self._param_views[p].data_ptr() for p in added]

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import comm
 from ..buffer import Buffer
@@ -99,6 +100,15 @@ def landed(p: torch.Tensor) -> None:
     if b is not None and b.ag_work is not None:
         b.wait_gather()
 
+#: a laid-out parameter given an fp32 copy (:meth:`WatchedParameter.copy_`) while no live optimizer holds it laid out
+#: (frozen when the optimizer training the rest was built, which took it over from the one that laid it out) -> the
+#: copy's values, whole, as fp32, for the optimizer that lays it out next (:class:`_Bucket`): its master takes them
+#: where the weight is still their rounding, as a construction takes the original values
+UNHELD_PRECISE = WeakIdKeyDictionary()
+#: the parameters some optimizer holds frozen since its construction, not laid out (ShardedOptimizer's
+#: ``_frozen_at_build``): where a copy into one is kept in UNHELD_PRECISE (the others are laid out by nobody next)
+HELD_FROZEN = WeakIdKeyDictionary()
+
 #: ids of the parameters whose ``.data`` was handed out since their optimizer last looked (sync_from_model): a
 #: write through it (``p.data.copy_(x)``, ``m.weight.data.normal_()``) does not move the parameter's version
 #: counter, so only this says to look at their weights. A stale id (a parameter gone since) costs one look.
@@ -149,11 +159,18 @@ class WatchedParameter(torch.nn.Parameter):
         out = super().copy_(src, non_blocking)
         ref = OWNER.get(id(self))
         b = ref() if ref is not None else None
-        if b is not None:
-            if isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point():
+        precise = isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point()
+        if b is not None and not b.retired:
+            if precise:
                 b.note_precise(self, src, non_blocking)
             elif b.precise:
                 b.precise.pop(id(self), None)
+        elif precise and self in HELD_FROZEN:  # (held frozen by the optimizer training the rest: kept whole for
+            # when it lays it out)
+            UNHELD_PRECISE[self] = (src.detach() if tuple(src.shape) == tuple(self.shape)
+                                    else src.detach().expand(self.shape)).to(self.device, torch.float32, copy=True)
+        else:
+            UNHELD_PRECISE.pop(self, None)
         return out
 
     def register_post_accumulate_grad_hook(self, hook):
@@ -242,9 +259,18 @@ class _Bucket:
         n = self.param_buffer.shard_numel
         # the master shard comes from the ORIGINAL values (fp32 or whatever the model had), not the rounded copy
         self.master = torch.zeros(n, dtype=torch.float32, device=device)
+        noted = [UNHELD_PRECISE.pop(p, None) for p in params] if UNHELD_PRECISE else None
+        if HELD_FROZEN:  # (laid out now)
+            for p in params:
+                HELD_FROZEN.pop(p, None)
         for piece in self.param_buffer.shard_pieces():
             src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
             self.master[piece.shard_start:piece.shard_end].copy_(src)
+            value = noted[piece.tensor_index] if noted is not None else None
+            if value is not None:  # (an fp32 copy into it while no live optimizer held it laid out: WatchedParameter.
+                value = value.reshape(-1)[piece.tensor_start:piece.tensor_end]  # copy_), where it still holds it
+                master = self.master[piece.shard_start:piece.shard_end]
+                master.copy_(torch.where(src == value.to(src.dtype), value, master))
         self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
         # bf16 states: rounding mode, and a per-bucket, per-rank seed advanced on the device every step
         self.state_rounding = state_rounding
@@ -270,6 +296,7 @@ class _Bucket:
         #: id of a parameter -> its pieces' fp32 values: a copy of another floating dtype
         #: into it (:meth:`note_precise`), for the next look at the weights (:meth:`take_precise`)
         self.precise: dict = {}
+        self.retired = False  # (its optimizer was taken over by a later one: ShardedOptimizer._take_over)
         self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
         self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
         # per-step communication state, reset by step() / zero_grad()
