@@ -267,8 +267,9 @@ class _Bucket:
             src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
             self.master[piece.shard_start:piece.shard_end].copy_(src)
             value = noted[piece.tensor_index] if noted is not None else None
-            if value is not None:  # (an fp32 copy into it while no live optimizer held it laid out: WatchedParameter.
-                value = value.reshape(-1)[piece.tensor_start:piece.tensor_end]  # copy_), where it still holds it
+            if value is not None:  # (an fp32 copy into it while it was held frozen, WatchedParameter.copy_: taken
+                # where the weight still holds its rounding)
+                value = value.reshape(-1)[piece.tensor_start:piece.tensor_end]
                 master = self.master[piece.shard_start:piece.shard_end]
                 master.copy_(torch.where(src == value.to(src.dtype), value, master))
         self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
