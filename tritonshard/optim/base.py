@@ -860,10 +860,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         taken as a gradient set by hand, with its graph where it has one (``backward(create_graph=True)``: a
         penalty on it differentiates through it; until session 40 detached here, where a parameter unfrozen since
         the optimizer was built is laid out at the end of that backward, so the penalty missed every term through
-        that gradient, silently: found by tests.optim.loop_fuzz_long); another optimizer's placeholder (``zero_grad(set_to_none=False)``, its
-        only meaning between steps) as a gradient of zeros, in this optimizer's placeholder; another optimizer's
-        spent marker (its last step() used that gradient, nothing cleared it since) as this optimizer's, so that
-        a step or a clip that would apply it again is the same error (torch.optim would apply it again)."""
+        that gradient, silently: found by tests.optim.loop_fuzz_long); another optimizer's placeholder
+        (``zero_grad(set_to_none=False)``, its only meaning between steps) as a gradient of zeros, in this
+        optimizer's placeholder; another optimizer's spent marker (its last step() used that gradient, nothing
+        cleared it since) as this optimizer's, so that a step or a clip that would apply it again is the same error
+        (torch.optim would apply it again)."""
         for p, g in held:
             if type(g) is SpentGrad:
                 set_grad(p, self._spent_grads[p])

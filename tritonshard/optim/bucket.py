@@ -167,8 +167,7 @@ class WatchedParameter(torch.nn.Parameter):
                 b.precise.pop(id(self), None)
         elif precise and self in HELD_FROZEN:  # (held frozen by the optimizer training the rest: kept whole for
             # when it lays it out)
-            UNHELD_PRECISE[self] = (src.detach() if tuple(src.shape) == tuple(self.shape)
-                                    else src.detach().expand(self.shape)).to(self.device, torch.float32, copy=True)
+            UNHELD_PRECISE[self] = src.detach().expand(self.shape).to(self.device, torch.float32, copy=True)
         else:
             UNHELD_PRECISE.pop(self, None)
         return out
@@ -353,7 +352,7 @@ class _Bucket:
         (:meth:`WatchedParameter.copy_`), kept as fp32 for ``p``'s pieces of this rank's shard, for
         :meth:`take_precise`. Memory: 4 bytes per element of those pieces until then (the next step)."""
         index = next(i for i, q in enumerate(self.params) if q is p)
-        flat = (src if tuple(src.shape) == tuple(p.shape) else src.expand(p.shape)).detach().reshape(-1)
+        flat = src.detach().expand(p.shape).reshape(-1)  # (a view where it has p's shape already)
         device = self.param_buffer.get_data().device
         pieces = [(slice(piece.shard_start, piece.shard_end),
                    flat[piece.tensor_start:piece.tensor_end].to(device, torch.float32, non_blocking=non_blocking,

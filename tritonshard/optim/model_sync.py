@@ -774,7 +774,6 @@ class _GuardedAttributes(_GuardedModule):
         return value
 
 
-
 class _GuardedDDP(_GuardedModule):
     """:class:`_GuardedModule` for a ``DistributedDataParallel`` around the attached model. Its reduction stays off
     (tritonshard reduces what it holds: ``require_backward_grad_sync`` reads False), and what the loop writes to

@@ -444,21 +444,12 @@ class ModelViewMixin:
         """The product of the coefficients torch code multiplied ``param.grad`` by this step (None if none). Every
         parameter must have been scaled by the same ones: the update scales the whole gradient at once."""
         if self._all_multipliers:  # (every held gradient multiplied by each, in this order)
-            total = None
-            for c in self._all_multipliers:
-                total = c if total is None else total * c
-            self._multipliers_folded = len(self._all_multipliers)
-            return total
+            return self._folded_product(self._all_multipliers)
         if not self._grad_multipliers:
-            self._multipliers_folded = 0
-            return None
+            return self._folded_product(())
         same = self._same_multipliers_everywhere()
         if same is not None:
-            total = None
-            for c in same:
-                total = c if total is None else total * c
-            self._multipliers_folded = len(same)
-            return total
+            return self._folded_product(same)
         # parameters without a gradient on this rank (param.grad None; zeros in the buffer) are skipped by torch's
         # clipping, and scaling their zeros changes nothing
         with_grad = [p for b in self.buckets for p in b.placed] + list(self._grad_multipliers)
@@ -473,11 +464,15 @@ class ModelViewMixin:
                 "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm). (A gradient set by "
                 "hand is a plain tensor until the first multiply of a tritonshard gradient reduces them all, and a "
                 "multiply before that is its own: set it after multiplying, or multiply it before setting.)")
+        return self._folded_product(self._grad_multipliers[with_grad[-1]])
+
+    def _folded_product(self, coefs) -> Optional[object]:
+        """The product of ``coefs`` in order (None for none), which the update folds in: their number noted
+        (compared across ranks by the step's handshake: _step_settings)."""
         total = None
-        folded = self._grad_multipliers[with_grad[-1]]
-        for c in folded:
+        for c in coefs:
             total = c if total is None else total * c
-        self._multipliers_folded = len(folded)  # (compared across ranks by the step's handshake: _step_settings)
+        self._multipliers_folded = len(coefs)
         return total
 
     def _same_multipliers_everywhere(self) -> Optional[list]:
