@@ -651,17 +651,22 @@ def _create_graph_input(step: int, rank: int) -> torch.Tensor:
     return torch.randn(5, 7, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
 
 
-def _trained_by_torch(world_size: int, backward, prepare=None, net=_penalty_net) -> torch.nn.Module:
+def _trained_by_torch(world_size: int, backward, prepare=None, net=_penalty_net, between=None) -> torch.nn.Module:
     """``net()``'s bf16 twin after three steps of torch.optim.AdamW (lr 1e-2) on its fp32 masters: each step
     every rank's backwards (``backward(twin, step, rank)``, after ``prepare(twin)``), their gradients summed in
     bf16 in rank order and multiplied by 1 / d in fp32 (what the reduce-scatter and the update compute:
-    tests/optim/training.py)."""
+    tests/optim/training.py). ``between(tensors)``: before each step's backwards, under no_grad, on the twin's
+    weights and on the masters."""
     masters = [p.detach().clone().requires_grad_() for p in net().parameters()]
     twin = net().to(torch.bfloat16)
     if prepare is not None:
         prepare(twin)
     reference = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
     for step in range(3):
+        if between is not None:
+            with torch.no_grad():
+                between(list(twin.parameters()))
+                between(masters)
         total = None
         for r in range(world_size):
             backward(twin, step, r)
@@ -675,6 +680,7 @@ def _trained_by_torch(world_size: int, backward, prepare=None, net=_penalty_net)
         with torch.no_grad():
             for q, m in zip(twin.parameters(), masters):
                 q.copy_(m)
+    twin.masters = [m.detach() for m in masters]  # (the fp32 weights, beside their bf16 twin)
     return twin
 
 
@@ -711,6 +717,60 @@ def test_backward_with_create_graph_leaves_the_gradients_in_param_grad_as_torch_
     its end hands back those it did not reach (without that, the penalty's read of them was the placeholder's
     error)."""
     run_on_ranks(_create_graph_run, world_size, then, overlap, machinery, None)
+
+
+#: in-place updates of the weights by the loop between steps (a weight decay of its own, written three ways;
+#: weight clipping), each as torch would run it on every weight (or on every other one)
+_WEIGHT_UPDATES = {
+    "p.mul_(1 - 1e-4)": lambda ps: [p.mul_(1 - 1e-4) for p in ps],
+    "p.add_(p, alpha=-1e-4)": lambda ps: [p.add_(p, alpha=-1e-4) for p in ps],
+    "p.lerp_(zeros, 1e-4)": lambda ps: [p.lerp_(torch.zeros_like(p), 1e-4) for p in ps],
+    "p.clamp_(-0.2, 0.2)": lambda ps: [p.clamp_(-0.2, 0.2) for p in ps],
+    "every other p: p.mul_(0.9999).clamp_(min=-0.2)": lambda ps: [p.mul_(0.9999).clamp_(min=-0.2) for p in ps[::2]],
+}
+
+
+def _updated_run(rank, world_size, how, layout):
+    model = _penalty_net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=1e-9 if layout == "a bucket per parameter" else 25,
+                       store_param_remainders=layout == "stored remainders")
+
+    def backward(net, step, r):
+        net(_create_graph_input(step, r)).float().square().mean().backward()
+    for step in range(3):
+        with torch.no_grad():
+            _WEIGHT_UPDATES[how](list(model.parameters()))
+        if step == 1:  # (a look before the step's: the norm's; the calls' fp32 results wait for the step's look)
+            opt.state_dict()
+        backward(model, step, rank)
+        opt.step()
+        opt.zero_grad()
+    twin = _trained_by_torch(world_size, backward, between=_WEIGHT_UPDATES[how])
+    masters = opt.state_dict()["state"]
+    for i, ((name, p), q) in enumerate(zip(model.named_parameters(), twin.parameters())):
+        # (the fused kernel's fp32 AdamW against torch's: a few ulp, ~1e-7 of the largest weight; a decay lost is
+        # 1e-4 of it per step)
+        assert_close_rel(masters[i]["master"].reshape(p.shape), twin.masters[i], 1e-6,
+                         f"{name}'s master, rank {rank} of {world_size}, {how}, {layout}")
+        assert_bitwise_equal(p.detach(), q.detach(), f"{name}, rank {rank} of {world_size}, {how}, {layout}")
+
+
+@pytest.mark.parametrize("how, world_size, layout", [
+    *[(how, d, "a bucket per parameter") for how in list(_WEIGHT_UPDATES)[:4] for d in (1, 2)],
+    ("p.mul_(1 - 1e-4)", 2, "one bucket"),  # (the calls run once over the shard)
+    ("p.lerp_(zeros, 1e-4)", 2, "one bucket"),  # (a tensor argument: each parameter on its own)
+    *[(list(_WEIGHT_UPDATES)[4], d, "one bucket") for d in (1, 2)],  # (some parameters of the bucket: the same)
+    ("p.mul_(1 - 1e-4)", 2, "stored remainders"),
+])
+def test_in_place_updates_of_the_weights_between_steps_act_on_the_fp32_masters_as_torch_on_fp32(how, world_size,
+                                                                                              layout):
+    """A loop's own update of the weights between steps, under no_grad, through the parameter's in-place methods:
+    tritonshard runs it on the bf16 weights, as torch does, and the same call on the fp32 values they stand for,
+    which the next step takes as the master: bit for bit torch.optim on fp32 weights with the same updates (the
+    masters and the weights), also with a save between the update and the step (a look that keeps the weights as
+    torch's bf16 call left them). Until session 41 the master took the bf16 result only where the weight changed:
+    a decay below half a bf16 ulp (every decay here) changed nothing and was lost every step, silently."""
+    run_on_ranks(_updated_run, world_size, how, layout)
 
 
 def _bf16_penalty_net() -> torch.nn.Module:

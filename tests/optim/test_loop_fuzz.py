@@ -54,6 +54,12 @@ LRS = (1e-2, 3e-3, 2e-2)
 #: checkpoint: the masters take them unrounded, as torch.optim's fp32 weights do; through ``.data`` they would not,
 #: a limit the README states)
 WRITES = ("attribute", "data", "load_state_dict", "attribute fp32", "load_state_dict fp32")
+#: in-place updates of a weight by the loop between two calls (a weight decay of its own below half a bf16 ulp,
+#: weight clipping), through the parameter's methods. The clip is from below only: like :func:`written`'s writes
+#: it moves weights up, so that no write after it comes back to a weight the optimizer last saw (clipped down,
+#: then written up, a weight can land on its old master's rounding, whose fp32 bits the master then keeps: the
+#: limit :func:`written` avoids; found by TracedTrainingLoop in session 41 with a two-sided clip)
+UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=-0.1)}
 #: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
@@ -498,6 +504,18 @@ class TrainingLoop(RuleBasedStateMachine):
             with torch.no_grad():
                 self.refs[n].copy_(value)
                 self.masters[n].copy_(value.float())
+
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
+    def update(self, names, how):
+        """An in-place update of the weights by the loop between any two calls (a weight decay of its own, weight
+        clipping), under no_grad through the module attribute: torch.optim's fp32 weights take it in fp32; ours
+        run it on the bf16 weights and the fp32 values they stand for (until session 40 a decay below half a bf16
+        ulp was lost)."""
+        for n in sorted(names):
+            with torch.no_grad():
+                UPDATES[how](functools.reduce(getattr, n.split("."), self.model))
+                UPDATES[how](self.refs[n])
+                UPDATES[how](self.masters[n])
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(STATE_EDITS))
     def edit(self, names, how):

@@ -281,6 +281,9 @@ class _StepFlags:
         self.traced_reduction = False
         self.traced_state: Optional[tuple] = None
         self.traced_clip_coef: Optional[torch.Tensor] = None
+        # fp32 values noted for the weights, or in-place calls on them to run on their fp32 values (_Bucket.precise,
+        # _Bucket.calls), wait for a step's look: the looks until then look at the buckets holding them
+        self.precise_notes = False
 
 
 def _step_eagerly(opt, closure):
@@ -603,6 +606,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # (_check_grads_since_reduction)
         self._reduced_early = False
         self._prepared_state = None  # (param versions, state dict) from prepare_state_dict(), until step()/loads
+        self._final_look = False  # step()'s look at the model (sync_from_model): fp32 notes are taken whole there
         self._look_for_trainer = self.world_size * self.replica_size > 1
         self._clip_coef: Optional[torch.Tensor] = None
         self._no_sync_depth = 0
@@ -2848,11 +2852,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             with torch.enable_grad():
                 loss = closure()
         shaken = self._entry.position()
+        self._final_look = True
         try:
             found_inf, amp_scale, amp_found_inf, multiplier, frozen = self._before_update()
         except Exception as exc:
             self._tell_peers(exc, shaken)
             raise
+        finally:
+            self._final_look = False
+        if self._flags.precise_notes and not torch.compiler.is_compiling():  # (taken by this step's look)
+            self._forget_precise_notes()
         self._prepared_state = None
         compiling = torch.compiler.is_compiling()
         if self._graphs is not None and not compiling:

@@ -77,14 +77,18 @@ def _holder_gone(_ref) -> None:
 def _must_look(p: torch.Tensor, written: bool = False) -> None:
     """The next step of ``p``'s optimizer must look at the parameters: run eagerly if compiled (see
     WatchedParameter). ``written``: ``p``'s values may have been written past its version counter (``.data``
-    handed out or replaced): an fp32 copy noted for its master (:meth:`_Bucket.note_precise`) no longer holds."""
+    handed out or replaced): an fp32 copy noted for its master (:meth:`_Bucket.note_precise`), and the in-place
+    calls noted since (:meth:`_Bucket.note_call`), no longer hold."""
     ref = OWNER.get(id(p))
     b = ref() if ref is not None else None
     if b is not None:
         if b.step_flags is not None:
             b.step_flags.eager_step_needed = True
-        if written and b.precise:
-            b.precise.pop(id(p), None)
+        if written:
+            if b.precise:
+                b.precise.pop(id(p), None)
+            if b.calls:
+                b.calls.pop(id(p), None)
 
 
 def landed(p: torch.Tensor) -> None:
@@ -161,6 +165,8 @@ class WatchedParameter(torch.nn.Parameter):
         b = ref() if ref is not None else None
         precise = isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point()
         if b is not None and not b.retired:
+            if b.calls:  # (the copy replaces every value: what was noted of the calls before it is void)
+                b.calls.pop(id(self), None)
             if precise:
                 b.note_precise(self, src, non_blocking)
             elif b.precise:
@@ -199,6 +205,89 @@ class WatchedParameter(torch.nn.Parameter):
                 _TENSOR_DATA.__get__(self).clone(memory_format=torch.preserve_format), self.requires_grad)
         return memo[id(self)]
 
+
+#: torch.Tensor's in-place methods that compute each element from the same element of the tensor and of each tensor
+#: argument (broadcast): :class:`WatchedParameter` runs them on the bf16 weights, as torch does, and notes the call
+#: for the fp32 master (:func:`_mirrored`)
+MIRRORED_METHODS = ("mul_", "div_", "add_", "sub_", "clamp_", "clamp_min_", "clamp_max_", "lerp_", "addcmul_",
+                    "addcdiv_", "fill_", "masked_fill_")
+_VERSION_OF = torch._C.TensorBase._version.__get__
+
+
+def _mirrored(name: str):
+    """``WatchedParameter.<name>``: torch's in-place method on the bf16 weights, and the call noted by the bucket
+    holding the parameter (:meth:`_Bucket.note_call`), whose next look at the weights runs it on the fp32 values
+    they stand for: the master then holds what torch's fp32 weights would (a weight decay of the loop's own,
+    ``p.mul_(1 - lr * wd)``, whose change is below half a bf16 ulp: until session 41 lost, every step, silently;
+    weight clipping, ``p.clamp_``). Cost: ~2 us per call more than torch's (a Python frame and a note), and at the
+    next look a few small torch ops per call and piece of this rank's shard."""
+    method = getattr(torch.Tensor, name)
+
+    def mirrored(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)
+        ref = OWNER.get(id(self))
+        b = ref() if ref is not None else None
+        if b is None or b.retired:  # (held frozen, or by an optimizer taken over: the weights are what it takes)
+            return method(self, *args, **kwargs)
+        if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
+            b.wait_gather()
+        before = _VERSION_OF(self)
+        out = method(self, *args, **kwargs)
+        b.note_call(self, before, name, args, kwargs)
+        return out
+
+    mirrored.__name__ = mirrored.__qualname__ = name
+    mirrored.__doc__ = f"torch.Tensor.{name}, and the call noted for the fp32 master (see :func:`_mirrored`)."
+    return mirrored
+
+
+def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, end: int) -> bool:
+    """``values`` (fp32, elements ``start:end`` of ``p`` flattened) updated in place by the noted ``call`` (see
+    :meth:`_Bucket.note_call`), each tensor argument cut to those elements (broadcast to ``p``'s shape first, a
+    floating one as fp32; ``p`` itself as ``values``). False where an argument was written since the call (its
+    version) or torch refuses the call on fp32 values (torch ran it on the bf16 weights: never an error of ours):
+    the master then follows the weights, as for any other write."""
+    name, args, kwargs, versions = call
+
+    def cut(a):
+        if a is p:
+            return values
+        if isinstance(a, torch.Tensor):
+            a = a.detach().to(values.device, values.dtype if a.is_floating_point() else a.dtype)
+            return torch.broadcast_to(a, p.shape).reshape(-1)[start:end] if a.dim() else a
+        return a
+
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
+    if [_VERSION_OF(a) for a in tensors] != versions:
+        return False
+    try:
+        getattr(values, name)(*map(cut, args), **{k: cut(a) for k, a in kwargs.items()})
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+_SELF = object()  # (the parameter itself among a call's arguments, in a signature)
+
+
+def _signature(p: torch.Tensor, name: str, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """A call's arguments as a comparable key, where they are numbers (or ``p`` itself): the same call on every
+    parameter of a bucket runs once over its shard (:meth:`_Bucket.run_calls`). None for a tensor argument."""
+    key = [name]
+    for a in (*args, *kwargs.items()):
+        v = a[1] if isinstance(a, tuple) else a
+        if v is p:
+            v = _SELF
+        elif not (v is None or isinstance(v, (bool, int, float))):
+            return None
+        key.append(v if not isinstance(a, tuple) else (a[0], v))
+    return tuple(key)
+
+
+for _name in MIRRORED_METHODS:
+    setattr(WatchedParameter, _name, _mirrored(_name))
+del _name
 
 WatchedParameter.__name__ = WatchedParameter.__qualname__ = torch.nn.Parameter.__qualname__
 WatchedParameter.__module__ = torch.nn.Parameter.__module__
@@ -293,9 +382,17 @@ class _Bucket:
         if remainders:
             self.master_remainder = split_bf16_remainder(self.master)[1]
             self.master = None
-        #: id of a parameter -> its pieces' fp32 values: a copy of another floating dtype
-        #: into it (:meth:`note_precise`), for the next look at the weights (:meth:`take_precise`)
+        #: id of a parameter -> (its index in ``params``, its version then, its pieces' fp32 values: ``[(shard slice,
+        #: values)]``): a copy of another floating dtype into it (:meth:`note_precise`), or the in-place calls on it
+        #: run on its fp32 values (:meth:`run_calls`), for the looks at the weights until the step's
+        #: (:meth:`take_precise`)
         self.precise: dict = {}
+        #: id of a parameter -> the in-place calls on it since the last look (:meth:`note_call`), for the next one
+        self.calls: dict = {}
+        self.whole = None  # (shard values, the notes viewing them) from run_calls' one run over the shard
+        self._mask = None  # (_param_mask)
+        self._pieces = None  # (_pieces_of)
+        self.index_of = {id(p): i for i, p in enumerate(params)}
         self.retired = False  # (its optimizer was taken over by a later one: ShardedOptimizer._take_over)
         self.index = -1  # position in ShardedOptimizer.buckets (the collective launch order)
         self.workspace: Optional[torch.Tensor] = None  # scratch an update rule keeps per bucket (ShardedMuon)
@@ -346,37 +443,215 @@ class _Bucket:
             return self.master
         return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
 
+    def _pieces_of(self, index: int) -> list:
+        """``(shard slice, tensor start, tensor end)`` of parameter ``index``'s pieces of this rank's shard (the
+        layout's, listed once per bucket)."""
+        if self._pieces is None:
+            pieces = [[] for _ in self.params]
+            for piece in self.param_buffer.shard_pieces():
+                pieces[piece.tensor_index].append(
+                    (slice(piece.shard_start, piece.shard_end), piece.tensor_start, piece.tensor_end))
+            self._pieces = pieces
+        return self._pieces[index]
+
+    def _note(self, p: torch.Tensor, index: int, pieces: list) -> None:
+        self.precise[id(p)] = (index, _VERSION_OF(p), pieces)
+        if self.step_flags is not None:
+            self.step_flags.precise_notes = self.step_flags.eager_step_needed = True
+
     @torch.no_grad()
     def note_precise(self, p: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         """``src`` (of ``p``'s shape, or broadcast to it; any floating dtype and device), just copied into ``p``
         (:meth:`WatchedParameter.copy_`), kept as fp32 for ``p``'s pieces of this rank's shard, for
         :meth:`take_precise`. Memory: 4 bytes per element of those pieces until then (the next step)."""
-        index = next(i for i, q in enumerate(self.params) if q is p)
+        index = self.index_of[id(p)]
         flat = src.detach().expand(p.shape).reshape(-1)  # (a view where it has p's shape already)
         device = self.param_buffer.get_data().device
-        pieces = [(slice(piece.shard_start, piece.shard_end),
-                   flat[piece.tensor_start:piece.tensor_end].to(device, torch.float32, non_blocking=non_blocking,
-                                                                copy=True))
-                  for piece in self.param_buffer.shard_pieces() if piece.tensor_index == index]
-        self.precise[id(p)] = pieces
+        self._note(p, index, [(dst, flat[start:end].to(device, torch.float32, non_blocking=non_blocking, copy=True))
+                              for dst, start, end in self._pieces_of(index)])
+
+    def note_call(self, p: torch.Tensor, before: int, name: str, args: tuple, kwargs: dict) -> None:
+        """``p.<name>(*args, **kwargs)``, an elementwise in-place method (:data:`MIRRORED_METHODS`), just ran on the
+        bf16 weights, which were at version ``before``: noted for the next look at the weights (:meth:`run_calls`),
+        with the versions of its tensor arguments (written since, they no longer hold the values it saw). The calls
+        on one parameter form a chain from the weights as the optimizer last saw them (its version then, or an fp32
+        copy's note): a write between two calls that is not one of them (``p[0] = 1``) breaks it, and the master
+        follows the weights there, as for any write. With stored remainders the fp32 values the first call started
+        from are taken now (the bf16 weights are their high half)."""
+        key = id(p)
+        entry = self.calls.get(key)
+        after = _VERSION_OF(p)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
+        call = (name, args, kwargs, [_VERSION_OF(a) for a in tensors])
+        signature = None if tensors else _signature(p, name, args, kwargs)
+        if entry is None:
+            index = self.index_of[key]
+            base = None
+            if self.master_remainder is not None:  # (the weights before the call: their high half)
+                base = self.fp32_pieces(index, before)
+            self.calls[key] = [index, before, after, [call], base, None if signature is None else [signature]]
+        elif entry[2] != before or entry[3] is None:  # (a write in between: the chain is broken)
+            entry[3] = None
+        else:
+            entry[2] = after
+            entry[3].append(call)
+            if entry[5] is not None:
+                if signature is None:
+                    entry[5] = None
+                else:
+                    entry[5].append(signature)
+        if self.step_flags is not None:
+            self.step_flags.precise_notes = self.step_flags.eager_step_needed = True
 
     @torch.no_grad()
-    def take_precise(self) -> None:
-        """The fp32 sources :meth:`note_precise` kept, into the master wherever the weight is still their rounding
-        (the remainder of their split, whose high half is that rounding, with stored remainders); an element
-        written since (a row zeroed after a load) is left to the reconcile, which follows the weight. A copy of
-        the parameter's own dtype since (the weights put back after an EMA swapped in), or ``.data`` handed out,
-        dropped the note already (:meth:`WatchedParameter.copy_`, ``.data``)."""
+    def fp32_pieces(self, index: int, version: int) -> list:
+        """``[(shard slice, fp32 values)]`` of parameter ``index``'s pieces of this rank's shard: what its weights,
+        at ``version``, stand for as the look would make the master (an fp32 copy's note where it holds there,
+        else the master)."""
+        noted = self.precise.get(id(self.params[index]))
+        if noted is not None and noted[1] == version:
+            return [(dst, value.clone()) for dst, value in noted[2]]
         shard = self.param_buffer.get_local_shard()
-        for pieces in self.precise.values():
+        if self.master_remainder is None:
+            return [(dst, self.master[dst].clone()) for dst, _, _ in self._pieces_of(index)]
+        return [(dst, combine_bf16_remainder(shard[dst], self.master_remainder[dst]))
+                for dst, _, _ in self._pieces_of(index)]
+
+    @torch.no_grad()
+    def run_calls(self, seen_version) -> None:
+        """The in-place calls noted since the last look (:meth:`note_call`), run on the fp32 values the weights
+        stood for before the first (:meth:`fp32_pieces`), each parameter's result noted as an fp32 copy's is
+        (:meth:`take_precise`). ``seen_version(p)``: ``p``'s version at the optimizer's last look. A chain is
+        dropped (the master follows the weights, as for any write) where it is broken, where the parameter was
+        written since its last call or before its first unseen (its version), or where a call cannot be run on
+        fp32 values. The same calls with numbers on every parameter of the bucket (a weight decay of the loop's
+        own, a clip), from their masters, run once over the master shard (:meth:`_run_whole`)."""
+        calls, self.calls = self.calls, {}
+        runnable = {}
+        for key, entry in calls.items():
+            index, first, last, chain, base, signatures = entry
+            p = self.params[index]
+            if chain is None or _VERSION_OF(p) != last:
+                continue
+            noted = self.precise.get(key)
+            if first != seen_version(p) and (noted is None or noted[1] != first):
+                continue  # (written before the first call, unseen: what the weights stood for is not known)
+            runnable[key] = entry
+        if len(runnable) == len(self.params) and self._run_whole(runnable):
+            return
+        for key, (index, first, last, chain, base, _) in runnable.items():
+            p = self.params[index]
+            if base is None:
+                base = self.fp32_pieces(index, first)
+            pieces = self._pieces_of(index)
+            if all(_run_call(values, p, call, start, end)
+                   for (_, start, end), (_, values) in zip(pieces, base) for call in chain):
+                self._note(p, index, base)
+            else:
+                self.precise.pop(key, None)
+
+    def _run_whole(self, runnable: dict) -> bool:
+        """:meth:`run_calls` for a bucket whose every parameter has the same calls with numbers, started from its
+        master (no stored remainders, no fp32 copy's note to start from): the calls run once over a copy of the
+        master shard (its padding too, left out when taken: :meth:`take_precise`), each parameter's note a view
+        of it. False where that does not hold (each parameter on its own then)."""
+        signatures = None
+        for index, first, _, _, base, sigs in runnable.values():
+            noted = self.precise.get(id(self.params[index]))
+            if base is not None or sigs is None or (noted is not None and noted[1] == first):
+                return False
+            if signatures is None:
+                signatures = sigs
+            elif sigs != signatures:
+                return False
+        index = next(iter(runnable.values()))[0]
+        p, chain = self.params[index], next(iter(runnable.values()))[3]
+        values = self.master.clone()
+        n = values.numel()
+        try:
+            for name, args, kwargs, _ in chain:  # (p itself as the shard: _SELF in the signature, the same for all)
+                getattr(values, name)(*(values if a is p else a for a in args),
+                                      **{k: values if a is p else a for k, a in kwargs.items()})
+        except (RuntimeError, TypeError):
+            return False
+        if values.numel() != n:
+            return False
+        notes = []
+        for index, p in enumerate(self.params):
+            self._note(p, index, [(dst, values[dst]) for dst, _, _ in self._pieces_of(index)])
+            notes.append(self.precise[id(p)])
+        self.whole = (values, notes)
+        return True
+
+    def whole_notes(self) -> Optional[tuple]:
+        """``(shard values, notes)`` of :meth:`_run_whole` while they are every parameter's notes, else None."""
+        whole = self.whole
+        if whole is None:
+            return None
+        precise, notes = self.precise, whole[1]
+        if len(precise) == len(notes) and all(precise.get(id(p)) is n for p, n in zip(self.params, notes)):
+            return whole
+        return None
+
+    def whole_take(self) -> bool:
+        """Whether the step's look takes every parameter's note whole, over the shard (:meth:`take_precise`), which
+        writes every master and weight anew: the reconcile before it has nothing to do."""
+        whole = self.whole_notes()
+        return whole is not None and all(_VERSION_OF(p) == n[1] for p, n in zip(self.params, whole[1]))
+
+    def _param_mask(self) -> torch.Tensor:
+        """Which elements of this rank's shard are parameters' (the rest is padding): made once."""
+        if self._mask is None:
+            mask = torch.zeros(self.param_buffer.shard_numel, dtype=torch.bool, device=self.master_fp32().device)
+            for piece in self.param_buffer.shard_pieces():
+                mask[piece.shard_start:piece.shard_end] = True
+            self._mask = mask
+        return self._mask
+
+    @torch.no_grad()
+    def take_precise(self, final: bool) -> None:
+        """The fp32 values noted for the weights (:meth:`note_precise`, :meth:`run_calls`) into the master, after the
+        reconcile. For a parameter not written since its note (its version): all of them, and in the step's look
+        (``final``) this rank's bf16 weights rounded from them too (a call whose bf16 result differs from that
+        rounding, a decay below half an ulp that left a weight unchanged, moves it there; the step's all-gather
+        rewrites every weight anyway), and the notes are done; before that (a clip, a norm, a save) the notes are
+        kept, and the weights stay as torch's bf16 call left them, the same on every rank. For a parameter written
+        since (a row zeroed after a load): where the weight is still their rounding (the reconcile follows the
+        weight elsewhere). A copy of the parameter's own dtype since (the weights put back after an EMA swapped
+        in), or ``.data`` handed out, dropped the note already (:meth:`WatchedParameter.copy_`, ``.data``). With
+        stored remainders the master is the weight and a remainder: the remainder of the split, whose high half is
+        that rounding, and outside the step's look only where the weight is that rounding. Notes of every
+        parameter from one run over the shard (:meth:`_run_whole`), none written since: a few ops over the shard
+        instead of a few per piece."""
+        shard = self.param_buffer.get_local_shard()
+        whole, self.whole = self.whole_notes(), None
+        if whole is not None:
+            values, notes = whole
+            if all(_VERSION_OF(p) == n[1] for p, n in zip(self.params, notes)):
+                mask = self._param_mask()
+                self.master.copy_(torch.where(mask, values, self.master))
+                if not final:
+                    self.whole = whole
+                    return
+                shard.copy_(torch.where(mask, values.to(shard.dtype), shard))
+                self.precise.clear()
+                return
+        remainders = self.master_remainder is not None
+        for index, version, pieces in self.precise.values():
+            unwritten = _VERSION_OF(self.params[index]) == version
             for dst, value in pieces:
                 hi, weight = value.to(shard.dtype), shard[dst]
-                if self.master_remainder is None:
-                    self.master[dst].copy_(torch.where(weight == hi, value, self.master[dst]))
+                master = self.master[dst] if not remainders else self.master_remainder[dst]
+                if remainders:
+                    value = split_bf16_remainder(value)[1]
+                if unwritten and (final or not remainders):
+                    master.copy_(value)
+                    if final:
+                        weight.copy_(hi)
                 else:
-                    rem = self.master_remainder[dst]
-                    rem.copy_(torch.where(weight == hi, split_bf16_remainder(value)[1], rem))
-        self.precise.clear()
+                    master.copy_(torch.where(weight == hi, value, master))
+        if final:
+            self.precise.clear()
 
     def set_master(self, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""

@@ -139,6 +139,12 @@ class ModelViewMixin:
         if self._frozen_at_build:
             self._adopt_unfrozen()
         dirty = set()
+        if self._flags.precise_notes:  # (fp32 values noted for the weights, calls to run on them: _Bucket.calls)
+            for b in self.buckets:
+                if b.calls:
+                    b.run_calls(self._seen_version)
+                if b.precise:
+                    dirty.add(b.index)
         # (lists in _param_list's order, not dicts keyed by the parameters: Tensor.__hash__ is a Python method; and
         # read with map(), compared as lists, then looked at one by one only where they differ: this runs over
         # every parameter at every step, ~0.15 us per parameter, where a loop reading data_ptr, dtype, device and
@@ -205,10 +211,24 @@ class ModelViewMixin:
         addresses; 40 us for 300 parameters on this repo's CPU machine)."""
         if self._state_edited() or (DATA_READS and not DATA_READS.isdisjoint(self._param_by_id)):
             return True
+        if self._flags.precise_notes:
+            return True
         if not self._group_lists_as_laid_out():
             return True
         now, now_versions = self._param_addresses_and_versions()
         return now_versions != self._param_versions or now != self._param_ptrs
+
+    def _seen_version(self, p: torch.Tensor) -> int:
+        """``p``'s version counter as the last look at the model saw it."""
+        return self._param_versions[self._param_index[p]]
+
+    def _forget_precise_notes(self) -> None:
+        """After the step's look: the fp32 notes are taken (or void: the update moves the masters on)."""
+        self._flags.precise_notes = False
+        for b in self.buckets:
+            b.precise.clear()
+            b.calls.clear()
+            b.whole = None
 
     def _param_addresses_and_versions(self) -> tuple[list, list]:
         """(data_ptr, _version) of every parameter, as lists in ``_param_list``'s order (what sync_from_model and
@@ -298,15 +318,13 @@ class ModelViewMixin:
     def _reconcile_master(self, b: _Bucket) -> None:
         """Master := the parameter's value wherever the bf16 shard is not the rounding of the master (an outside
         write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
-        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays). First,
-        the fp32 values copied into the weights since, where the weights still hold their roundings
-        (:meth:`_Bucket.take_precise`)."""
+        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays). Then the
+        fp32 values noted for the weights since (:meth:`_Bucket.take_precise`): whole in the step's look."""
+        if b.master_remainder is None and not (self._final_look and b.precise and b.whole_take()):
+            shard = b.param_buffer.get_local_shard()
+            b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
         if b.precise:
-            b.take_precise()
-        if b.master_remainder is not None:
-            return
-        shard = b.param_buffer.get_local_shard()
-        b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
+            b.take_precise(self._final_look)
 
     def _frozen_since_build(self) -> list:
         """The parameters frozen since construction (``requires_grad=False``) that hold no gradient: torch.optim
