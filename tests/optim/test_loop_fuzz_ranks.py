@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import tempfile
 
@@ -49,7 +50,7 @@ from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _clamp_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
-    raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
+    UPDATES, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -565,6 +566,17 @@ class _RankLoop:
                     self.refs[w][n].copy_(value)
                 self.masters[n].copy_(value.float())
 
+    def update(self, names, how):
+        """The same in-place update of the weights on every rank (a weight decay of the loop's own, weight
+        clipping), between any two calls: torch's fp32 weights take it in fp32, ours on the bf16 weights and, for
+        each rank's shard, on the fp32 values they stand for."""
+        for n in sorted(names):
+            with torch.no_grad():
+                UPDATES[how](functools.reduce(getattr, n.split("."), self.model))
+                for w in range(WORLD):
+                    UPDATES[how](self.refs[w][n])
+                UPDATES[how](self.masters[n])
+
     def edit(self, names, how):
         """The same edit of ``opt.state`` on every rank (each holds its pieces of the state)."""
         edit_state(self.opt, self.ropt, self.ours, self.masters, names, how)
@@ -661,6 +673,7 @@ _CALLS = st.one_of(
     st.tuples(st.just("add_group")),
     st.tuples(st.just("write"), _names.filter(bool), st.sampled_from(WRITES), st.integers(0, 99)),
     st.tuples(st.just("edit"), _names.filter(bool), st.sampled_from(STATE_EDITS)),
+    st.tuples(st.just("update"), _names.filter(bool), st.sampled_from(sorted(UPDATES))),
     st.tuples(st.just("unscale")),  # (SCALED only; elsewhere nothing)
     st.tuples(st.just("drop"), st.frozensets(st.sampled_from(range(WORLD))), st.sampled_from(["opt", "model"])),
     st.tuples(st.just("overflow"), st.tuples(*[st.frozensets(st.sampled_from(_NAMES), max_size=1)] * WORLD)),
