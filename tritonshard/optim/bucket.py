@@ -232,7 +232,7 @@ def _mirrored(name: str):
             return method(self, *args, **kwargs)
         if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
             b.wait_gather()
-        before = _VERSION_OF(self)
+        before = b.before_call(self, args, kwargs)
         out = method(self, *args, **kwargs)
         b.note_call(self, before, name, args, kwargs)
         return out
@@ -266,6 +266,14 @@ def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, en
     except (RuntimeError, TypeError):
         return False
     return True
+
+
+def _is_whole_view(a: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether ``a`` views exactly ``p``'s elements as ``p`` does (``p.detach()``, ``p.data``): ``p`` a laid-out
+    parameter, whose storage is its own (:func:`alone`)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return (a.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() and a.dtype == p.dtype
+                and a.shape == p.shape and a.stride() == p.stride() and a.storage_offset() == p.storage_offset())
 
 
 _SELF = object()  # (the parameter itself among a call's arguments, in a signature)
@@ -470,27 +478,39 @@ class _Bucket:
         self._note(p, index, [(dst, flat[start:end].to(device, torch.float32, non_blocking=non_blocking, copy=True))
                               for dst, start, end in self._pieces_of(index)])
 
-    def note_call(self, p: torch.Tensor, before: int, name: str, args: tuple, kwargs: dict) -> None:
+    def before_call(self, p: torch.Tensor, args: tuple, kwargs: dict) -> tuple:
+        """What :meth:`note_call` needs from before ``p``'s in-place call runs: ``(p's version, the fp32 values the
+        weights stand for where the call starts a chain with stored remainders: the bf16 weights are their high
+        half, which the call rewrites)``."""
+        version = _VERSION_OF(p)
+        base = None
+        if self.master_remainder is not None and id(p) not in self.calls:
+            base = self.fp32_pieces(self.index_of[id(p)], version)
+        return version, base
+
+    def note_call(self, p: torch.Tensor, before: tuple, name: str, args: tuple, kwargs: dict) -> None:
         """``p.<name>(*args, **kwargs)``, an elementwise in-place method (:data:`MIRRORED_METHODS`), just ran on the
-        bf16 weights, which were at version ``before``: noted for the next look at the weights (:meth:`run_calls`),
+        bf16 weights (``before``: :meth:`before_call`): noted for the next look at the weights (:meth:`run_calls`),
         with the versions of its tensor arguments (written since, they no longer hold the values it saw). The calls
         on one parameter form a chain from the weights as the optimizer last saw them (its version then, or an fp32
         copy's note): a write between two calls that is not one of them (``p[0] = 1``) breaks it, and the master
-        follows the weights there, as for any write. With stored remainders the fp32 values the first call started
-        from are taken now (the bf16 weights are their high half)."""
+        follows the weights there, as for any write. An argument viewing ``p``'s elements as ``p`` does
+        (``p.detach()``, ``p.data``) stands for ``p``, as its fp32 values (torch refuses other overlaps of an
+        argument with the tensor it writes)."""
+        version, base = before
         key = id(p)
         entry = self.calls.get(key)
         after = _VERSION_OF(p)
+        args = tuple(p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a for a in args)
+        kwargs = {k: p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a
+                  for k, a in kwargs.items()}
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
         call = (name, args, kwargs, [_VERSION_OF(a) for a in tensors])
         signature = None if tensors else _signature(p, name, args, kwargs)
         if entry is None:
             index = self.index_of[key]
-            base = None
-            if self.master_remainder is not None:  # (the weights before the call: their high half)
-                base = self.fp32_pieces(index, before)
-            self.calls[key] = [index, before, after, [call], base, None if signature is None else [signature]]
-        elif entry[2] != before or entry[3] is None:  # (a write in between: the chain is broken)
+            self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature]]
+        elif entry[2] != version or entry[3] is None:  # (a write in between: the chain is broken)
             entry[3] = None
         else:
             entry[2] = after
@@ -502,6 +522,15 @@ class _Bucket:
                     entry[5].append(signature)
         if self.step_flags is not None:
             self.step_flags.precise_notes = self.step_flags.eager_step_needed = True
+
+    def data_handed_out(self, key: int) -> None:
+        """The parameter of id ``key`` had its ``.data`` read since the last look: a write through it moves no
+        version counter, so its calls are dropped and its note is taken only where the weight is still its
+        rounding (the weights followed elsewhere, as for any write)."""
+        self.calls.pop(key, None)
+        noted = self.precise.get(key)
+        if noted is not None:
+            self.precise[key] = (noted[0], -1, noted[2])
 
     @torch.no_grad()
     def fp32_pieces(self, index: int, version: int) -> list:

@@ -140,6 +140,9 @@ class ModelViewMixin:
             self._adopt_unfrozen()
         dirty = set()
         if self._flags.precise_notes:  # (fp32 values noted for the weights, calls to run on them: _Bucket.calls)
+            if DATA_READS:  # (.data handed out: written through, unseen, perhaps after the calls or the copy)
+                for i in DATA_READS.intersection(self._param_by_id):
+                    self._bucket_of[self._param_by_id[i]][0].data_handed_out(i)
             for b in self.buckets:
                 if b.calls:
                     b.run_calls(self._seen_version)
