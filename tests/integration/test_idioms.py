@@ -797,6 +797,30 @@ def test_an_in_place_update_with_data_handed_out_leaves_the_master_following_the
         assert not torch.equal(want, m0), "the weights were written"
 
 
+@pytest.mark.parametrize("then", ["state_dict", "step"])
+def test_an_optimizer_state_loaded_after_an_in_place_update_replaces_what_was_noted_for_it(then):
+    """``opt.load_state_dict(sd)`` restores the masters (the weights are their rounding): an in-place update of the
+    weights before the load, noted for the masters (``p.mul_``), is void after it. The masters then are the loaded
+    ones, at the next save and in the next step (a step of zero lr leaves them; checked against the state saved)."""
+    model = _penalty_net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    model(_create_graph_input(0, 0)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    opt.load_state_dict(saved)
+    if then == "step":
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        model(_create_graph_input(1, 0)).float().square().mean().backward()
+        opt.step()
+    for i, (name, _) in enumerate(model.named_parameters()):
+        assert_bitwise_equal(opt.state_dict()["state"][i]["master"], saved["state"][i]["master"], name)
+
+
 def _bf16_penalty_net() -> torch.nn.Module:
     """_penalty_net with weights a bf16 model holds exactly (its last layer can stay frozen, in bf16, while the
     optimizer is built)."""

@@ -683,7 +683,11 @@ class _Bucket:
             self.precise.clear()
 
     def set_master(self, master: torch.Tensor) -> None:
-        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard."""
+        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard (a load: what was
+        noted for the weights before it is void)."""
+        self.precise.clear()
+        self.calls.clear()
+        self.whole = None
         if self.master_remainder is None:
             if master is not self.master:
                 self.master.copy_(master)
