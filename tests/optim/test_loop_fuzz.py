@@ -59,7 +59,8 @@ WRITES = ("attribute", "data", "load_state_dict", "attribute fp32", "load_state_
 #: it moves weights up, so that no write after it comes back to a weight the optimizer last saw (clipped down,
 #: then written up, a weight can land on its old master's rounding, whose fp32 bits the master then keeps: the
 #: limit :func:`written` avoids; found by TracedTrainingLoop in session 41 with a two-sided clip)
-UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=-0.1)}
+UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=-0.1),
+           "lerp_": lambda p: p.lerp_(torch.full_like(p, 0.5), 1e-3)}  # (a tensor argument: parameter by parameter)
 #: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
@@ -457,6 +458,10 @@ class TrainingLoop(RuleBasedStateMachine):
             self.opt = self._ours()
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
+        with torch.no_grad():  # (the load writes the weights it lays out as their masters' rounding: after an
+            for n in self.names:  # in-place update those can differ from torch's bf16 result, `update`)
+                if self.ours[n] in self.opt._bucket_of:
+                    self.refs[n].copy_(self.masters[n])
 
     @precondition(lambda self: not self.held)
     @rule()

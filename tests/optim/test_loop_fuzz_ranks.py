@@ -603,6 +603,11 @@ class _RankLoop:
             self.opt = self._ours(LRS[0])
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
+        with torch.no_grad():  # (the load writes the weights it lays out as their masters' rounding: after an
+            for n in self.names:  # in-place update those can differ from torch's bf16 result, `update`)
+                if self.ours[n] in self.opt._bucket_of:
+                    for w in range(WORLD):
+                        self.refs[w][n].copy_(self.masters[n])
         self._new_optimizer()
 
     def rebuild(self):

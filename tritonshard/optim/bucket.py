@@ -104,10 +104,12 @@ def landed(p: torch.Tensor) -> None:
     if b is not None and b.ag_work is not None:
         b.wait_gather()
 
-#: a laid-out parameter given an fp32 copy (:meth:`WatchedParameter.copy_`) while no live optimizer holds it laid out
-#: (frozen when the optimizer training the rest was built, which took it over from the one that laid it out) -> the
-#: copy's values, whole, as fp32, for the optimizer that lays it out next (:class:`_Bucket`): its master takes them
-#: where the weight is still their rounding, as a construction takes the original values
+#: a laid-out parameter given an fp32 copy (:meth:`WatchedParameter.copy_`), or an in-place call (:func:`_mirrored`),
+#: while no live optimizer holds it laid out (frozen when the optimizer training the rest was built, which took it
+#: over from the one that laid it out) -> (the values it stands for, whole, as fp32; its version then), for the
+#: optimizer that lays it out next (:class:`_Bucket`): its master takes them, all of them where nothing wrote the
+#: parameter since (its weights then their rounding), else where the weight is still their rounding, as a
+#: construction takes the original values
 UNHELD_PRECISE = WeakIdKeyDictionary()
 #: the parameters some optimizer holds frozen since its construction, not laid out (ShardedOptimizer's
 #: ``_frozen_at_build``): where a copy into one is kept in UNHELD_PRECISE (the others are laid out by nobody next)
@@ -173,7 +175,8 @@ class WatchedParameter(torch.nn.Parameter):
                 b.precise.pop(id(self), None)
         elif precise and self in HELD_FROZEN:  # (held frozen by the optimizer training the rest: kept whole for
             # when it lays it out)
-            UNHELD_PRECISE[self] = src.detach().expand(self.shape).to(self.device, torch.float32, copy=True)
+            UNHELD_PRECISE[self] = (src.detach().expand(self.shape).to(self.device, torch.float32, copy=True),
+                                    _VERSION_OF(self))
         else:
             UNHELD_PRECISE.pop(self, None)
         return out
@@ -228,8 +231,10 @@ def _mirrored(name: str):
             return method(self, *args, **kwargs)
         ref = OWNER.get(id(self))
         b = ref() if ref is not None else None
-        if b is None or b.retired:  # (held frozen, or by an optimizer taken over: the weights are what it takes)
-            return method(self, *args, **kwargs)
+        if b is None or b.retired:
+            if self in HELD_FROZEN:  # (its values, whole, kept for when it is laid out)
+                return _mirror_unheld(self, method, name, args, kwargs)
+            return method(self, *args, **kwargs)  # (no optimizer lays it out next: the weights are what it takes)
         if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
             b.wait_gather()
         before = b.before_call(self, args, kwargs)
@@ -240,6 +245,38 @@ def _mirrored(name: str):
     mirrored.__name__ = mirrored.__qualname__ = name
     mirrored.__doc__ = f"torch.Tensor.{name}, and the call noted for the fp32 master (see :func:`_mirrored`)."
     return mirrored
+
+
+@torch.no_grad()
+def _unheld_values(p: torch.Tensor) -> torch.Tensor:
+    """The fp32 values a parameter held frozen (:data:`HELD_FROZEN`) stands for, flat: its kept values
+    (:data:`UNHELD_PRECISE`) where they hold (all of them where nothing wrote it since; else where its weight is
+    still their rounding), its weights elsewhere."""
+    weights = p.detach().reshape(-1)
+    noted = UNHELD_PRECISE.get(p)
+    if noted is None:
+        return weights.float()
+    value, version = noted[0].reshape(-1), noted[1]
+    if version == _VERSION_OF(p):
+        return value.clone()
+    return torch.where(weights == value.to(weights.dtype), value, weights.float())
+
+
+def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict):
+    """:func:`_mirrored` for a parameter held frozen (laid out by no live optimizer; rare): torch's call on the
+    weights and, at once, on the fp32 values they stand for, kept whole in :data:`UNHELD_PRECISE` for its layout."""
+    before = _unheld_values(p)
+    out = method(p, *args, **kwargs)
+    args = tuple(p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a for a in args)
+    kwargs = {k: p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a
+              for k, a in kwargs.items()}
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
+    with torch.no_grad():
+        if _run_call(before, p, (name, args, kwargs, [_VERSION_OF(a) for a in tensors]), 0, before.numel()):
+            UNHELD_PRECISE[p] = (before.view(p.shape), _VERSION_OF(p))
+        else:
+            UNHELD_PRECISE.pop(p, None)
+    return out
 
 
 def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, end: int) -> bool:
@@ -359,15 +396,18 @@ class _Bucket:
         if HELD_FROZEN:  # (laid out now)
             for p in params:
                 HELD_FROZEN.pop(p, None)
+        # (kept while it was held frozen, UNHELD_PRECISE: taken whole where nothing wrote the parameter since, its
+        # weights then rounded from them below, the same on every rank; else where the weight is their rounding)
+        whole = [n is not None and n[1] == _VERSION_OF(p) for n, p in zip(noted, params)] if noted else None
         for piece in self.param_buffer.shard_pieces():
             src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
             self.master[piece.shard_start:piece.shard_end].copy_(src)
-            value = noted[piece.tensor_index] if noted is not None else None
-            if value is not None:  # (an fp32 copy into it while it was held frozen, WatchedParameter.copy_: taken
-                # where the weight still holds its rounding)
-                value = value.reshape(-1)[piece.tensor_start:piece.tensor_end]
+            kept = noted[piece.tensor_index] if noted is not None else None
+            if kept is not None:
+                value = kept[0].reshape(-1)[piece.tensor_start:piece.tensor_end]
                 master = self.master[piece.shard_start:piece.shard_end]
-                master.copy_(torch.where(src == value.to(src.dtype), value, master))
+                master.copy_(value if whole[piece.tensor_index] else
+                             torch.where(src == value.to(src.dtype), value, master))
         self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
         # bf16 states: rounding mode, and a per-bucket, per-rank seed advanced on the device every step
         self.state_rounding = state_rounding
@@ -379,8 +419,9 @@ class _Bucket:
         #: sets this to the index of the first bucket that shares it (ShardedOptimizer._index_buckets)
         self.counter_index = -1
         owner = weakref.ref(self, _holder_gone)
-        for p, view in zip(params, self.param_buffer.get_views()):
-            view.copy_(p.detach())  # round to nearest even, as Tensor.to does
+        for i, (p, view) in enumerate(zip(params, self.param_buffer.get_views())):
+            view.copy_(p.detach() if not (whole and whole[i]) else noted[i][0])  # (round to nearest even, as
+            # Tensor.to does)
             p.data = alone(view)  # the Parameter object stays (module and optimizer references keep working)
             watch(p)
             OWNER[id(p)] = owner
