@@ -755,7 +755,17 @@ _WEIGHT_UPDATES = {
     "p.clamp_(-0.2, 0.2)": lambda ps: [p.clamp_(-0.2, 0.2) for p in ps],
     "every other p: p.mul_(0.9999).clamp_(min=-0.2)": lambda ps: [p.mul_(0.9999).clamp_(min=-0.2) for p in ps[::2]],
     "p.add_(p.detach(), alpha=-1e-4)": lambda ps: [p.add_(p.detach(), alpha=-1e-4) for p in ps],
+    "written (bf16 values), then p.mul_(0.9999).clamp_(min=-0.2)": lambda ps: [
+        p.copy_(_moved_up(p)).mul_(0.9999).clamp_(min=-0.2) for p in ps],
 }
+
+
+def _moved_up(p: torch.Tensor) -> torch.Tensor:
+    """bf16 values written into ``p`` (the same for a bf16 weight and for its fp32 master, whose rounding it is):
+    each moved up by 4% of (1 + |value|), many ulps, so that none is the rounding of the master the optimizer last
+    saw (whose fp32 bits a write of that rounding keeps: the limit tests.optim.test_loop_fuzz.written avoids)."""
+    v = p.detach().bfloat16().float()
+    return (v + 0.04 * (1 + v.abs())).bfloat16()
 
 
 def _updated_run(rank, world_size, how, layout):
@@ -791,6 +801,7 @@ def _updated_run(rank, world_size, how, layout):
     ("p.mul_(1 - 1e-4)", 2, "stored remainders"),
     ("p.clamp_(-0.2, 0.2)", 1, "stored remainders"),
     ("p.add_(p.detach(), alpha=-1e-4)", 1, "one bucket"),  # (p's own values as an argument: p itself)
+    *[(list(_WEIGHT_UPDATES)[6], d, "one bucket") for d in (1, 2)],  # (from a write the optimizer has not seen)
 ])
 def test_in_place_updates_of_the_weights_between_steps_act_on_the_fp32_masters_as_torch_on_fp32(how, world_size,
                                                                                               layout):

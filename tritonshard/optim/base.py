@@ -1098,6 +1098,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     align, self.process_group, self._group_state_names(group), self.store_param_remainders,
                     self.state_dtype, self.state_rounding, seed, owners=self._group_owners(group, params))
         b.step_flags = self._flags  # (a gradient the loop assigns: WatchedParameter.__setattr__)
+        b.seen_version = weakref.WeakMethod(self._seen_version)  # (an in-place call's start: _Bucket.before_call)
         return b
 
     def _make_graphs(self, cuda_graph) -> Optional[_graphs.StepGraphs]:

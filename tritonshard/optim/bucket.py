@@ -385,6 +385,9 @@ class _Bucket:
         #: the owning optimizer's _StepFlags (set by it): a parameter's .grad assigned by the loop sets
         #: ``eager_step_needed`` (WatchedParameter.__setattr__)
         self.step_flags = None
+        #: a weak reference to the owning optimizer's ``_seen_version`` (set by it): a parameter's version counter
+        #: as its last look at the model saw it (:meth:`before_call`)
+        self.seen_version = None
         self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
                                    group=group, check_layout=comm.is_initialized(), owners=owners)
         self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
@@ -521,12 +524,21 @@ class _Bucket:
 
     def before_call(self, p: torch.Tensor, args: tuple, kwargs: dict) -> tuple:
         """What :meth:`note_call` needs from before ``p``'s in-place call runs: ``(p's version, the fp32 values the
-        weights stand for where the call starts a chain with stored remainders: the bf16 weights are their high
-        half, which the call rewrites)``."""
+        weights stand for where the call starts a chain and they are not what the last look left: with stored
+        remainders (the bf16 weights are their high half, which the call rewrites), or where ``p`` was written
+        since that look, unseen (a load, then a decay; the look would follow the write, so the chain starts from
+        what it would make of it: :meth:`written_pieces`))``."""
         version = _VERSION_OF(p)
         base = None
-        if self.master_remainder is not None and id(p) not in self.calls:
-            base = self.fp32_pieces(self.index_of[id(p)], version)
+        if id(p) not in self.calls:
+            index = self.index_of[id(p)]
+            if self.master_remainder is not None:
+                base = self.fp32_pieces(index, version)
+            else:
+                noted = self.precise.get(id(p))
+                seen = self.seen_version() if self.seen_version is not None else None
+                if (noted is None or noted[1] != version) and (seen is None or version != seen(p)):
+                    base = self.written_pieces(index)  # (written since the last look, unseen yet)
         return version, base
 
     def note_call(self, p: torch.Tensor, before: tuple, name: str, args: tuple, kwargs: dict) -> None:
@@ -563,6 +575,24 @@ class _Bucket:
                     entry[5].append(signature)
         if self.step_flags is not None:
             self.step_flags.precise_notes = self.step_flags.eager_step_needed = True
+
+    @torch.no_grad()
+    def written_pieces(self, index: int) -> list:
+        """``[(shard slice, fp32 values)]`` of parameter ``index``'s pieces of this rank's shard, written since the
+        last look: what that look would make of the weights now (the reconcile, then an fp32 copy's note where the
+        weight is still its rounding: :meth:`take_precise`)."""
+        shard = self.param_buffer.get_local_shard()
+        noted = self.precise.get(id(self.params[index]))
+        noted = dict((dst.start, value) for dst, value in noted[2]) if noted is not None else {}
+        out = []
+        for dst, _, _ in self._pieces_of(index):
+            weight, master = shard[dst], self.master[dst]
+            values = torch.where(weight == master.to(weight.dtype), master, weight.float())
+            value = noted.get(dst.start)
+            if value is not None:
+                values = torch.where(weight == value.to(weight.dtype), value, values)
+            out.append((dst, values))
+        return out
 
     def data_handed_out(self, key: int) -> None:
         """The parameter of id ``key`` had its ``.data`` read since the last look: a write through it moves no
@@ -604,8 +634,8 @@ class _Bucket:
             if chain is None or _VERSION_OF(p) != last:
                 continue
             noted = self.precise.get(key)
-            if first != seen_version(p) and (noted is None or noted[1] != first):
-                continue  # (written before the first call, unseen: what the weights stood for is not known)
+            if base is None and first != seen_version(p) and (noted is None or noted[1] != first):
+                continue  # (written before the first call, unseen, and not taken then: not known)
             runnable[key] = entry
         if len(runnable) == len(self.params) and self._run_whole(runnable):
             return

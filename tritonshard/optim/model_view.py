@@ -221,9 +221,10 @@ class ModelViewMixin:
         now, now_versions = self._param_addresses_and_versions()
         return now_versions != self._param_versions or now != self._param_ptrs
 
-    def _seen_version(self, p: torch.Tensor) -> int:
-        """``p``'s version counter as the last look at the model saw it."""
-        return self._param_versions[self._param_index[p]]
+    def _seen_version(self, p: torch.Tensor) -> Optional[int]:
+        """``p``'s version counter as the last look at the model saw it (None: not looked at yet)."""
+        i = self._param_index.get(p)
+        return self._param_versions[i] if i is not None and i < len(self._param_versions) else None
 
     def _forget_precise_notes(self) -> None:
         """After the step's look: the fp32 notes are taken (or void: the update moves the masters on)."""
