@@ -136,7 +136,8 @@ class WatchedParameter(torch.nn.Parameter):
     ``p.data.copy_(pretrained)``, an init written as ``m.weight.data.normal_()``) wrote the weights unseen: the next
     step() rewrote them from the masters, silently, where torch.optim trains from the written values. The step
     reconciles the buckets of the noted parameters elementwise, as for any write (a read changes nothing there).
-    Cost: ~0.5 us per ``.data`` read (0.26 -> 0.74 us); nothing per step when none was."""
+    Cost: ~0.5 us per ``.data`` read (0.26 -> 0.74 us); nothing per step when none was. Its elementwise in-place
+    methods (``mul_``, ``clamp_``...) are noted for the fp32 master too (:func:`_mirrored`)."""
 
     @property
     def data(self):
@@ -222,8 +223,9 @@ def _mirrored(name: str):
     holding the parameter (:meth:`_Bucket.note_call`), whose next look at the weights runs it on the fp32 values
     they stand for: the master then holds what torch's fp32 weights would (a weight decay of the loop's own,
     ``p.mul_(1 - lr * wd)``, whose change is below half a bf16 ulp: until session 41 lost, every step, silently;
-    weight clipping, ``p.clamp_``). Cost: ~2 us per call more than torch's (a Python frame and a note), and at the
-    next look a few small torch ops per call and piece of this rank's shard."""
+    weight clipping, ``p.clamp_``). Cost: ~3 us of host time per call more than torch's (a Python frame and a note:
+    ~2 -> ~5 us per ``p.mul_`` on this repo's CPU machine), and at the next look a few small torch ops per bucket
+    where every parameter in it had the same calls with numbers, per piece of this rank's shard otherwise."""
     method = getattr(torch.Tensor, name)
 
     def mirrored(self, *args, **kwargs):
