@@ -96,6 +96,7 @@ class _RankLoop:
         self.refs = [dict(m.named_parameters()) for m in self.refs_models]
         self.masters = dict(fp32.named_parameters())
         self.spent = [set() for _ in range(WORLD)]   # per rank: names whose gradient the last step applied
+        self.data_written: set = set()  # (written through .data since the last step: `update` leaves them out)
         self.spent_values = [{} for _ in range(WORLD)]
         self.clipped = None     # the reference's clipped fp32 gradients of this step, once clipped
         # after such a clip, per rank: the names whose gradients the reduction took (None: changes after this clip
@@ -436,6 +437,7 @@ class _RankLoop:
         self.spent_values = [{n: self.refs[w][n].grad.clone() for n in self.spent[w]} for w in range(WORLD)]
         self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
         self.held0, self.unscaled_only, self.from_backward = None, False, [set() for _ in range(WORLD)]
+        self.data_written = set()
         self._compare()
 
     def zero_grad(self, via, set_to_none):
@@ -565,12 +567,14 @@ class _RankLoop:
                 for w in range(WORLD):
                     self.refs[w][n].copy_(value)
                 self.masters[n].copy_(value.float())
+        if how.startswith("data"):
+            self.data_written |= set(names)
 
     def update(self, names, how):
         """The same in-place update of the weights on every rank (a weight decay of the loop's own, weight
         clipping), between any two calls: torch's fp32 weights take it in fp32, ours on the bf16 weights and, for
-        each rank's shard, on the fp32 values they stand for."""
-        for n in sorted(names):
+        each rank's shard, on the fp32 values they stand for (not after a write through .data: README)."""
+        for n in sorted(set(names) - self.data_written):
             with torch.no_grad():
                 UPDATES[how](functools.reduce(getattr, n.split("."), self.model))
                 for w in range(WORLD):
