@@ -269,12 +269,8 @@ def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict
     weights and, at once, on the fp32 values they stand for, kept whole in :data:`UNHELD_PRECISE` for its layout."""
     before = _unheld_values(p)
     out = method(p, *args, **kwargs)
-    args = tuple(p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a for a in args)
-    kwargs = {k: p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a
-              for k, a in kwargs.items()}
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
     with torch.no_grad():
-        if _run_call(before, p, (name, args, kwargs, [_VERSION_OF(a) for a in tensors]), 0, before.numel()):
+        if _run_call(before, p, _noted_call(p, name, args, kwargs), 0, before.numel()):
             UNHELD_PRECISE[p] = (before.view(p.shape), _VERSION_OF(p))
         else:
             UNHELD_PRECISE.pop(p, None)
@@ -305,6 +301,18 @@ def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, en
     except (RuntimeError, TypeError):
         return False
     return True
+
+
+def _noted_call(p: torch.Tensor, name: str, args: tuple, kwargs: dict) -> tuple:
+    """``p.<name>(*args, **kwargs)`` as noted (:func:`_run_call` runs it): ``(name, args, kwargs, the versions of
+    its tensor arguments but p)``, an argument viewing ``p``'s elements as ``p`` does (``p.detach()``) as ``p``
+    itself (its fp32 values when run; torch refuses other overlaps of an argument with the tensor it writes)."""
+    def own(a):
+        return p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a
+
+    args, kwargs = tuple(map(own, args)), {k: own(a) for k, a in kwargs.items()}
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
+    return name, args, kwargs, [_VERSION_OF(a) for a in tensors]
 
 
 def _is_whole_view(a: torch.Tensor, p: torch.Tensor) -> bool:
@@ -556,12 +564,8 @@ class _Bucket:
         key = id(p)
         entry = self.calls.get(key)
         after = _VERSION_OF(p)
-        args = tuple(p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a for a in args)
-        kwargs = {k: p if isinstance(a, torch.Tensor) and a is not p and _is_whole_view(a, p) else a
-                  for k, a in kwargs.items()}
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
-        call = (name, args, kwargs, [_VERSION_OF(a) for a in tensors])
-        signature = None if tensors else _signature(p, name, args, kwargs)
+        call = _noted_call(p, name, args, kwargs)
+        signature = None if call[3] else _signature(p, name, call[1], call[2])
         if entry is None:
             index = self.index_of[key]
             self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature]]
