@@ -28,7 +28,7 @@ from tests.integration.hf import eval_loss, flat_weights, lm_loss, tiny_gpt2, ti
 from tests.optim.training import LR, MAX_NORM, Reference, batch, loss_fn, make_model, param_groups, schedule
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.comm import all_gather_single
-from tritonshard.optim import model_sync
+from tritonshard.optim import bucket, model_sync
 from tritonshard.optim.model_sync import ShardedGrad
 
 BF16_REL = 2.0 ** -8  # one bf16 rounding, relative to the value: round to nearest is within half of 2^-7
@@ -812,6 +812,54 @@ def test_in_place_updates_of_the_weights_between_steps_act_on_the_fp32_masters_a
     torch's bf16 call left them). Until session 41 the master took the bf16 result only where the weight changed:
     a decay below half a bf16 ulp (every decay here) changed nothing and was lost every step, silently."""
     run_on_ranks(_updated_run, world_size, how, layout)
+
+
+#: each mirrored method (tritonshard.optim.bucket.MIRRORED_METHODS) as a loop would call it on a weight ``p``, with
+#: ``t``, ``u`` bf16 tensors broadcast to its shape and of its shape (``u`` in [1, 2): a divisor), ``mask`` a bool one
+_METHOD_CALLS = {
+    "mul_": lambda p, t, u, mask: p.mul_(0.9999),
+    "div_": lambda p, t, u, mask: p.div_(1.0001),
+    "add_": lambda p, t, u, mask: p.add_(t, alpha=1e-3),
+    "sub_": lambda p, t, u, mask: p.sub_(1e-4),
+    "clamp_": lambda p, t, u, mask: p.clamp_(-0.2, 0.2),
+    "clamp_min_": lambda p, t, u, mask: p.clamp_min_(-0.2),
+    "clamp_max_": lambda p, t, u, mask: p.clamp_max_(0.2),
+    "lerp_": lambda p, t, u, mask: p.lerp_(t, 1e-3),
+    "addcmul_": lambda p, t, u, mask: p.addcmul_(t, u, value=1e-3),
+    "addcdiv_": lambda p, t, u, mask: p.addcdiv_(t, u, value=1e-3),
+    "fill_": lambda p, t, u, mask: p.fill_(0.1),
+    "masked_fill_": lambda p, t, u, mask: p.masked_fill_(mask, 0.1),
+}
+
+
+@pytest.mark.parametrize("method", sorted(_METHOD_CALLS))
+def test_each_mirrored_method_gives_the_master_torchs_fp32_result(method):
+    """Every elementwise in-place method the parameters mirror, called as a loop calls it (numbers, tensors of the
+    weight's shape and broadcast ones, a mask): the next look (a save) leaves the master bit for bit what torch
+    computes on the fp32 master with the same arguments (bf16 tensors as their fp32 values), and the weights what
+    torch computes on the bf16 weights. The list of methods is tritonshard's own (MIRRORED_METHODS): a method
+    added there without a case here fails."""
+    assert sorted(_METHOD_CALLS) == sorted(bucket.MIRRORED_METHODS)
+    model = _penalty_net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    before = [e["master"].clone() for e in opt.state_dict()["state"].values()]
+    g = torch.Generator().manual_seed(1)
+    want_weights, want_masters = [], []
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), before):
+            t = torch.randn(p.shape[-1:], generator=g).bfloat16()  # (broadcast over the rows)
+            u = (1 + torch.rand(p.shape, generator=g)).bfloat16()
+            mask = torch.rand(p.shape, generator=g) < 0.5
+            weight = p.detach().clone()
+            _METHOD_CALLS[method](weight, t, u, mask)
+            _METHOD_CALLS[method](m, t.float(), u.float(), mask)
+            want_weights.append(weight)
+            want_masters.append(m)
+            _METHOD_CALLS[method](p, t, u, mask)
+    after = [e["master"] for e in opt.state_dict()["state"].values()]
+    for (name, p), w, m0, m1 in zip(model.named_parameters(), want_weights, want_masters, after):
+        assert_bitwise_equal(p.detach(), w, f"{name}'s weights, {method}")
+        assert_bitwise_equal(m1, m0, f"{name}'s master, {method}")
 
 
 def test_an_in_place_update_with_data_handed_out_leaves_the_master_following_the_weights():
