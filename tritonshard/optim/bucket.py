@@ -700,8 +700,8 @@ class _Bucket:
         return None
 
     def whole_take(self) -> bool:
-        """Whether the step's look takes every parameter's note whole, over the shard (:meth:`take_precise`), which
-        writes every master and weight anew: the reconcile before it has nothing to do."""
+        """Whether a look takes every parameter's note whole, over the shard (:meth:`take_precise`), which writes
+        every master anew (and in the step's look every weight): the reconcile before it has nothing to do."""
         whole = self.whole_notes()
         return whole is not None and all(_VERSION_OF(p) == n[1] for p, n in zip(self.params, whole[1]))
 

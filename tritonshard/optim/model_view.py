@@ -324,7 +324,7 @@ class ModelViewMixin:
         write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
         high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays). Then the
         fp32 values noted for the weights since (:meth:`_Bucket.take_precise`): whole in the step's look."""
-        if b.master_remainder is None and not (self._final_look and b.precise and b.whole_take()):
+        if b.master_remainder is None and not (b.precise and b.whole_take()):  # (which writes every master)
             shard = b.param_buffer.get_local_shard()
             b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
         if b.precise:
