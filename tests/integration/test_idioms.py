@@ -778,7 +778,7 @@ def _updated_run(rank, world_size, how, layout):
     for step in range(3):
         with torch.no_grad():
             _WEIGHT_UPDATES[how](list(model.parameters()))
-        if step == 1:  # (a look before the step's: the norm's; the calls' fp32 results wait for the step's look)
+        if step == 1:  # (a look before the step's, a save's: the weights stay as torch's bf16 calls left them)
             opt.state_dict()
         backward(model, step, rank)
         opt.step()

@@ -520,7 +520,7 @@ class TrainingLoop(RuleBasedStateMachine):
     def update(self, names, how):
         """An in-place update of the weights by the loop between any two calls (a weight decay of its own, weight
         clipping), under no_grad through the module attribute: torch.optim's fp32 weights take it in fp32; ours
-        run it on the bf16 weights and the fp32 values they stand for (until session 40 a decay below half a bf16
+        run it on the bf16 weights and the fp32 values they stand for (until session 41 a decay below half a bf16
         ulp was lost)."""
         for n in sorted(set(names) - self.data_written):
             with torch.no_grad():
