@@ -91,6 +91,13 @@ def _must_look(p: torch.Tensor, written: bool = False) -> None:
                 b.calls.pop(id(p), None)
 
 
+def where_rounded(weight: torch.Tensor, value: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
+    """``value`` (fp32) wherever the bf16 ``weight`` is still its rounding, ``otherwise`` elsewhere: the rule by
+    which every look at the weights decides what a write left (a master, or fp32 values noted for the weights,
+    kept where the weight still holds their rounding; elsewhere the weight was written)."""
+    return torch.where(weight == value.to(weight.dtype), value, otherwise)
+
+
 def landed(p: torch.Tensor) -> None:
     """Wait for the all-gather of ``p``'s bucket if it is in flight. With ``overlap_comm`` and ``attach``, step()
     leaves the gathers running into the next forward, whose pre-hooks wait for them module by module; the other
@@ -239,7 +246,7 @@ def _mirrored(name: str):
             return method(self, *args, **kwargs)  # (no optimizer lays it out next: the weights are what it takes)
         if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
             b.wait_gather()
-        before = b.before_call(self, args, kwargs)
+        before = b.before_call(self)
         out = method(self, *args, **kwargs)
         b.note_call(self, before, name, args, kwargs)
         return out
@@ -261,7 +268,7 @@ def _unheld_values(p: torch.Tensor) -> torch.Tensor:
     value, version = noted[0].reshape(-1), noted[1]
     if version == _VERSION_OF(p):
         return value.clone()
-    return torch.where(weights == value.to(weights.dtype), value, weights.float())
+    return where_rounded(weights, value, weights.float())
 
 
 def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict):
@@ -420,7 +427,7 @@ class _Bucket:
                 value = kept[0].reshape(-1)[piece.tensor_start:piece.tensor_end]
                 master = self.master[piece.shard_start:piece.shard_end]
                 master.copy_(value if whole[piece.tensor_index] else
-                             torch.where(src == value.to(src.dtype), value, master))
+                             where_rounded(src, value, master))
         self.state = {name: torch.zeros(n, dtype=state_dtype, device=device) for name in state_names}
         # bf16 states: rounding mode, and a per-bucket, per-rank seed advanced on the device every step
         self.state_rounding = state_rounding
@@ -532,7 +539,7 @@ class _Bucket:
         self._note(p, index, [(dst, flat[start:end].to(device, torch.float32, non_blocking=non_blocking, copy=True))
                               for dst, start, end in self._pieces_of(index)])
 
-    def before_call(self, p: torch.Tensor, args: tuple, kwargs: dict) -> tuple:
+    def before_call(self, p: torch.Tensor) -> tuple:
         """What :meth:`note_call` needs from before ``p``'s in-place call runs: ``(p's version, the fp32 values the
         weights stand for where the call starts a chain and they are not what the last look left: with stored
         remainders (the bf16 weights are their high half, which the call rewrites), or where ``p`` was written
@@ -565,7 +572,7 @@ class _Bucket:
         entry = self.calls.get(key)
         after = _VERSION_OF(p)
         call = _noted_call(p, name, args, kwargs)
-        signature = None if call[3] else _signature(p, name, call[1], call[2])
+        signature = _signature(p, name, call[1], call[2])
         if entry is None:
             index = self.index_of[key]
             self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature]]
@@ -593,10 +600,10 @@ class _Bucket:
         out = []
         for dst, _, _ in self._pieces_of(index):
             weight, master = shard[dst], self.master[dst]
-            values = torch.where(weight == master.to(weight.dtype), master, weight.float())
+            values = where_rounded(weight, master, weight.float())
             value = noted.get(dst.start)
             if value is not None:
-                values = torch.where(weight == value.to(weight.dtype), value, values)
+                values = where_rounded(weight, value, values)
             out.append((dst, values))
         return out
 
@@ -635,7 +642,7 @@ class _Bucket:
         calls, self.calls = self.calls, {}
         runnable = {}
         for key, entry in calls.items():
-            index, first, last, chain, base, signatures = entry
+            index, first, last, chain, base, _ = entry
             p = self.params[index]
             if chain is None or _VERSION_OF(p) != last:
                 continue
@@ -670,17 +677,10 @@ class _Bucket:
                 signatures = sigs
             elif sigs != signatures:
                 return False
-        index = next(iter(runnable.values()))[0]
-        p, chain = self.params[index], next(iter(runnable.values()))[3]
-        values = self.master.clone()
-        n = values.numel()
-        try:
-            for name, args, kwargs, _ in chain:  # (p itself as the shard: _SELF in the signature, the same for all)
-                getattr(values, name)(*(values if a is p else a for a in args),
-                                      **{k: values if a is p else a for k, a in kwargs.items()})
-        except (RuntimeError, TypeError):
-            return False
-        if values.numel() != n:
+        index, _, _, chain, _, _ = next(iter(runnable.values()))
+        p, values = self.params[index], self.master.clone()
+        # (p itself as the whole shard: _SELF in the signature, the same for every parameter)
+        if not all(_run_call(values, p, call, 0, values.numel()) for call in chain):
             return False
         notes = []
         for index, p in enumerate(self.params):
@@ -759,12 +759,16 @@ class _Bucket:
         if final:
             self.precise.clear()
 
-    def set_master(self, master: torch.Tensor) -> None:
-        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard (a load: what was
-        noted for the weights before it is void)."""
+    def forget_notes(self) -> None:
+        """Drop every fp32 value and call noted for the weights (taken by the step's look, or void after a load)."""
         self.precise.clear()
         self.calls.clear()
         self.whole = None
+
+    def set_master(self, master: torch.Tensor) -> None:
+        """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard (a load: what was
+        noted for the weights before it is void)."""
+        self.forget_notes()
         if self.master_remainder is None:
             if master is not self.master:
                 self.master.copy_(master)

@@ -27,7 +27,7 @@ from ..kernels._dispatch import triton_kernels_run
 from ..kernels.scale import (partials_multi_launch_spec, segment_sums_, segment_sums_launch_spec,
                              shared_sum_sq_workspace, sum_sq_partials_)
 from . import model_sync
-from .bucket import DATA_READS, _Bucket, alone, watch
+from .bucket import DATA_READS, _Bucket, alone, watch, where_rounded
 from .bucket import plain_attrs as _PLAIN_ATTRS
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -230,9 +230,7 @@ class ModelViewMixin:
         """After the step's look: the fp32 notes are taken (or void: the update moves the masters on)."""
         self._flags.precise_notes = False
         for b in self.buckets:
-            b.precise.clear()
-            b.calls.clear()
-            b.whole = None
+            b.forget_notes()
 
     def _param_addresses_and_versions(self) -> tuple[list, list]:
         """(data_ptr, _version) of every parameter, as lists in ``_param_list``'s order (what sync_from_model and
@@ -326,7 +324,7 @@ class ModelViewMixin:
         fp32 values noted for the weights since (:meth:`_Bucket.take_precise`): whole in the step's look."""
         if b.master_remainder is None and not (b.precise and b.whole_take()):  # (which writes every master)
             shard = b.param_buffer.get_local_shard()
-            b.master.copy_(torch.where(shard == b.master.to(shard.dtype), b.master, shard.float()))
+            b.master.copy_(where_rounded(shard, b.master, shard.float()))
         if b.precise:
             b.take_precise(self._final_look)
 
