@@ -347,9 +347,31 @@ def _signature(p: torch.Tensor, name: str, args: tuple, kwargs: dict) -> Optiona
     return tuple(key)
 
 
+#: the in-place operators (``p *= 1 - lr * wd``, ``p -= lr * wd * p``, ``p += noise``, ``p /= norm``) and the method
+#: each is in torch (the same C function, which gives NotImplemented for an argument it refuses)
+MIRRORED_OPERATORS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_"}
+
+
+def _mirrored_operator(name: str, method: str):
+    """``WatchedParameter.<name>``: the mirrored ``method`` (:func:`_mirrored`), as torch's operator is its method:
+    ``p *= c`` under no_grad is ``p.mul_(c)`` (until session 42 torch's own operator ran, unnoted, and a decay
+    written as ``p *= 1 - lr * wd`` was lost every step, silently, where ``p.mul_`` was kept)."""
+    def operator(self, other):
+        try:
+            return getattr(self, method)(other)
+        except TypeError:  # (torch's operators give NotImplemented: Python then tries the other operand's)
+            return NotImplemented
+
+    operator.__name__ = operator.__qualname__ = name
+    operator.__doc__ = f"torch.Tensor.{name}, as {method} (see :func:`_mirrored_operator`)."
+    return operator
+
+
 for _name in MIRRORED_METHODS:
     setattr(WatchedParameter, _name, _mirrored(_name))
-del _name
+for _name, _method in MIRRORED_OPERATORS.items():
+    setattr(WatchedParameter, _name, _mirrored_operator(_name, _method))
+del _name, _method
 
 WatchedParameter.__name__ = WatchedParameter.__qualname__ = torch.nn.Parameter.__qualname__
 WatchedParameter.__module__ = torch.nn.Parameter.__module__
