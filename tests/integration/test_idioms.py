@@ -82,6 +82,9 @@ def _load(model, weights: dict, how: str) -> None:
     if how == "load, then a row zeroed":  # (an element written again after the load: its master follows it)
         with torch.no_grad():
             model.model.embed_tokens.weight[3].zero_()
+    if how == "load, then .data read":  # (a logger's norms before the first step: until session 42 a read dropped
+        # the fp32 values, as a write through .data may put values back, and the masters took the bf16 weights)
+        [float(p.data.float().norm()) for p in model.parameters()]
 
 
 def _trained_after_a_load(rank: int, when: str, how: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +119,9 @@ def _load_before_or_after_building(rank, world_size, how, kwargs):
 @pytest.mark.parametrize("how, world_size, kwargs", [
     ("load_state_dict", 1, {}), ("copy_ from fp64", 1, {}), ("load, then a row zeroed", 1, {}),
     ("load_state_dict", 1, {"store_param_remainders": True}), ("load_state_dict", 2, {}),
-    ("resume from torch.optim", 1, {})],
-    ids=["load_state_dict", "copy_ from fp64", "row zeroed after", "remainders", "2 ranks", "torch.optim resume"])
+    ("resume from torch.optim", 1, {}), ("load, then .data read", 1, {}), ("load, then .data read", 2, {})],
+    ids=["load_state_dict", "copy_ from fp64", "row zeroed after", "remainders", "2 ranks", "torch.optim resume",
+         ".data read after", ".data read after, 2 ranks"])
 def test_fp32_weights_loaded_after_building_train_as_if_loaded_before(how, world_size, kwargs):
     """Fine-tuning from an fp32 checkpoint, loaded into the model after the optimizer was built (the brief's
     idiom), also with the optimizer state of a torch.optim.AdamW run (a move from torch AMP): the masters take the
@@ -758,7 +762,17 @@ _WEIGHT_UPDATES = {
     "p.add_(p.detach(), alpha=-1e-4)": lambda ps: [p.add_(p.detach(), alpha=-1e-4) for p in ps],
     "written (bf16 values), then p.mul_(0.9999).clamp_(min=-0.2)": lambda ps: [
         p.copy_(_moved_up(p)).mul_(0.9999).clamp_(min=-0.2) for p in ps],
+    # .data read by the loop (an EMA of its own, a logger): a write through it would move no version counter, so
+    # the look checks the calls against the weights (until session 42 it dropped them: the decay lost)
+    "p.data read, then p *= 1 - 1e-4": lambda ps: [_ema_read(p) for p in ps] + [operator.imul(p, 1 - 1e-4) for p in ps],
+    "p.mul_(1 - 1e-4), then p.data read": lambda ps: [_ema_read(p.mul_(1 - 1e-4)) for p in ps],
 }
+
+
+def _ema_read(p: torch.Tensor) -> None:
+    """What an EMA of the loop's own reads (``ema.lerp_(p.data, 1 - decay)``), here only read."""
+    p.data.float().sum()
+
 
 
 def _moved_up(p: torch.Tensor) -> torch.Tensor:
@@ -803,6 +817,8 @@ def _updated_run(rank, world_size, how, layout):
     ("p.clamp_(-0.2, 0.2)", 1, "stored remainders"),
     ("p.add_(p.detach(), alpha=-1e-4)", 1, "one bucket"),  # (p's own values as an argument: p itself)
     *[(list(_WEIGHT_UPDATES)[6], d, "one bucket") for d in (1, 2)],  # (from a write the optimizer has not seen)
+    *[(how, d, layout) for how in list(_WEIGHT_UPDATES)[7:] for d, layout in
+      ((1, "one bucket"), (2, "one bucket"), (2, "a bucket per parameter"), (1, "stored remainders"))],
 ])
 def test_in_place_updates_of_the_weights_between_steps_act_on_the_fp32_masters_as_torch_on_fp32(how, world_size,
                                                                                               layout):
@@ -869,25 +885,51 @@ def test_each_mirrored_method_gives_the_master_torchs_fp32_result(method):
         assert_bitwise_equal(m1, m0, f"{name}'s master, {method}")
 
 
-def test_an_in_place_update_with_data_handed_out_leaves_the_master_following_the_weights():
+@pytest.mark.parametrize("how", ["written through .data after the call", "perturbed, then restored through .data",
+                                 "written past every version counter after the call"])
+def test_an_in_place_update_with_data_handed_out_leaves_the_master_following_the_weights(how):
     """Where the fp32 run of an in-place call cannot be known, the master follows the weights as for any write
-    (where a bf16 weight is no longer the rounding of its master, the master takes it): ``.data`` handed out
-    before the call, through which a later write moves no version counter. Run on fp32 values from the master,
-    the call's note would drop the write through ``.data`` (this test failed so before the look checked)."""
+    (where a bf16 weight is no longer the rounding of its master, the master takes it): ``.data`` handed out,
+    through which a later write moves no version counter of the parameter's.
+
+    * Torch wrote through it (its own counter moved): the calls are dropped. A write after a call: run on fp32
+      values from the master, the call's note would drop the write (this test failed so before the look
+      checked). A perturbation restored through ``.data`` (SAM's ``p.add_(e)``, then ``p.data.copy_(backup)``)
+      puts back weights that are also what the call left wherever ``e`` is below half an ulp: taken as the
+      call's, the master would keep ``e`` there (so in session 42, checking the calls against the weights alone).
+    * A write past every counter (a collective into ``p.data``, DLPack, numpy; here numpy): the calls are checked
+      against the weights, and the master follows the weights where they are not what torch's calls left: the
+      element written, the call's fp32 result elsewhere (as torch's fp32 weights)."""
     model = _penalty_net()
     opt = ShardedAdamW(model.parameters(), lr=1e-2)
     before = [e["master"].reshape(-1).clone() for e in opt.state_dict()["state"].values()]
+    g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in model.parameters():
             data = p.data
+            if how == "perturbed, then restored through .data":
+                backup = p.detach().clone()
+                p.add_(torch.randn(p.shape, generator=g) * 1e-3)  # (fp32: below half an ulp in some elements)
+                p.data.copy_(backup)
+                continue
             p.mul_(1 - 1e-4)
-            data.add_(0.25)
+            if how == "written through .data after the call":
+                data.add_(0.25)
+            else:
+                data.view(torch.int16).view(-1).numpy()[0] = (data.reshape(-1)[0] + 0.25).view(torch.int16).item()
     after = [e["master"].reshape(-1) for e in opt.state_dict()["state"].values()]
     for (name, p), m0, m1 in zip(model.named_parameters(), before, after):
         weight = p.detach().reshape(-1)
-        want = torch.where(weight != m0.to(weight.dtype), weight.float(), m0)
-        assert_bitwise_equal(m1, want, name)
-        assert not torch.equal(want, m0), "the weights were written"
+        if how == "perturbed, then restored through .data":
+            assert_bitwise_equal(m1, m0, name)
+        elif how == "written through .data after the call":
+            want = torch.where(weight != m0.to(weight.dtype), weight.float(), m0)
+            assert_bitwise_equal(m1, want, name)
+            assert not torch.equal(want, m0), "the weights were written"
+        else:
+            want = m0.mul(1 - 1e-4)
+            want[0] = weight[0].float()
+            assert_bitwise_equal(m1, want, name)
 
 
 @pytest.mark.parametrize("then", ["state_dict", "step"])

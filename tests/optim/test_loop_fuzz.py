@@ -62,7 +62,10 @@ WRITES = ("attribute", "data", "load_state_dict", "attribute fp32", "load_state_
 #: limit :func:`written` avoids; found by TracedTrainingLoop in session 41 with a two-sided clip)
 UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=-0.1),
            "lerp_": lambda p: p.lerp_(torch.full_like(p, 0.5), 1e-3),  # (a tensor argument: parameter by parameter)
-           "*=": lambda p: operator.imul(p, 1 - 1e-4)}  # (`p *= c`: torch's own operator until session 42, unseen)
+           "*=": lambda p: operator.imul(p, 1 - 1e-4),  # (`p *= c`: torch's own operator until session 42, unseen)
+           # not an update: .data read (an EMA's, a logger's), which until session 42 dropped the calls and fp32
+           # values noted for the master since the last look (the decay lost, an fp32 load taken as bf16)
+           "read .data": lambda p: p.data.float().sum()}
 #: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),

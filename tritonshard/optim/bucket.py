@@ -76,9 +76,10 @@ def _holder_gone(_ref) -> None:
 
 def _must_look(p: torch.Tensor, written: bool = False) -> None:
     """The next step of ``p``'s optimizer must look at the parameters: run eagerly if compiled (see
-    WatchedParameter). ``written``: ``p``'s values may have been written past its version counter (``.data``
-    handed out or replaced): an fp32 copy noted for its master (:meth:`_Bucket.note_precise`), and the in-place
-    calls noted since (:meth:`_Bucket.note_call`), no longer hold."""
+    WatchedParameter). ``written``: ``p``'s values were replaced past its version counter (``p.data = t``): an fp32
+    copy noted for its master (:meth:`_Bucket.note_precise`), and the in-place calls noted since
+    (:meth:`_Bucket.note_call`), no longer hold. (A ``.data`` read leaves them to the look, which knows whether a
+    write through it followed: :meth:`_Bucket.data_handed_out`.)"""
     ref = OWNER.get(id(p))
     b = ref() if ref is not None else None
     if b is not None:
@@ -127,6 +128,30 @@ HELD_FROZEN = WeakIdKeyDictionary()
 #: counter, so only this says to look at their weights. A stale id (a parameter gone since) costs one look.
 DATA_READS: set = set()
 
+#: id of a parameter in :data:`DATA_READS` -> ``[(weak reference to a .data handed out, a tensor sharing its version
+#: counter)]``: whether a write through one went through torch (``p.data.copy_(x)``, ``p.data[0] = v``: its counter
+#: moved) or not (only reads, an EMA's, a logger's; or a write past every counter: a collective, DLPack), which the
+#: look treats apart (:meth:`_Bucket.data_handed_out`). Pruned at a parameter's 8th read since its last look: a
+#: handout gone (its views keep it alive) and not written through can be written through no more.
+DATA_HANDED: dict = {}
+
+
+def _hand_out(p: torch.Tensor) -> torch.Tensor:
+    """``p.data`` (torch's), kept in :data:`DATA_HANDED`. ~0.8 us."""
+    data = _TENSOR_DATA.__get__(p)
+    kept = DATA_HANDED.setdefault(id(p), [])
+    if len(kept) >= 8:
+        written = [entry for entry in kept if entry[1]._version]
+        kept[:] = written[:1] + [entry for entry in kept if not entry[1]._version and entry[0]() is not None]
+    kept.append((weakref.ref(data), data.detach()))  # (detach: the same version counter)
+    return data
+
+
+def written_through_data(key: int) -> bool:
+    """Whether torch wrote through a ``.data`` of the parameter of id ``key`` handed out since its last look (and
+    forget them: the look takes what they did)."""
+    return any(keeper._version for _, keeper in DATA_HANDED.pop(key, ()))
+
 #: ids of the parameters whose post-accumulate-grad hooks a backward must look at (``ShardedOptimizer.
 #: _user_post_hooks``): a laid-out parameter given one by the loop (:meth:`WatchedParameter.
 #: register_post_accumulate_grad_hook`) or holding one when laid out, and every parameter of another class, whose
@@ -150,8 +175,10 @@ class WatchedParameter(torch.nn.Parameter):
     def data(self):
         DATA_READS.add(id(self))
         landed(self)  # (what it hands out may be read or written at once)
-        _must_look(self, written=True)
-        return _TENSOR_DATA.__get__(self)
+        _must_look(self)  # (what was noted for the master stays until the look: data_handed_out)
+        if torch.compiler.is_compiling():
+            return _TENSOR_DATA.__get__(self)
+        return _hand_out(self)
 
     @data.setter
     def data(self, value):
@@ -171,6 +198,9 @@ class WatchedParameter(torch.nn.Parameter):
             return super().copy_(src, non_blocking)
         landed(self)
         out = super().copy_(src, non_blocking)
+        handed = DATA_HANDED.get(id(self))
+        if handed:  # (writes through .data before it: replaced, as the look need not know; data_handed_out)
+            handed[:] = [entry for entry in handed if not entry[1]._version]
         ref = OWNER.get(id(self))
         b = ref() if ref is not None else None
         precise = isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point()
@@ -284,19 +314,20 @@ def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict
     return out
 
 
-def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, end: int) -> bool:
+def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, end: int, cast: bool = True) -> bool:
     """``values`` (fp32, elements ``start:end`` of ``p`` flattened) updated in place by the noted ``call`` (see
     :meth:`_Bucket.note_call`), each tensor argument cut to those elements (broadcast to ``p``'s shape first, a
-    floating one as fp32; ``p`` itself as ``values``). False where an argument was written since the call (its
-    version) or torch refuses the call on fp32 values (torch ran it on the bf16 weights: never an error of ours):
-    the master then follows the weights, as for any other write."""
+    floating one as fp32, or as it is where not ``cast``: ``values`` bf16, torch's call again; ``p`` itself as
+    ``values``). False where an argument was written since the call (its version) or torch refuses the call on
+    fp32 values (torch ran it on the bf16 weights: never an error of ours): the master then follows the weights,
+    as for any other write."""
     name, args, kwargs, versions = call
 
     def cut(a):
         if a is p:
             return values
         if isinstance(a, torch.Tensor):
-            a = a.detach().to(values.device, values.dtype if a.is_floating_point() else a.dtype)
+            a = a.detach().to(values.device, values.dtype if a.is_floating_point() and cast else a.dtype)
             return torch.broadcast_to(a, p.shape).reshape(-1)[start:end] if a.dim() else a
         return a
 
@@ -385,6 +416,7 @@ def watch(p: torch.Tensor) -> None:
     first step of a compiled one look at the weights eagerly: under ``fullgraph=True`` an error, now and then
     (the test suite under xdist met one)."""
     DATA_READS.discard(id(p))
+    DATA_HANDED.pop(id(p), None)
     if type(p) is torch.nn.Parameter:
         p.__class__ = WatchedParameter
         if p._post_accumulate_grad_hooks:  # (registered before the optimizer was built)
@@ -597,7 +629,8 @@ class _Bucket:
         signature = _signature(p, name, call[1], call[2])
         if entry is None:
             index = self.index_of[key]
-            self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature]]
+            self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature],
+                               False]  # (verify: data_handed_out)
         elif entry[2] != version or entry[3] is None:  # (a write in between: the chain is broken)
             entry[3] = None
         else:
@@ -629,11 +662,26 @@ class _Bucket:
             out.append((dst, values))
         return out
 
-    def data_handed_out(self, key: int) -> None:
+    def data_handed_out(self, key: int, written: bool) -> None:
         """The parameter of id ``key`` had its ``.data`` read since the last look: a write through it moves no
-        version counter, so its calls are dropped and its note is taken only where the weight is still its
-        rounding (the weights followed elsewhere, as for any write)."""
-        self.calls.pop(key, None)
+        version counter of the parameter's. ``written``: torch wrote through one (its own counter moved:
+        :func:`written_through_data`): its in-place calls and fp32 copy's note are dropped (the weights followed,
+        as for any write: a call after the write started from the master, and a write after a call or a copy may
+        put back values the note would take for its own, an EMA swapped in and the weights restored through
+        ``.data``). Else only read (an EMA of the loop's own, a logger), or written past every counter (a
+        collective): the calls are checked against the weights (:meth:`run_calls`: the master takes their fp32
+        result where the weight is what torch's calls left, the weight elsewhere), and a note with no calls is
+        taken where the weight is still its rounding. Until session 42 a read dropped them too: a loop reading
+        ``p.data`` every step lost its weight decay (``p.mul_(1 - lr * wd)``), every step, silently, and an fp32
+        checkpoint loaded after building the optimizer and read before the step was taken as bf16."""
+        if written:
+            self.calls.pop(key, None)
+            self.precise.pop(key, None)
+            return
+        entry = self.calls.get(key)
+        if entry is not None:
+            entry[6] = True
+            return
         noted = self.precise.get(key)
         if noted is not None:
             self.precise[key] = (noted[0], -1, noted[2])
@@ -664,7 +712,7 @@ class _Bucket:
         calls, self.calls = self.calls, {}
         runnable = {}
         for key, entry in calls.items():
-            index, first, last, chain, base, _ = entry
+            index, first, last, chain, base, _, _ = entry
             p = self.params[index]
             if chain is None or _VERSION_OF(p) != last:
                 continue
@@ -674,16 +722,43 @@ class _Bucket:
             runnable[key] = entry
         if len(runnable) == len(self.params) and self._run_whole(runnable):
             return
-        for key, (index, first, last, chain, base, _) in runnable.items():
+        for key, (index, first, last, chain, base, _, verify) in runnable.items():
             p = self.params[index]
             if base is None:
                 base = self.fp32_pieces(index, first)
             pieces = self._pieces_of(index)
+            weights = [values.to(self.param_buffer.dtype) for _, values in base] if verify else None
             if all(_run_call(values, p, call, start, end)
                    for (_, start, end), (_, values) in zip(pieces, base) for call in chain):
+                if verify and not self._verified(p, chain, pieces, base, weights):
+                    self.precise.pop(key, None)
+                    continue
                 self._note(p, index, base)
             else:
                 self.precise.pop(key, None)
+
+    def _verified(self, p: torch.Tensor, chain: list, pieces: list, base: list, weights: list) -> bool:
+        """``base`` (this rank's pieces of ``p``: ``[(shard slice, fp32 values)]``, ``chain`` run on them) kept
+        where the weight is what torch's calls gave on the bf16 ``weights`` the chain started from (run again
+        here, on bf16 values: the same ops as torch's), and elsewhere what the look makes of a write (the
+        weight, where it is not its master's rounding: :meth:`followed`): ``.data`` handed out, a write through
+        it may have followed the calls unseen (:meth:`data_handed_out`). False where the calls cannot be run so."""
+        shard = self.param_buffer.get_local_shard()
+        for (dst, start, end), (_, values), bf16 in zip(pieces, base, weights):
+            if not all(_run_call(bf16, p, call, start, end, cast=False) for call in chain):
+                return False
+            weight = shard[dst]
+            values.copy_(torch.where(weight == bf16, values, self.followed(dst)))
+        return True
+
+    def followed(self, dst: slice) -> torch.Tensor:
+        """The fp32 values the look makes of the weights of this rank's shard elements ``dst`` after a write (the
+        reconcile: ModelViewMixin._reconcile_master): the master where the weight is still its rounding, the
+        weight elsewhere; with stored remainders, the weight and its remainder."""
+        weight = self.param_buffer.get_local_shard()[dst]
+        if self.master_remainder is not None:
+            return combine_bf16_remainder(weight, self.master_remainder[dst])
+        return where_rounded(weight, self.master[dst], weight.float())
 
     def _run_whole(self, runnable: dict) -> bool:
         """:meth:`run_calls` for a bucket whose every parameter has the same calls with numbers, started from its
@@ -691,7 +766,7 @@ class _Bucket:
         master shard (its padding too, left out when taken: :meth:`take_precise`), each parameter's note a view
         of it. False where that does not hold (each parameter on its own then)."""
         signatures = None
-        for index, first, _, _, base, sigs in runnable.values():
+        for index, first, _, _, base, sigs, _ in runnable.values():
             noted = self.precise.get(id(self.params[index]))
             if base is not None or sigs is None or (noted is not None and noted[1] == first):
                 return False
@@ -699,11 +774,17 @@ class _Bucket:
                 signatures = sigs
             elif sigs != signatures:
                 return False
-        index, _, _, chain, _, _ = next(iter(runnable.values()))
+        index, _, _, chain, _, _, _ = next(iter(runnable.values()))
         p, values = self.params[index], self.master.clone()
         # (p itself as the whole shard: _SELF in the signature, the same for every parameter)
         if not all(_run_call(values, p, call, 0, values.numel()) for call in chain):
             return False
+        if any(entry[6] for entry in runnable.values()):  # (.data handed out: _verified, over the shard; the
+            # weights at the start are the masters' rounding: the last look left them so, none noted since)
+            whole = slice(0, values.numel())
+            if not self._verified(p, chain, [(whole, 0, values.numel())], [(whole, values)],
+                                  [self.master.to(self.param_buffer.dtype)]):
+                return False
         notes = []
         for index, p in enumerate(self.params):
             self._note(p, index, [(dst, values[dst]) for dst, _, _ in self._pieces_of(index)])

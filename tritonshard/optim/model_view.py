@@ -27,7 +27,7 @@ from ..kernels._dispatch import triton_kernels_run
 from ..kernels.scale import (partials_multi_launch_spec, segment_sums_, segment_sums_launch_spec,
                              shared_sum_sq_workspace, sum_sq_partials_)
 from . import model_sync
-from .bucket import DATA_READS, _Bucket, alone, watch, where_rounded
+from .bucket import DATA_HANDED, DATA_READS, _Bucket, alone, watch, where_rounded, written_through_data
 from .bucket import plain_attrs as _PLAIN_ATTRS
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -142,7 +142,7 @@ class ModelViewMixin:
         if self._flags.precise_notes:  # (fp32 values noted for the weights, calls to run on them: _Bucket.calls)
             if DATA_READS:  # (.data handed out: written through, unseen, perhaps after the calls or the copy)
                 for i in DATA_READS.intersection(self._param_by_id):
-                    self._bucket_of[self._param_by_id[i]][0].data_handed_out(i)
+                    self._bucket_of[self._param_by_id[i]][0].data_handed_out(i, written_through_data(i))
             for b in self.buckets:
                 if b.calls:
                     b.run_calls(self._seen_version)
@@ -168,6 +168,8 @@ class ModelViewMixin:
         if DATA_READS:  # (p.data handed out: a write through it moves no version counter)
             mine = DATA_READS.intersection(self._param_by_id)  # (as many lookups as reads: others' ids stay)
             DATA_READS.difference_update(mine)
+            for i in mine:
+                DATA_HANDED.pop(i, None)
             dirty.update(self._bucket_of[self._param_by_id[i]][0].index for i in mine)
         if dirty:
             self.wait_for_params()
