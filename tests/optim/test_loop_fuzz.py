@@ -65,7 +65,10 @@ UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=
            "*=": lambda p: operator.imul(p, 1 - 1e-4),  # (`p *= c`: torch's own operator until session 42, unseen)
            # not an update: .data read (an EMA's, a logger's), which until session 42 dropped the calls and fp32
            # values noted for the master since the last look (the decay lost, an fp32 load taken as bf16)
-           "read .data": lambda p: p.data.float().sum()}
+           "read .data": lambda p: p.data.float().sum(),
+           # a write between calls (a padding row kept at zero): the calls before it are checked against the weights
+           # (until session 42 dropped: the decay lost in every element the write left)
+           "zero_ [0]": lambda p: p[0].zero_()}
 #: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),

@@ -599,9 +599,19 @@ class _Bucket:
         weights stand for where the call starts a chain and they are not what the last look left: with stored
         remainders (the bf16 weights are their high half, which the call rewrites), or where ``p`` was written
         since that look, unseen (a load, then a decay; the look would follow the write, so the chain starts from
-        what it would make of it: :meth:`written_pieces`))``."""
+        what it would make of it: :meth:`written_pieces`), or where the write came after calls (``p.mul_(c)``,
+        ``p[0].zero_()``, then this call: the calls so far are run and checked against the weights, which they
+        follow where written, :meth:`_run_chain`))``. Until session 42 such a write broke the chain, and the
+        master followed the weights everywhere: the decay lost in every element the write left."""
         version = _VERSION_OF(p)
         base = None
+        entry = self.calls.get(id(p))
+        if entry is not None and entry[2] != version:  # (written since its last call)
+            del self.calls[id(p)]
+            entry[6] = True
+            base = self._run_chain(entry)
+            if base is not None:
+                return version, base
         if id(p) not in self.calls:
             index = self.index_of[id(p)]
             if self.master_remainder is not None:
@@ -618,8 +628,9 @@ class _Bucket:
         bf16 weights (``before``: :meth:`before_call`): noted for the next look at the weights (:meth:`run_calls`),
         with the versions of its tensor arguments (written since, they no longer hold the values it saw). The calls
         on one parameter form a chain from the weights as the optimizer last saw them (its version then, or an fp32
-        copy's note): a write between two calls that is not one of them (``p[0] = 1``) breaks it, and the master
-        follows the weights there, as for any write. An argument viewing ``p``'s elements as ``p`` does
+        copy's note): a write between two calls that is not one of them (``p[0] = 1``) ends it, and the next call
+        starts another from what the first made of the weights, following them where written (:meth:`before_call`).
+        An argument viewing ``p``'s elements as ``p`` does
         (``p.detach()``, ``p.data``) stands for ``p``, as its fp32 values (torch refuses other overlaps of an
         argument with the tensor it writes)."""
         version, base = before
@@ -628,12 +639,10 @@ class _Bucket:
         after = _VERSION_OF(p)
         call = _noted_call(p, name, args, kwargs)
         signature = _signature(p, name, call[1], call[2])
-        if entry is None:
+        if entry is None:  # (a write since the last call started a new chain: before_call)
             index = self.index_of[key]
             self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature],
-                               False]  # (verify: data_handed_out)
-        elif entry[2] != version or entry[3] is None:  # (a write in between: the chain is broken)
-            entry[3] = None
+                               False]  # (whether to check it against the weights: _run_chain)
         else:
             entry[2] = after
             entry[3].append(call)
@@ -706,44 +715,55 @@ class _Bucket:
         """The in-place calls noted since the last look (:meth:`note_call`), run on the fp32 values the weights
         stood for before the first (:meth:`fp32_pieces`), each parameter's result noted as an fp32 copy's is
         (:meth:`take_precise`). ``seen_version(p)``: ``p``'s version at the optimizer's last look. A chain is
-        dropped (the master follows the weights, as for any write) where it is broken, where the parameter was
-        written since its last call or before its first unseen (its version), or where a call cannot be run on
-        fp32 values. The same calls with numbers on every parameter of the bucket (a weight decay of the loop's
+        dropped (the master follows the weights, as for any write) where the parameter was written before its
+        first call unseen, or where a call cannot be run on fp32 values; one written since its last call (its
+        version) is checked against the weights, whose written elements the master follows. The same calls with numbers on every parameter of the bucket (a weight decay of the loop's
         own, a clip), from their masters, run once over the master shard (:meth:`_run_whole`)."""
         calls, self.calls = self.calls, {}
         runnable = {}
         for key, entry in calls.items():
             index, first, last, chain, base, _, _ = entry
             p = self.params[index]
-            if chain is None or _VERSION_OF(p) != last:
-                continue
             noted = self.precise.get(key)
             if base is None and first != seen_version(p) and (noted is None or noted[1] != first):
                 continue  # (written before the first call, unseen, and not taken then: not known)
+            if _VERSION_OF(p) != last:  # (written after its last call: checked against the weights)
+                entry[6] = True
             runnable[key] = entry
         if len(runnable) == len(self.params) and self._run_whole(runnable):
             return
-        for key, (index, first, last, chain, base, _, verify) in runnable.items():
-            p = self.params[index]
-            if base is None:
-                base = self.fp32_pieces(index, first)
-            pieces = self._pieces_of(index)
-            weights = [values.to(self.param_buffer.dtype) for _, values in base] if verify else None
-            if all(_run_call(values, p, call, start, end)
-                   for (_, start, end), (_, values) in zip(pieces, base) for call in chain):
-                if verify and not self._verified(p, chain, pieces, base, weights):
-                    self.precise.pop(key, None)
-                    continue
-                self._note(p, index, base)
-            else:
+        for key, entry in runnable.items():
+            values = self._run_chain(entry)
+            if values is None:
                 self.precise.pop(key, None)
+            else:
+                self._note(self.params[entry[0]], entry[0], values)
+
+    def _run_chain(self, entry: list) -> Optional[list]:
+        """A parameter's noted calls (an entry of :attr:`calls`) run on the fp32 values its weights stood for
+        before the first: ``[(shard slice, fp32 values)]`` of its pieces of this rank's shard, checked against the
+        weights where the entry says so (:meth:`_verified`: ``.data`` handed out, a write since the last call);
+        None where a call cannot be run on them (the master then follows the weights)."""
+        index, first, _, chain, base, _, verify = entry
+        p = self.params[index]
+        if base is None:
+            base = self.fp32_pieces(index, first)
+        pieces = self._pieces_of(index)
+        weights = [values.to(self.param_buffer.dtype) for _, values in base] if verify else None
+        if not all(_run_call(values, p, call, start, end)
+                   for (_, start, end), (_, values) in zip(pieces, base) for call in chain):
+            return None
+        if verify and not self._verified(p, chain, pieces, base, weights):
+            return None
+        return base
 
     def _verified(self, p: torch.Tensor, chain: list, pieces: list, base: list, weights: list) -> bool:
         """``base`` (this rank's pieces of ``p``: ``[(shard slice, fp32 values)]``, ``chain`` run on them) kept
         where the weight is what torch's calls gave on the bf16 ``weights`` the chain started from (run again
         here, on bf16 values: the same ops as torch's), and elsewhere what the look makes of a write (the
-        weight, where it is not its master's rounding: :meth:`followed`): ``.data`` handed out, a write through
-        it may have followed the calls unseen (:meth:`data_handed_out`). False where the calls cannot be run so."""
+        weight, where it is not its master's rounding: :meth:`followed`): a write after the calls (``p.mul_(c)``,
+        then ``p[0].zero_()``), or ``.data`` handed out, through which a write may have followed them unseen
+        (:meth:`data_handed_out`). False where the calls cannot be run so."""
         shard = self.param_buffer.get_local_shard()
         for (dst, start, end), (_, values), bf16 in zip(pieces, base, weights):
             if not all(_run_call(bf16, p, call, start, end, cast=False) for call in chain):
