@@ -128,12 +128,17 @@ HELD_FROZEN = WeakIdKeyDictionary()
 #: counter, so only this says to look at their weights. A stale id (a parameter gone since) costs one look.
 DATA_READS: set = set()
 
-#: id of a parameter in :data:`DATA_READS` -> ``[(weak reference to a .data handed out, a tensor sharing its version
-#: counter)]``: whether a write through one went through torch (``p.data.copy_(x)``, ``p.data[0] = v``: its counter
-#: moved) or not (only reads, an EMA's, a logger's; or a write past every counter: a collective, DLPack), which the
-#: look treats apart (:meth:`_Bucket.data_handed_out`). Pruned at a parameter's 8th read since its last look: a
-#: handout gone (its views keep it alive) and not written through can be written through no more.
+#: id of a parameter in :data:`DATA_READS` -> ``[[weak reference to a .data handed out, a tensor sharing its version
+#: counter, that counter when the parameter was last written whole]]``: whether a write through one went through
+#: torch since (``p.data.copy_(x)``, ``p.data[0] = v``: its counter moved) or not (only reads, an EMA's, a logger's;
+#: or a write past every counter: a collective, DLPack), which the look treats apart
+#: (:meth:`_Bucket.data_handed_out`). Pruned at a parameter's 8th read since its last look: of the handouts gone
+#: (their views keep them alive), one written through is kept, none other.
 DATA_HANDED: dict = {}
+
+
+def _written(entry: list) -> bool:
+    return entry[1]._version != entry[2]
 
 
 def _hand_out(p: torch.Tensor) -> torch.Tensor:
@@ -141,16 +146,18 @@ def _hand_out(p: torch.Tensor) -> torch.Tensor:
     data = _TENSOR_DATA.__get__(p)
     kept = DATA_HANDED.setdefault(id(p), [])
     if len(kept) >= 8:
-        written = [entry for entry in kept if entry[1]._version]
-        kept[:] = written[:1] + [entry for entry in kept if not entry[1]._version and entry[0]() is not None]
-    kept.append((weakref.ref(data), data.detach()))  # (detach: the same version counter)
+        gone = next((entry for entry in kept if entry[0]() is None and _written(entry)), None)
+        kept[:] = [entry for entry in kept if entry[0]() is not None]
+        if gone is not None:
+            kept.insert(0, gone)
+    kept.append([weakref.ref(data), data.detach(), 0])  # (detach: the same version counter, from 0)
     return data
 
 
 def written_through_data(key: int) -> bool:
     """Whether torch wrote through a ``.data`` of the parameter of id ``key`` handed out since its last look (and
     forget them: the look takes what they did)."""
-    return any(keeper._version for _, keeper in DATA_HANDED.pop(key, ()))
+    return any(map(_written, DATA_HANDED.pop(key, ())))
 
 #: ids of the parameters whose post-accumulate-grad hooks a backward must look at (``ShardedOptimizer.
 #: _user_post_hooks``): a laid-out parameter given one by the loop (:meth:`WatchedParameter.
@@ -200,9 +207,9 @@ class WatchedParameter(torch.nn.Parameter):
             return super().copy_(src, non_blocking)
         landed(self)
         out = super().copy_(src, non_blocking)
-        handed = DATA_HANDED.get(id(self))
-        if handed:  # (writes through .data before it: replaced, as the look need not know; data_handed_out)
-            handed[:] = [entry for entry in handed if not entry[1]._version]
+        for entry in DATA_HANDED.get(id(self), ()):  # (writes through .data before it are replaced: the look need
+            # not know of them, data_handed_out; those after it, it must)
+            entry[2] = entry[1]._version
         ref = OWNER.get(id(self))
         b = ref() if ref is not None else None
         precise = isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point()
