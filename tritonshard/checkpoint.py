@@ -237,7 +237,7 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             _check_signed_in(opt, partial)
         pieces = {}  # DCP key -> (numel of the flattened parameter, offset of this rank's piece, the piece)
         for b in opt.buckets:
-            master = b.master_fp32()
+            master = b.saved_master()
             for piece in b.param_buffer.shard_pieces():
                 p = b.params[piece.tensor_index]
                 sl = slice(piece.shard_start, piece.shard_end)

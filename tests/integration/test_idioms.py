@@ -28,6 +28,7 @@ from tests.helpers import assert_bitwise_equal, assert_close_rel, overlap_machin
 from tests.integration.hf import eval_loss, flat_weights, lm_loss, tiny_gpt2, tiny_llama, tokens
 from tests.optim.training import LR, MAX_NORM, Reference, batch, loss_fn, make_model, param_groups, schedule
 from tritonshard import ShardedAdamW, ShardedSGD
+from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import all_gather_single
 from tritonshard.optim import bucket, model_sync
 from tritonshard.optim.model_sync import ShardedGrad
@@ -843,6 +844,38 @@ def test_in_place_updates_of_the_weights_between_steps_act_on_the_fp32_masters_a
     torch's bf16 call left them). Until session 41 the master took the bf16 result only where the weight changed:
     a decay below half a bf16 ulp (every decay here) changed nothing and was lost every step, silently."""
     run_on_ranks(_updated_run, world_size, how, layout)
+
+
+def _saved_after_a_decay(rank, world_size, how, directory):
+    model = _penalty_net()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, store_param_remainders=True)
+    want = [e["master"] * 0.9999 for e in opt.state_dict()["state"].values()]  # (torch's fp32 weights' decay)
+    with torch.no_grad():
+        crossed = 0
+        for p, m in zip(model.parameters(), want):
+            p.mul_(0.9999)
+            crossed += int((p.detach() != m.to(p.dtype)).sum())  # (the bf16 result not the fp32 one's rounding)
+    assert crossed, "no weight whose bf16 decay differs from its master's: nothing to check"
+    if how == "checkpoint":
+        save_sharded(opt, directory)
+        twin = _penalty_net()
+        opt = ShardedAdamW(twin.parameters(), lr=1e-2, store_param_remainders=True)
+        load_sharded(opt, directory)
+    for (name, _), w, e in zip(model.named_parameters(), want, opt.state_dict()["state"].values()):
+        assert_bitwise_equal(e["master"], w, f"{name}'s saved master, rank {rank} of {world_size}, {how}")
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_save_between_an_in_place_update_and_the_step_records_the_masters_the_step_takes(how, world_size,
+                                                                                          tmp_path):
+    """With stored remainders the master is the bf16 weight and a remainder, and until the step the weights stay
+    as torch's bf16 call left them: where a decay crossed a rounding midpoint (the bf16 result is not the rounding
+    of the fp32 one) the master cannot hold the fp32 result until the step takes it. A save there (state_dict(), a
+    sharded checkpoint, read back by a fresh optimizer) records the fp32 result, as torch's fp32 weights hold and
+    as the step goes on from; until session 42 it recorded the weight and its old remainder (the master before
+    the decay there), a master the run never had."""
+    run_on_ranks(_saved_after_a_decay, world_size, how, str(tmp_path))
 
 
 #: each mirrored method (tritonshard.optim.bucket.MIRRORED_METHODS) as a loop would call it on a weight ``p``, with

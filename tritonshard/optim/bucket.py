@@ -575,6 +575,22 @@ class _Bucket:
             return self.master
         return combine_bf16_remainder(self.param_buffer.get_local_shard(), self.master_remainder)
 
+    def saved_master(self) -> torch.Tensor:
+        """The fp32 master shard as a save records it (``state_dict()``, checkpoint saves, after their look): the
+        master, and with stored remainders the fp32 values noted for the weights (:meth:`take_precise`) where the
+        parameter was not written since. There the weights stay as torch's bf16 calls left them until the step,
+        and the master is the weight and a remainder: where that weight is not the rounding of the fp32 result (a
+        decay that crossed a rounding midpoint), it cannot hold the result, which the step then takes; until
+        session 42 a save there recorded the weight and the old remainder, a master the run never had."""
+        master = self.master_fp32()
+        if self.master_remainder is None or not self.precise:
+            return master
+        for index, version, pieces in self.precise.values():
+            if _VERSION_OF(self.params[index]) == version:
+                for dst, value in pieces:
+                    master[dst] = value
+        return master
+
     def _pieces_of(self, index: int) -> list:
         """``(shard slice, tensor start, tensor end)`` of parameter ``index``'s pieces of this rank's shard (the
         layout's, listed once per bucket)."""

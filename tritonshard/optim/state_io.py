@@ -80,7 +80,7 @@ class StateDictMixin:
         self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
         for b in self.buckets:
-            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.master_fp32()), *b.state.items())}
+            gathered = {name: self._gather_full(b, t) for name, t in (("master", b.saved_master()), *b.state.items())}
             keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
                 entry = {"step": self._param_step(p).detach().clone()} if keeps_step else {}
