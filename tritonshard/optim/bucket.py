@@ -625,27 +625,37 @@ class _Bucket:
         since that look, unseen (a load, then a decay; the look would follow the write, so the chain starts from
         what it would make of it: :meth:`written_pieces`), or where the write came after calls (``p.mul_(c)``,
         ``p[0].zero_()``, then this call: the calls so far are run and checked against the weights, which they
-        follow where written, :meth:`_run_chain`))``. Until session 42 such a write broke the chain, and the
-        master followed the weights everywhere: the decay lost in every element the write left."""
+        follow where written, :meth:`_run_chain`))``, and the bf16 weights themselves where those fp32 values need
+        not round to them (a chain from a note a look kept, or after a write: torch's bf16 calls left the weights,
+        which are where a check of the chain against the weights starts, :meth:`_verified`). Until session 42
+        such a write broke the chain, and the master followed the weights everywhere: the decay lost in every
+        element the write left."""
         version = _VERSION_OF(p)
-        base = None
-        entry = self.calls.get(id(p))
-        if entry is not None and entry[2] != version:  # (written since its last call)
-            del self.calls[id(p)]
+        key = id(p)
+        entry = self.calls.get(key)
+        if entry is not None:
+            if entry[2] == version:  # (the chain goes on)
+                return version, None, None
+            del self.calls[key]  # (written since its last call)
             entry[6] = True
             base = self._run_chain(entry)
             if base is not None:
-                return version, base
-        if id(p) not in self.calls:
-            index = self.index_of[id(p)]
-            if self.master_remainder is not None:
-                base = self.fp32_pieces(index, version)
-            else:
-                noted = self.precise.get(id(p))
-                seen = self.seen_version() if self.seen_version is not None else None
-                if (noted is None or noted[1] != version) and (seen is None or version != seen(p)):
-                    base = self.written_pieces(index)  # (written since the last look, unseen yet)
-        return version, base
+                return version, base, self._weights_of(entry[0])
+        index = self.index_of[key]
+        noted = self.precise.get(key)
+        from_note = noted is not None and noted[1] == version
+        start = self._weights_of(index) if from_note else None
+        if self.master_remainder is not None:
+            return version, self.fp32_pieces(index, version), start
+        seen = self.seen_version() if self.seen_version is not None else None
+        if not from_note and (seen is None or version != seen(p)):
+            return version, self.written_pieces(index), None  # (written since the last look, unseen yet)
+        return version, None, start
+
+    def _weights_of(self, index: int) -> list:
+        """Parameter ``index``'s pieces of this rank's bf16 shard, copied."""
+        shard = self.param_buffer.get_local_shard()
+        return [shard[dst].clone() for dst, _, _ in self._pieces_of(index)]
 
     def note_call(self, p: torch.Tensor, before: tuple, name: str, args: tuple, kwargs: dict) -> None:
         """``p.<name>(*args, **kwargs)``, an elementwise in-place method (:data:`MIRRORED_METHODS`), just ran on the
@@ -657,7 +667,7 @@ class _Bucket:
         An argument viewing ``p``'s elements as ``p`` does
         (``p.detach()``, ``p.data``) stands for ``p``, as its fp32 values (torch refuses other overlaps of an
         argument with the tensor it writes)."""
-        version, base = before
+        version, base, start = before
         key = id(p)
         entry = self.calls.get(key)
         after = _VERSION_OF(p)
@@ -666,7 +676,7 @@ class _Bucket:
         if entry is None:  # (a write since the last call started a new chain: before_call)
             index = self.index_of[key]
             self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature],
-                               False]  # (whether to check it against the weights: _run_chain)
+                               False, start]  # (whether to check it against the weights, from start: _run_chain)
         else:
             entry[2] = after
             entry[3].append(call)
@@ -747,7 +757,7 @@ class _Bucket:
         calls, self.calls = self.calls, {}
         runnable = {}
         for key, entry in calls.items():
-            index, first, last, chain, base, _, _ = entry
+            index, first, last, chain, base, _, _, _ = entry
             p = self.params[index]
             noted = self.precise.get(key)
             if base is None and first != seen_version(p) and (noted is None or noted[1] != first):
@@ -769,16 +779,17 @@ class _Bucket:
         before the first: ``[(shard slice, fp32 values)]`` of its pieces of this rank's shard, checked against the
         weights where the entry says so (:meth:`_verified`: ``.data`` handed out, a write since the last call);
         None where a call cannot be run on them (the master then follows the weights)."""
-        index, first, _, chain, base, _, verify = entry
+        index, first, _, chain, base, _, verify, start = entry
         p = self.params[index]
         if base is None:
             base = self.fp32_pieces(index, first)
         pieces = self._pieces_of(index)
-        weights = [values.to(self.param_buffer.dtype) for _, values in base] if verify else None
+        if verify and start is None:  # (the weights the chain started from: the rounding of its fp32 start)
+            start = [values.to(self.param_buffer.dtype) for _, values in base]
         if not all(_run_call(values, p, call, start, end)
                    for (_, start, end), (_, values) in zip(pieces, base) for call in chain):
             return None
-        if verify and not self._verified(p, chain, pieces, base, weights):
+        if verify and not self._verified(p, chain, pieces, base, start):
             return None
         return base
 
@@ -812,7 +823,7 @@ class _Bucket:
         master shard (its padding too, left out when taken: :meth:`take_precise`), each parameter's note a view
         of it. False where that does not hold (each parameter on its own then)."""
         signatures = None
-        for index, first, _, _, base, sigs, _ in runnable.values():
+        for index, first, _, _, base, sigs, _, _ in runnable.values():
             noted = self.precise.get(id(self.params[index]))
             if base is not None or sigs is None or (noted is not None and noted[1] == first):
                 return False
@@ -820,7 +831,7 @@ class _Bucket:
                 signatures = sigs
             elif sigs != signatures:
                 return False
-        index, _, _, chain, _, _, _ = next(iter(runnable.values()))
+        index, _, _, chain, _, _, _, _ = next(iter(runnable.values()))
         p, values = self.params[index], self.master.clone()
         # (p itself as the whole shard: _SELF in the signature, the same for every parameter)
         if not all(_run_call(values, p, call, 0, values.numel()) for call in chain):
