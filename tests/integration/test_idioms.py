@@ -865,11 +865,19 @@ def _calls_around_a_look_or_a_write(rank, world_size, how):
             if how == "a look between the calls, then .data read":
                 for p in tensors:
                     p.mul_(0.99)
-    for (name, _), w, e in zip(model.named_parameters(), want, opt.state_dict()["state"].values()):
+            if how == "a look after the calls, .data read, then a step without gradients" and tensors is not want:
+                opt.state_dict()
+                for p in tensors:
+                    p.data.float().sum()
+                opt.step()  # (torch.optim leaves a parameter without a gradient as it is)
+    for (name, p), w, e in zip(model.named_parameters(), want, opt.state_dict()["state"].values()):
         assert_bitwise_equal(e["master"], w, f"{name}'s master, rank {rank} of {world_size}, {how}")
+        if how.endswith("a step without gradients"):  # (torch's bf16 twin: its fp32 weights' rounding)
+            assert_bitwise_equal(p.detach(), w.view(p.shape).to(p.dtype), f"{name}, rank {rank}, {how}")
 
 
-@pytest.mark.parametrize("how", ["a look between the calls, then .data read", "writes between and after the calls"])
+@pytest.mark.parametrize("how", ["a look between the calls, then .data read", "writes between and after the calls",
+                                 "a look after the calls, .data read, then a step without gradients"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_in_place_calls_checked_against_the_weights_start_where_torchs_bf16_calls_left_them(how, world_size):
     """A parameter's calls checked against the weights (a write after them, ``.data`` read) are run again on the
@@ -879,7 +887,9 @@ def test_in_place_calls_checked_against_the_weights_start_where_torchs_bf16_call
     decay crosses a rounding midpoint in some elements): started from that rounding, the check found the weights
     changed there and the master followed the bf16 weight (half an ulp off torch's fp32 result in 20-30 % of the
     elements, found by a probe in session 42); started from the weights as they were, the master is torch's fp32
-    result bit for bit."""
+    result bit for bit. So for a note a look kept (a save, a clip) and a ``.data`` read after it: the step takes
+    the note where the weights are as that look left them, and rounds the weights from it there (a parameter
+    without a gradient keeps them: found by tests.optim.loop_fuzz_long, TracedTrainingLoop, in session 42)."""
     run_on_ranks(_calls_around_a_look_or_a_write, world_size, how)
 
 
@@ -893,6 +903,9 @@ def _saved_after_a_decay(rank, world_size, how, directory):
             p.mul_(0.9999)
             crossed += int((p.detach() != m.to(p.dtype)).sum())  # (the bf16 result not the fp32 one's rounding)
     assert crossed, "no weight whose bf16 decay differs from its master's: nothing to check"
+    if how == "state_dict after a look and a .data read":  # (the note kept by the look, the read after it)
+        opt.state_dict()
+        [p.data.float().sum() for p in model.parameters()]
     if how == "checkpoint":
         save_sharded(opt, directory)
         twin = _penalty_net()
@@ -902,7 +915,7 @@ def _saved_after_a_decay(rank, world_size, how, directory):
         assert_bitwise_equal(e["master"], w, f"{name}'s saved master, rank {rank} of {world_size}, {how}")
 
 
-@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint", "state_dict after a look and a .data read"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_save_between_an_in_place_update_and_the_step_records_the_masters_the_step_takes(how, world_size,
                                                                                           tmp_path):

@@ -522,6 +522,10 @@ class _Bucket:
         #: id of a parameter -> the in-place calls on it since the last look (:meth:`note_call`), for the next one
         self.calls: dict = {}
         self.whole = None  # (shard values, the notes viewing them) from run_calls' one run over the shard
+        #: id of a parameter -> its bf16 weights (this rank's pieces) as a look that kept its note left them (a clip
+        #: before the step: torch's bf16 calls' results, which need not be the note's rounding), for the later looks
+        #: that take the note only where the weight still holds (:meth:`take_precise`, :meth:`written_pieces`)
+        self.kept_weights: dict = {}
         self._mask = None  # (_param_mask)
         self._pieces = None  # (_pieces_of)
         self.index_of = {id(p): i for i, p in enumerate(params)}
@@ -585,10 +589,15 @@ class _Bucket:
         master = self.master_fp32()
         if self.master_remainder is None or not self.precise:
             return master
-        for index, version, pieces in self.precise.values():
+        shard = self.param_buffer.get_local_shard()
+        for key, (index, version, pieces) in self.precise.items():
+            kept = self.kept_weights.get(key)
             if _VERSION_OF(self.params[index]) == version:
                 for dst, value in pieces:
                     master[dst] = value
+            elif kept is not None:  # (where the weight is still as the look that kept the note left it)
+                for (dst, value), weight in zip(pieces, kept):
+                    master[dst] = torch.where(shard[dst] == weight, value, master[dst])
         return master
 
     def _pieces_of(self, index: int) -> list:
@@ -604,6 +613,7 @@ class _Bucket:
 
     def _note(self, p: torch.Tensor, index: int, pieces: list) -> None:
         self.precise[id(p)] = (index, _VERSION_OF(p), pieces)
+        self.kept_weights.pop(id(p), None)
         if self.step_flags is not None:
             self.step_flags.precise_notes = self.step_flags.eager_step_needed = True
 
@@ -694,15 +704,19 @@ class _Bucket:
         last look: what that look would make of the weights now (the reconcile, then an fp32 copy's note where the
         weight is still its rounding: :meth:`take_precise`)."""
         shard = self.param_buffer.get_local_shard()
-        noted = self.precise.get(id(self.params[index]))
+        key = id(self.params[index])
+        noted = self.precise.get(key)
         noted = dict((dst.start, value) for dst, value in noted[2]) if noted is not None else {}
+        kept = dict(zip(noted, self.kept_weights[key])) if key in self.kept_weights else {}
         out = []
         for dst, _, _ in self._pieces_of(index):
             weight, master = shard[dst], self.master[dst]
             values = where_rounded(weight, master, weight.float())
             value = noted.get(dst.start)
             if value is not None:
-                values = where_rounded(weight, value, values)
+                held = kept.get(dst.start)
+                values = (where_rounded(weight, value, values) if held is None
+                          else torch.where(weight == held, value, values))
             out.append((dst, values))
         return out
 
@@ -721,6 +735,7 @@ class _Bucket:
         if written:
             self.calls.pop(key, None)
             self.precise.pop(key, None)
+            self.kept_weights.pop(key, None)
             return
         entry = self.calls.get(key)
         if entry is not None:
@@ -882,10 +897,12 @@ class _Bucket:
         (``final``) this rank's bf16 weights rounded from them too (a call whose bf16 result differs from that
         rounding, a decay below half an ulp that left a weight unchanged, moves it there; the step's all-gather
         rewrites every weight anyway), and the notes are done; before that (a clip, a norm, a save) the notes are
-        kept, and the weights stay as torch's bf16 call left them, the same on every rank. For a parameter written
-        since (a row zeroed after a load): where the weight is still their rounding (the reconcile follows the
-        weight elsewhere). A copy of the parameter's own dtype since (the weights put back after an EMA swapped
-        in), or ``.data`` handed out, dropped the note already (:meth:`WatchedParameter.copy_`, ``.data``). With
+        kept, and the weights stay as torch's bf16 call left them, the same on every rank (as :attr:`kept_weights`
+        holds them). For a parameter written since (a row zeroed after a load), or whose ``.data`` was handed out
+        (:meth:`data_handed_out`): where the weight still holds, is their rounding or as a look that kept the note
+        left it (the reconcile follows the weight elsewhere). A copy of the parameter's own dtype since (the weights
+        put back after an EMA swapped in), or a write through ``.data``, dropped the note already
+        (:meth:`WatchedParameter.copy_`, :meth:`data_handed_out`). With
         stored remainders the master is the weight and a remainder: the remainder of the split, whose high half is
         that rounding, and outside the step's look only where the weight is that rounding. Notes of every
         parameter from one run over the shard (:meth:`_run_whole`), none written since: a few ops over the shard
@@ -899,14 +916,21 @@ class _Bucket:
                 self.master.copy_(torch.where(mask, values, self.master))
                 if not final:
                     self.whole = whole
+                    if len(self.kept_weights) < len(self.params):  # (the weights as this look leaves them)
+                        weights = shard.clone()
+                        for p in self.params:
+                            self.kept_weights.setdefault(
+                                id(p), [weights[dst] for dst, _, _ in self._pieces_of(self.index_of[id(p)])])
                     return
                 shard.copy_(torch.where(mask, values.to(shard.dtype), shard))
                 self.precise.clear()
+                self.kept_weights.clear()
                 return
         remainders = self.master_remainder is not None
-        for index, version, pieces in self.precise.values():
+        for key, (index, version, pieces) in self.precise.items():
             unwritten = _VERSION_OF(self.params[index]) == version
-            for dst, value in pieces:
+            kept = self.kept_weights.get(key)
+            for i, (dst, value) in enumerate(pieces):
                 hi, weight = value.to(shard.dtype), shard[dst]
                 master = self.master[dst] if not remainders else self.master_remainder[dst]
                 if remainders:
@@ -915,15 +939,26 @@ class _Bucket:
                     master.copy_(value)
                     if final:
                         weight.copy_(hi)
-                else:
+                elif kept is None or (remainders and not final):  # (where the weight still holds: where it is
+                    # their rounding; with remainders before the step's look, only there can the master hold them)
                     master.copy_(torch.where(weight == hi, value, master))
+                else:  # (... or as an earlier look kept it, torch's bf16 calls' result: in the step's look, their
+                    # rounding there, as above, where a parameter without a gradient keeps it)
+                    held = weight == kept[i]
+                    master.copy_(torch.where(held, value, master))
+                    if final:
+                        weight.copy_(torch.where(held, hi, weight))
+            if unwritten and not final and kept is None:  # (the weights as this look leaves them)
+                self.kept_weights[key] = [shard[dst].clone() for dst, _ in pieces]
         if final:
             self.precise.clear()
+            self.kept_weights.clear()
 
     def forget_notes(self) -> None:
         """Drop every fp32 value and call noted for the weights (taken by the step's look, or void after a load)."""
         self.precise.clear()
         self.calls.clear()
+        self.kept_weights.clear()
         self.whole = None
 
     def set_master(self, master: torch.Tensor) -> None:
