@@ -1029,6 +1029,19 @@ def test_an_in_place_update_with_data_handed_out_leaves_the_master_following_the
             assert_bitwise_equal(m1, want, name)
 
 
+def test_data_read_before_the_model_and_optimizer_are_deleted_keeps_nothing_alive():
+    """What a ``.data`` read keeps until the next look (a tensor sharing the handout's version counter, which holds
+    the parameter's storage: the bucket's buffer) is the parameter's, held weakly: a loop that logs ``p.data`` and
+    then lets the model and the optimizer go frees their memory (kept by an id-keyed table, it stayed)."""
+    model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    buffer = weakref.ref(opt.buckets[0].param_buffer.get_data())
+    [float(p.data.float().norm()) for p in model.parameters()]
+    del model, opt
+    gc.collect()
+    assert buffer() is None, "the bucket's buffer outlived its model and optimizer"
+
+
 @pytest.mark.parametrize("then", ["state_dict", "step"])
 def test_an_optimizer_state_loaded_after_an_in_place_update_replaces_what_was_noted_for_it(then):
     """``opt.load_state_dict(sd)`` restores the masters (the weights are their rounding): an in-place update of the
