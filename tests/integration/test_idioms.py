@@ -1031,7 +1031,7 @@ def test_an_in_place_update_with_data_handed_out_leaves_the_master_following_the
 
 def test_data_read_before_the_model_and_optimizer_are_deleted_keeps_nothing_alive():
     """What a ``.data`` read keeps until the next look (a tensor sharing the handout's version counter, which holds
-    the parameter's storage: the bucket's buffer) is the parameter's, held weakly: a loop that logs ``p.data`` and
+    the parameter's storage: the bucket's buffer) goes with the parameter: a loop that logs ``p.data`` and
     then lets the model and the optimizer go frees their memory (kept by an id-keyed table, it stayed)."""
     model = torch.nn.Linear(16, 16).to(torch.bfloat16)
     opt = ShardedAdamW(model.parameters(), lr=1e-2)

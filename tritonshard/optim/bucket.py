@@ -128,13 +128,15 @@ HELD_FROZEN = WeakIdKeyDictionary()
 #: counter, so only this says to look at their weights. A stale id (a parameter gone since) costs one look.
 DATA_READS: set = set()
 
-#: a parameter in :data:`DATA_READS` (held weakly: the tensors kept hold its storage, freed with it) -> ``[[weak
-#: reference to a .data handed out, a tensor sharing its version counter, that counter when the parameter was last
-#: written whole]]``: whether a write through one went through torch since (``p.data.copy_(x)``, ``p.data[0] = v``:
-#: its counter moved) or not (only reads, an EMA's, a logger's; or a write past every counter: a collective, DLPack),
-#: which the look treats apart (:meth:`_Bucket.data_handed_out`). Pruned at a parameter's 8th read since its last
-#: look: of the handouts gone (their views keep them alive), one written through is kept, none other.
-DATA_HANDED = WeakIdKeyDictionary()
+#: id of a parameter in :data:`DATA_READS` -> ``(a weak reference to it, [[weak reference to a .data handed out, a
+#: tensor sharing its version counter, that counter when the parameter was last written whole]])``: whether a write
+#: through one went through torch since (``p.data.copy_(x)``, ``p.data[0] = v``: its counter moved) or not (only
+#: reads, an EMA's, a logger's; or a write past every counter: a collective, DLPack), which the look treats apart
+#: (:meth:`_Bucket.data_handed_out`). An entry goes with its parameter (the tensors it keeps hold the parameter's
+#: storage, its bucket's buffer: a loop that logs p.data and then lets the model and the optimizer go must free
+#: them). Pruned at a parameter's 8th read since its last look: of the handouts gone (their views keep them alive),
+#: one written through is kept, none other.
+DATA_HANDED: dict = {}
 
 
 def _written(entry: list) -> bool:
@@ -144,7 +146,11 @@ def _written(entry: list) -> bool:
 def _hand_out(p: torch.Tensor) -> torch.Tensor:
     """``p.data`` (torch's), kept in :data:`DATA_HANDED` (~1 us: a weak reference and a detach)."""
     data = _TENSOR_DATA.__get__(p)
-    kept = DATA_HANDED.setdefault(p, [])
+    key = id(p)
+    handed = DATA_HANDED.get(key)
+    if handed is None:
+        handed = DATA_HANDED[key] = (weakref.ref(p, lambda _, key=key, table=DATA_HANDED: table.pop(key, None)), [])
+    kept = handed[1]
     if len(kept) >= 8:
         gone = next((entry for entry in kept if entry[0]() is None and _written(entry)), None)
         kept[:] = [entry for entry in kept if entry[0]() is not None]
@@ -154,10 +160,11 @@ def _hand_out(p: torch.Tensor) -> torch.Tensor:
     return data
 
 
-def written_through_data(p: torch.Tensor) -> bool:
-    """Whether torch wrote through a ``.data`` of ``p`` handed out since its last look (and forget them: the look
-    takes what they did)."""
-    return any(map(_written, DATA_HANDED.pop(p, ())))
+def written_through_data(key: int) -> bool:
+    """Whether torch wrote through a ``.data`` of the parameter of id ``key`` handed out since its last look (and
+    forget them: the look takes what they did)."""
+    handed = DATA_HANDED.pop(key, None)
+    return handed is not None and any(map(_written, handed[1]))
 
 #: ids of the parameters whose post-accumulate-grad hooks a backward must look at (``ShardedOptimizer.
 #: _user_post_hooks``): a laid-out parameter given one by the loop (:meth:`WatchedParameter.
@@ -207,8 +214,9 @@ class WatchedParameter(torch.nn.Parameter):
             return super().copy_(src, non_blocking)
         landed(self)
         out = super().copy_(src, non_blocking)
-        for entry in DATA_HANDED.get(self, ()):  # (writes through .data before it are replaced: the look need
-            # not know of them, data_handed_out; those after it, it must)
+        handed = DATA_HANDED.get(id(self))
+        for entry in handed[1] if handed is not None else ():  # (writes through .data before it are replaced: the
+            # look need not know of them, data_handed_out; those after it, it must)
             entry[2] = entry[1]._version
         ref = OWNER.get(id(self))
         b = ref() if ref is not None else None
@@ -425,7 +433,7 @@ def watch(p: torch.Tensor) -> None:
     first step of a compiled one look at the weights eagerly: under ``fullgraph=True`` an error, now and then
     (the test suite under xdist met one)."""
     DATA_READS.discard(id(p))
-    DATA_HANDED.pop(p, None)
+    DATA_HANDED.pop(id(p), None)
     if type(p) is torch.nn.Parameter:
         p.__class__ = WatchedParameter
         if p._post_accumulate_grad_hooks:  # (registered before the optimizer was built)

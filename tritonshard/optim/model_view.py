@@ -142,8 +142,7 @@ class ModelViewMixin:
         if self._flags.precise_notes:  # (fp32 values noted for the weights, calls to run on them: _Bucket.calls)
             if DATA_READS:  # (.data handed out: written through, unseen, perhaps after the calls or the copy)
                 for i in DATA_READS.intersection(self._param_by_id):
-                    p = self._param_by_id[i]
-                    self._bucket_of[p][0].data_handed_out(i, written_through_data(p))
+                    self._bucket_of[self._param_by_id[i]][0].data_handed_out(i, written_through_data(i))
             for b in self.buckets:
                 if b.calls:
                     b.run_calls(self._seen_version)
@@ -170,7 +169,7 @@ class ModelViewMixin:
             mine = DATA_READS.intersection(self._param_by_id)  # (as many lookups as reads: others' ids stay)
             DATA_READS.difference_update(mine)
             for i in mine:
-                DATA_HANDED.pop(self._param_by_id[i], None)
+                DATA_HANDED.pop(i, None)
             dirty.update(self._bucket_of[self._param_by_id[i]][0].index for i in mine)
         if dirty:
             self.wait_for_params()
