@@ -245,7 +245,6 @@ def test_load_state_dict_with_assign_is_an_error_naming_the_parameter():
         opt.step()
 
 
-
 def _spectral_net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(),
@@ -784,7 +783,6 @@ _WEIGHT_UPDATES = {
 def _ema_read(p: torch.Tensor) -> None:
     """What an EMA of the loop's own reads (``ema.lerp_(p.data, 1 - decay)``), here only read."""
     p.data.float().sum()
-
 
 
 def _moved_up(p: torch.Tensor) -> torch.Tensor:
