@@ -47,6 +47,7 @@ def trace(label: str, *args):
 
 
 _TENSOR_DATA = torch._C.TensorBase.data  # (the getter and setter of Tensor.data)
+_WHOLE = slice(None)  # (``p[:]``)
 _OBJECT_SETATTR = object.__setattr__
 #: ``set_grad(param, g)``: tritonshard's own ``param.grad = g``, past :meth:`WatchedParameter.__setattr__` (which
 #: notes the loop's): its placeholders and spent markers, placed per parameter per step
@@ -235,6 +236,21 @@ class WatchedParameter(torch.nn.Parameter):
         else:
             UNHELD_PRECISE.pop(self, None)
         return out
+
+    def __setitem__(self, key, value):
+        """torch's, and a write of the whole parameter (``p[:] = w``, ``p[...] = w``: a loader's, or weights put back
+        from a backup) as :meth:`copy_` (a tensor) or ``fill_`` (a number), which it is in torch: an fp32 ``w``
+        reaches the master unrounded, and a backup put back after an in-place call drops the call. Until session
+        42 torch's ran, unnoted: the master took ``w``'s bf16 rounding, and a restore after a decay below half an
+        ulp was taken, elementwise, for the decay's result (the master kept the decay)."""
+        if (key is Ellipsis or (type(key) is slice and key == _WHOLE)) and not torch.compiler.is_compiling():
+            if isinstance(value, torch.Tensor):
+                self.copy_(value)
+                return
+            if isinstance(value, (int, float, bool)):
+                self.fill_(value)
+                return
+        super().__setitem__(key, value)
 
     def register_post_accumulate_grad_hook(self, hook):
         """torch's, noted in :data:`POST_HOOKED`: the hook reads ``param.grad`` as torch's autograd leaves it (the
