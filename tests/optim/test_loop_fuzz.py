@@ -53,8 +53,8 @@ LRS = (1e-2, 3e-3, 2e-2)
 #: clipping): in place through the module attribute under no_grad, through ``.data`` of the parameter the loop
 #: holds, or ``model.load_state_dict(strict=False)``; the first and the last also with fp32 values (an fp32
 #: checkpoint: the masters take them unrounded, as torch.optim's fp32 weights do; through ``.data`` they would not,
-#: a limit the README states)
-WRITES = ("attribute", "data", "load_state_dict", "attribute fp32", "load_state_dict fp32")
+#: a limit the README states), and a loader's ``p[...] = w`` with fp32 values
+WRITES = ("attribute", "data", "load_state_dict", "attribute fp32", "load_state_dict fp32", "setitem fp32")
 #: in-place updates of a weight by the loop between two calls (a weight decay of its own below half a bf16 ulp,
 #: weight clipping), through the parameter's methods. The clip is from below only: like :func:`written`'s writes
 #: it moves weights up, so that no write after it comes back to a weight the optimizer last saw (clipped down,
@@ -589,6 +589,8 @@ def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None
             functools.reduce(getattr, name.split("."), model).copy_(value)
         elif how == "data":
             param.data.copy_(value)
+        elif how == "setitem":  # (a loader's `p[...] = w`: the parameter's copy_ since session 42)
+            functools.reduce(getattr, name.split("."), model)[...] = value
         else:
             model.load_state_dict({name: value}, strict=False)
 
