@@ -1071,6 +1071,13 @@ class CompiledTrainingLoop(TrainingLoop):
         # (in place between a backward and a compiled step the step would not see it: README)
         TrainingLoop.write(self, names, "data" if self._has_grads() else how, seed)
 
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
+    def update(self, names, how):
+        TrainingLoop.update(self, names, how)
+        if how == "zero_ [0]" and self._has_grads():  # (a write in place, not one of the parameter's mirrored
+            # calls, between a backward and a compiled step: the README's recipe, found by loop_fuzz_long)
+            self.opt.sync_from_model()
+
 
 class TracedTrainingLoop(CompiledTrainingLoop):
     """:class:`CompiledTrainingLoop` without the rules that make every later step eager (a backward over some heads
