@@ -1338,6 +1338,33 @@ def test_attribute_reads_and_writes_right_after_step_with_overlap_see_and_keep_t
     run_on_ranks(_attribute_paths, 2)
 
 
+def _held_parameter_written(rank, world_size):
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=3e-3, bucket_cap_mb=1e-9, overlap_comm=True)
+    opt.attach(model)
+    held = list(model.parameters())  # (taken before step(): neither the model's attributes nor .data)
+    lost = 0
+    for step in range(4):
+        lm_loss(model, tokens(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert any(b.ag_work is not None for b in opt.buckets), "nothing in flight: nothing to check"
+        with torch.no_grad():
+            for p in held:
+                p[0] = 0.0  # (a padding row kept at zero)
+        opt.wait_for_params()
+        lost += sum(int((p[0] != 0).sum()) for p in held)
+    assert lost == 0, f"{lost} elements of the rows written came back from the all-gathers landing after the write"
+
+
+def test_a_row_written_through_a_parameter_held_from_before_step_with_overlap_is_kept():
+    """With overlap_comm the all-gathers run past step() into the next forward; a row written right after step()
+    through a parameter held from before it (``p[0] = 0`` over a list of the parameters: neither the model's
+    attributes nor ``.data``, which wait) waits for that parameter's gather first, as ``copy_`` and the in-place
+    methods do; before session 42 the gather could land after the write and undo it."""
+    run_on_ranks(_held_parameter_written, 2)
+
+
 def _zero_grad_keeps_gathers(rank, world_size):
     runs = {}
     for zero in ("opt", "model"):

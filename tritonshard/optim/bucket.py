@@ -242,14 +242,19 @@ class WatchedParameter(torch.nn.Parameter):
         from a backup) as :meth:`copy_` (a tensor) or ``fill_`` (a number), which it is in torch: an fp32 ``w``
         reaches the master unrounded, and a backup put back after an in-place call drops the call. Until session
         42 torch's ran, unnoted: the master took ``w``'s bf16 rounding, and a restore after a decay below half an
-        ulp was taken, elementwise, for the decay's result (the master kept the decay)."""
-        if (key is Ellipsis or (type(key) is slice and key == _WHOLE)) and not torch.compiler.is_compiling():
+        ulp was taken, elementwise, for the decay's result (the master kept the decay). Any other key waits for the
+        parameter's in-flight all-gather first (:func:`landed`: a padding row zeroed through a parameter held from
+        before ``step()`` with ``overlap_comm``), as ``copy_`` and the mirrored methods do."""
+        if torch.compiler.is_compiling():
+            return super().__setitem__(key, value)
+        if key is Ellipsis or (type(key) is slice and key == _WHOLE):
             if isinstance(value, torch.Tensor):
                 self.copy_(value)
                 return
             if isinstance(value, (int, float, bool)):
                 self.fill_(value)
                 return
+        landed(self)
         super().__setitem__(key, value)
 
     def register_post_accumulate_grad_hook(self, hook):
