@@ -1338,7 +1338,7 @@ def test_attribute_reads_and_writes_right_after_step_with_overlap_see_and_keep_t
     run_on_ranks(_attribute_paths, 2)
 
 
-def _held_parameter_written(rank, world_size):
+def _held_parameter_written(rank, world_size, how):
     model = tiny_llama(0)
     opt = ShardedAdamW(model.parameters(), lr=3e-3, bucket_cap_mb=1e-9, overlap_comm=True)
     opt.attach(model)
@@ -1351,18 +1351,23 @@ def _held_parameter_written(rank, world_size):
         assert any(b.ag_work is not None for b in opt.buckets), "nothing in flight: nothing to check"
         with torch.no_grad():
             for p in held:
-                p[0] = 0.0  # (a padding row kept at zero)
+                if how == "setitem":
+                    p[0] = 0.0  # (a padding row kept at zero)
+                else:  # (a layer re-initialized: torch.nn.init.zeros_)
+                    torch.nn.init.zeros_(p)
         opt.wait_for_params()
         lost += sum(int((p[0] != 0).sum()) for p in held)
     assert lost == 0, f"{lost} elements of the rows written came back from the all-gathers landing after the write"
 
 
-def test_a_row_written_through_a_parameter_held_from_before_step_with_overlap_is_kept():
+@pytest.mark.parametrize("how", ["setitem", "torch.nn.init.zeros_"])
+def test_a_row_written_through_a_parameter_held_from_before_step_with_overlap_is_kept(how):
     """With overlap_comm the all-gathers run past step() into the next forward; a row written right after step()
     through a parameter held from before it (``p[0] = 0`` over a list of the parameters: neither the model's
     attributes nor ``.data``, which wait) waits for that parameter's gather first, as ``copy_`` and the in-place
-    methods do; before session 42 the gather could land after the write and undo it."""
-    run_on_ranks(_held_parameter_written, 2)
+    methods do, and so does a re-initialization (``torch.nn.init.zeros_``, ``normal_``, ``uniform_``); before
+    session 42 the gather could land after the write and undo it."""
+    run_on_ranks(_held_parameter_written, 2, how)
 
 
 def _zero_grad_keeps_gathers(rank, world_size):

@@ -436,6 +436,31 @@ def _mirrored_operator(name: str, method: str):
     return operator
 
 
+#: torch.Tensor's in-place methods that write every element from no element of the tensor (torch.nn.init's zeros_,
+#: normal_, uniform_, and so kaiming_uniform_, xavier_normal_, trunc_normal_...): :class:`WatchedParameter` waits for
+#: the parameter's in-flight all-gather first (:func:`landed`), as for its other writes; the look follows them as any
+#: write (their values are the weights')
+LANDING_METHODS = ("zero_", "normal_", "uniform_")
+
+
+def _landing(name: str):
+    """``WatchedParameter.<name>``: torch's, after the parameter's in-flight all-gather (``overlap_comm``: a layer
+    re-initialized right after ``step()`` through a parameter held from before it; until session 42 the gather
+    landing after the write undid it)."""
+    method = getattr(torch.Tensor, name)
+
+    def landing(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            landed(self)
+        return method(self, *args, **kwargs)
+
+    landing.__name__ = landing.__qualname__ = name
+    landing.__doc__ = f"torch.Tensor.{name}, after the parameter's in-flight all-gather (see :func:`_landing`)."
+    return landing
+
+
+for _name in LANDING_METHODS:
+    setattr(WatchedParameter, _name, _landing(_name))
 for _name in MIRRORED_METHODS:
     setattr(WatchedParameter, _name, _mirrored(_name))
 for _name, _method in MIRRORED_OPERATORS.items():
