@@ -470,10 +470,8 @@ class TrainingLoop(RuleBasedStateMachine):
             self.opt = self._ours()
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
-        with torch.no_grad():  # (the load writes the weights it lays out as their masters' rounding: after an
-            for n in self.names:  # in-place update those can differ from torch's bf16 result, `update`)
-                if self.ours[n] in self.opt._bucket_of:
-                    self.refs[n].copy_(self.masters[n])
+        loaded_weights([self.refs], self.ours, self.masters,
+                       [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.ATOL)
 
     @precondition(lambda self: not self.held)
     @rule()
@@ -707,6 +705,24 @@ def reference_step(ropt, masters: dict, grads: dict, replicas: list) -> None:
         for refs in replicas:
             for n in grads:
                 refs[n].copy_(masters[n])
+
+
+@torch.no_grad()
+def loaded_weights(replicas: list, ours: dict, masters: dict, names, atol: float) -> None:
+    """The reference's bf16 weights (each dict of ``replicas``) after a load of our optimizer's state, which writes
+    each weight ``names`` lists as its master's rounding (after an in-place update that can differ from torch's
+    bf16 result, ``update``): torch's master's rounding, or ours where it differs from that within the masters'
+    tolerance (a tie, as :func:`compare_with_torch` takes it; writing torch's rounding there, session 41's resume
+    made the two models' next gradients differ, and a few steps later the masters: found by loop_fuzz_long,
+    TracedTrainingLoop, in session 42)."""
+    for n in names:
+        mine = ours[n].detach().to(torch.bfloat16)
+        master = masters[n].detach().float()
+        rounded = master.to(torch.bfloat16)
+        lowest, highest = (master - atol).to(torch.bfloat16), (master + atol).to(torch.bfloat16)
+        value = torch.where((mine != rounded) & (mine >= lowest) & (mine <= highest), mine, rounded)
+        for refs in replicas:
+            refs[n].copy_(value)
 
 
 def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=(), atol: float = MASTER_ATOL) -> None:

@@ -50,7 +50,7 @@ from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _clamp_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
-    UPDATES, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
+    UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -607,11 +607,8 @@ class _RankLoop:
             self.opt = self._ours(LRS[0])
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
-        with torch.no_grad():  # (the load writes the weights it lays out as their masters' rounding: after an
-            for n in self.names:  # in-place update those can differ from torch's bf16 result, `update`)
-                if self.ours[n] in self.opt._bucket_of:
-                    for w in range(WORLD):
-                        self.refs[w][n].copy_(self.masters[n])
+        loaded_weights(self.refs, self.ours, self.masters,
+                       [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.atol)
         self._new_optimizer()
 
     def rebuild(self):
