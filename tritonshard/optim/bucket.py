@@ -9,6 +9,7 @@ shard (see :class:`~tritonshard.layout.Layout`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from typing import Optional
 
@@ -506,6 +507,21 @@ def split_into_buckets(params: list, cap_elems: int) -> list[list]:
     return buckets
 
 
+@dataclasses.dataclass(slots=True)
+class _Chain:
+    """The in-place calls on one parameter since its optimizer's last look (:meth:`_Bucket.note_call`), for the
+    next (:meth:`_Bucket.run_calls`)."""
+    index: int  # (the parameter's in the bucket's ``params``)
+    first: int  # (its version before the first call)
+    last: int  # (its version after the last call: another value means a write since)
+    calls: list  # (each as noted: _noted_call)
+    base: Optional[list]  # (``[(shard slice, fp32 values)]`` the first call started from; None: fp32_pieces(first))
+    signatures: Optional[list]  # (the calls' _signature, for one run over the shard; None: a tensor argument)
+    verify: bool = False  # (checked against the weights: ``.data`` handed out, or a write since: _Bucket._verified)
+    start: Optional[list] = None  # (the bf16 weights the first call started from, where ``base`` need not round to
+    #                                them; None: its rounding)
+
+
 class _Bucket:
     """One param Buffer, its grad Buffer, and this rank's fp32 shards (master + optimizer state)."""
 
@@ -573,7 +589,7 @@ class _Bucket:
         #: run on its fp32 values (:meth:`run_calls`), for the looks at the weights until the step's
         #: (:meth:`take_precise`)
         self.precise: dict = {}
-        #: id of a parameter -> the in-place calls on it since the last look (:meth:`note_call`), for the next one
+        #: id of a parameter -> the in-place calls on it since the last look (:class:`_Chain`), for the next one
         self.calls: dict = {}
         self.whole = None  # (shard values, the notes viewing them) from run_calls' one run over the shard
         #: id of a parameter -> its bf16 weights (this rank's pieces) as a look that kept its note left them (a clip
@@ -696,15 +712,15 @@ class _Bucket:
         element the write left."""
         version = _VERSION_OF(p)
         key = id(p)
-        entry = self.calls.get(key)
-        if entry is not None:
-            if entry[2] == version:  # (the chain goes on)
+        chain = self.calls.get(key)
+        if chain is not None:
+            if chain.last == version:  # (the chain goes on)
                 return version, None, None
             del self.calls[key]  # (written since its last call)
-            entry[6] = True
-            base = self._run_chain(entry)
+            chain.verify = True
+            base = self._run_chain(chain)
             if base is not None:
-                return version, base, self._weights_of(entry[0])
+                return version, base, self._weights_of(chain.index)
         index = self.index_of[key]
         noted = self.precise.get(key)
         from_note = noted is not None and noted[1] == version
@@ -733,22 +749,21 @@ class _Bucket:
         argument with the tensor it writes)."""
         version, base, start = before
         key = id(p)
-        entry = self.calls.get(key)
+        chain = self.calls.get(key)
         after = _VERSION_OF(p)
         call = _noted_call(p, name, args, kwargs)
         signature = _signature(p, name, call[1], call[2])
-        if entry is None:  # (a write since the last call started a new chain: before_call)
-            index = self.index_of[key]
-            self.calls[key] = [index, version, after, [call], base, None if signature is None else [signature],
-                               False, start]  # (whether to check it against the weights, from start: _run_chain)
+        if chain is None:  # (a write since the last call started a new chain: before_call)
+            self.calls[key] = _Chain(self.index_of[key], version, after, [call], base,
+                                     None if signature is None else [signature], start=start)
         else:
-            entry[2] = after
-            entry[3].append(call)
-            if entry[5] is not None:
+            chain.last = after
+            chain.calls.append(call)
+            if chain.signatures is not None:
                 if signature is None:
-                    entry[5] = None
+                    chain.signatures = None
                 else:
-                    entry[5].append(signature)
+                    chain.signatures.append(signature)
         if self.step_flags is not None:
             self.step_flags.precise_notes = self.step_flags.eager_step_needed = True
 
@@ -764,8 +779,7 @@ class _Bucket:
         kept = dict(zip(noted, self.kept_weights[key])) if key in self.kept_weights else {}
         out = []
         for dst, _, _ in self._pieces_of(index):
-            weight, master = shard[dst], self.master[dst]
-            values = where_rounded(weight, master, weight.float())
+            weight, values = shard[dst], self.followed(dst)
             value = noted.get(dst.start)
             if value is not None:
                 held = kept.get(dst.start)
@@ -791,9 +805,9 @@ class _Bucket:
             self.precise.pop(key, None)
             self.kept_weights.pop(key, None)
             return
-        entry = self.calls.get(key)
-        if entry is not None:
-            entry[6] = True
+        chain = self.calls.get(key)
+        if chain is not None:
+            chain.verify = True
             return
         noted = self.precise.get(key)
         if noted is not None:
@@ -825,45 +839,43 @@ class _Bucket:
         once over the master shard (:meth:`_run_whole`)."""
         calls, self.calls = self.calls, {}
         runnable = {}
-        for key, entry in calls.items():
-            index, first, last, chain, base, _, _, _ = entry
-            p = self.params[index]
+        for key, chain in calls.items():
+            p = self.params[chain.index]
             noted = self.precise.get(key)
-            if base is None and first != seen_version(p) and (noted is None or noted[1] != first):
+            if chain.base is None and chain.first != seen_version(p) and (noted is None or noted[1] != chain.first):
                 continue  # (written before the first call, unseen, and not taken then: not known)
-            if _VERSION_OF(p) != last:  # (written after its last call: checked against the weights)
-                entry[6] = True
-            runnable[key] = entry
+            if _VERSION_OF(p) != chain.last:  # (written after its last call: checked against the weights)
+                chain.verify = True
+            runnable[key] = chain
         if len(runnable) == len(self.params) and self._run_whole(runnable):
             return
-        for key, entry in runnable.items():
-            values = self._run_chain(entry)
+        for key, chain in runnable.items():
+            values = self._run_chain(chain)
             if values is None:
                 self.precise.pop(key, None)
             else:
-                self._note(self.params[entry[0]], entry[0], values)
+                self._note(self.params[chain.index], chain.index, values)
 
-    def _run_chain(self, entry: list) -> Optional[list]:
-        """A parameter's noted calls (an entry of :attr:`calls`) run on the fp32 values its weights stood for
-        before the first: ``[(shard slice, fp32 values)]`` of its pieces of this rank's shard, checked against the
-        weights where the entry says so (:meth:`_verified`: ``.data`` handed out, a write since the last call);
-        None where a call cannot be run on them (the master then follows the weights)."""
-        index, first, _, chain, base, _, verify, start = entry
-        p = self.params[index]
-        if base is None:
-            base = self.fp32_pieces(index, first)
-        pieces = self._pieces_of(index)
-        if verify and start is None:  # (the weights the chain started from: the rounding of its fp32 start)
-            start = [values.to(self.param_buffer.dtype) for _, values in base]
+    def _run_chain(self, chain: _Chain) -> Optional[list]:
+        """A parameter's noted calls run on the fp32 values its weights stood for before the first: ``[(shard
+        slice, fp32 values)]`` of its pieces of this rank's shard, checked against the weights where the chain says
+        so (:meth:`_verified`: ``.data`` handed out, a write since the last call); None where a call cannot be run
+        on them (the master then follows the weights)."""
+        p = self.params[chain.index]
+        base = chain.base if chain.base is not None else self.fp32_pieces(chain.index, chain.first)
+        pieces = self._pieces_of(chain.index)
+        weights = chain.start
+        if chain.verify and weights is None:  # (the weights the chain started from: the rounding of its fp32 start)
+            weights = [values.to(self.param_buffer.dtype) for _, values in base]
         if not all(_run_call(values, p, call, start, end)
-                   for (_, start, end), (_, values) in zip(pieces, base) for call in chain):
+                   for (_, start, end), (_, values) in zip(pieces, base) for call in chain.calls):
             return None
-        if verify and not self._verified(p, chain, pieces, base, start):
+        if chain.verify and not self._verified(p, chain.calls, pieces, base, weights):
             return None
         return base
 
-    def _verified(self, p: torch.Tensor, chain: list, pieces: list, base: list, weights: list) -> bool:
-        """``base`` (this rank's pieces of ``p``: ``[(shard slice, fp32 values)]``, ``chain`` run on them) kept
+    def _verified(self, p: torch.Tensor, calls: list, pieces: list, base: list, weights: list) -> bool:
+        """``base`` (this rank's pieces of ``p``: ``[(shard slice, fp32 values)]``, ``calls`` run on them) kept
         where the weight is what torch's calls gave on the bf16 ``weights`` the chain started from (run again
         here, on bf16 values: the same ops as torch's), and elsewhere what the look makes of a write (the
         weight, where it is not its master's rounding: :meth:`followed`): a write after the calls (``p.mul_(c)``,
@@ -871,7 +883,7 @@ class _Bucket:
         (:meth:`data_handed_out`). False where the calls cannot be run so."""
         shard = self.param_buffer.get_local_shard()
         for (dst, start, end), (_, values), bf16 in zip(pieces, base, weights):
-            if not all(_run_call(bf16, p, call, start, end, cast=False) for call in chain):
+            if not all(_run_call(bf16, p, call, start, end, cast=False) for call in calls):
                 return False
             weight = shard[dst]
             values.copy_(torch.where(weight == bf16, values, self.followed(dst)))
@@ -892,24 +904,24 @@ class _Bucket:
         master shard (its padding too, left out when taken: :meth:`take_precise`), each parameter's note a view
         of it. False where that does not hold (each parameter on its own then)."""
         signatures = None
-        for index, first, _, _, base, sigs, _, _ in runnable.values():
-            noted = self.precise.get(id(self.params[index]))
-            if base is not None or sigs is None or (noted is not None and noted[1] == first):
+        for chain in runnable.values():
+            noted = self.precise.get(id(self.params[chain.index]))
+            if chain.base is not None or chain.signatures is None or (noted is not None and noted[1] == chain.first):
                 return False
             if signatures is None:
-                signatures = sigs
-            elif sigs != signatures:
+                signatures = chain.signatures
+            elif chain.signatures != signatures:
                 return False
-        index, _, _, chain, _, _, _, _ = next(iter(runnable.values()))
-        p, values = self.params[index], self.master.clone()
+        first = next(iter(runnable.values()))
+        p, values = self.params[first.index], self.master.clone()
         # (p itself as the whole shard: _SELF in the signature, the same for every parameter)
-        if not all(_run_call(values, p, call, 0, values.numel()) for call in chain):
+        if not all(_run_call(values, p, call, 0, values.numel()) for call in first.calls):
             return False
-        if any(entry[6] for entry in runnable.values()):  # (.data handed out, a write after the calls: _verified,
-            # over the shard; the weights at the start are the masters' rounding: the last look left them so, and
-            # no note since)
+        if any(chain.verify for chain in runnable.values()):  # (.data handed out, a write after the calls:
+            # _verified, over the shard; the weights at the start are the masters' rounding: the last look left them
+            # so, and no note since)
             whole = slice(0, values.numel())
-            if not self._verified(p, chain, [(whole, 0, values.numel())], [(whole, values)],
+            if not self._verified(p, first.calls, [(whole, 0, values.numel())], [(whole, values)],
                                   [self.master.to(self.param_buffer.dtype)]):
                 return False
         notes = []
