@@ -27,7 +27,7 @@ from ..kernels._dispatch import triton_kernels_run
 from ..kernels.scale import (partials_multi_launch_spec, segment_sums_, segment_sums_launch_spec,
                              shared_sum_sq_workspace, sum_sq_partials_)
 from . import model_sync
-from .bucket import DATA_HANDED, DATA_READS, _Bucket, alone, watch, where_rounded, written_through_data
+from .bucket import DATA_HANDED, DATA_READS, _Bucket, alone, watch, written_through_data
 from .bucket import plain_attrs as _PLAIN_ATTRS
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -325,8 +325,7 @@ class ModelViewMixin:
         high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays). Then the
         fp32 values noted for the weights since (:meth:`_Bucket.take_precise`): whole in the step's look."""
         if b.master_remainder is None and not (b.precise and b.whole_take()):  # (which writes every master)
-            shard = b.param_buffer.get_local_shard()
-            b.master.copy_(where_rounded(shard, b.master, shard.float()))
+            b.master.copy_(b.followed(slice(None)))
         if b.precise:
             b.take_precise(self._final_look)
 
