@@ -162,3 +162,17 @@ def combine_bf16_remainder(hi: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
     bits = (hi.view(torch.int16).to(torch.int32) << 16) + rem.to(torch.int32)
     return bits.view(torch.float32)
 
+
+def remainder_after_write(hi: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """``rem`` where it can stay with ``hi`` after a write outside the optimizer replaced the high half (the model's
+    weight), 0 where ``hi`` is zero or not finite.
+
+    The write leaves the old remainder: beside a finite nonzero ``hi`` it makes a master within 1/2 bf16 ulp of it
+    (the written value's, not the old one's: a stated limit, which keeps the fp32 bits of every element a partial
+    write leaves). Beside a zero it borrows through the sign: +0's bits plus a negative remainder are a negative
+    NaN's, -0's wrap around to a positive NaN's, and a positive one makes a denormal the loop never wrote; beside an
+    inf it makes a NaN or the largest finite value. There the master is ``hi``, as torch.optim's fp32 weight is.
+    (An element whose master was a denormal below half the smallest bf16 one, ~4.6e-41, rounds to zero and becomes
+    zero too, if its parameter was written.)"""
+    return torch.where((hi == 0) | ~torch.isfinite(hi), 0, rem)
+

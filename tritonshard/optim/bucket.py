@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import comm
 from ..buffer import Buffer
-from ..kernels.rounding import combine_bf16_remainder, split_bf16_remainder
+from ..kernels.rounding import combine_bf16_remainder, remainder_after_write, split_bf16_remainder
 
 __all__ = ["split_into_buckets"]
 
@@ -892,10 +892,11 @@ class _Bucket:
     def followed(self, dst: slice) -> torch.Tensor:
         """The fp32 values the look makes of the weights of this rank's shard elements ``dst`` after a write (the
         reconcile: ModelViewMixin._reconcile_master): the master where the weight is still its rounding, the
-        weight elsewhere; with stored remainders, the weight and its remainder."""
+        weight elsewhere; with stored remainders, the weight and its remainder (none at a zero or non-finite weight:
+        :func:`~tritonshard.kernels.rounding.remainder_after_write`)."""
         weight = self.param_buffer.get_local_shard()[dst]
         if self.master_remainder is not None:
-            return combine_bf16_remainder(weight, self.master_remainder[dst])
+            return combine_bf16_remainder(weight, remainder_after_write(weight, self.master_remainder[dst]))
         return where_rounded(weight, self.master[dst], weight.float())
 
     def _run_whole(self, runnable: dict) -> bool:
@@ -1026,6 +1027,13 @@ class _Bucket:
         self.calls.clear()
         self.kept_weights.clear()
         self.whole = None
+
+    def settle_remainders(self) -> None:
+        """After an outside write into this bucket's weights, with stored remainders: no remainder where the weight
+        is zero or not finite (:func:`~tritonshard.kernels.rounding.remainder_after_write`; until session 43 a
+        zero written over a negative remainder made the master, and after the next update the weight, NaN)."""
+        rem = self.master_remainder
+        rem.copy_(remainder_after_write(self.param_buffer.get_local_shard(), rem))
 
     def set_master(self, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard (a load: what was
