@@ -1532,7 +1532,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         for b, pending in rest:
             self._place_placeholders(b, pending)
         if self._zeroed:  # (as in _place_placeholders)
-            self._zeroed.clear()
+            self._forget_zeroed([p for _, pending in flushed for p, _, _ in pending])
 
     def _flatten_together(self) -> bool:
         """Whether :meth:`_flush_buckets` flattens several buckets in one launch: on the Triton kernels (compiled,
@@ -1657,8 +1657,21 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 for p in refused:
                     del placed[p]
         b.has_grads = True
-        if self._zeroed:  # (a backward's gradient is placed now: the middle of a step, whatever was zeroed)
-            self._zeroed.clear()
+        if self._zeroed:
+            self._forget_zeroed([p for p, _, _ in pending])
+
+    def _forget_zeroed(self, flushed: list) -> None:
+        """``flushed`` hold a backward's (or a hand-set) gradient now, not the zeros of a ``zero_grad(set_to_none=
+        False)``; the other zeroed parameters still hold zeros, which are in nobody's way (:meth:`_mid_step`). Until
+        session 43 every flush forgot them all: a loop that then cleared the flushed gradients (``p.grad = None``)
+        could not build another optimizer over the parameters, refused as if a gradient waited (found by
+        tests.optim.loop_fuzz_long)."""
+        zeroed = self._zeroed
+        if len(flushed) == len(self._param_list):  # (the usual flush: every parameter)
+            zeroed.clear()
+            return
+        for p in flushed:
+            zeroed.pop(p, None)
 
     def _after_last_step_readers(self) -> None:
         """Streams, rule 3: before the first write into a grad buffer after ``step()``, the current stream waits for
