@@ -51,9 +51,10 @@ def test_remainders_need_bf16_params():
         ShardedAdamW([torch.nn.Parameter(torch.ones(3))], param_dtype=torch.float16, store_param_remainders=True)
 
 
-def _zeroed(model, how: str) -> None:
-    """The loop writes zeros into weights between two steps (``how``), as a padding row, a pruning, a re-initialized
-    bias or a sparse checkpoint does."""
+def _written(model, how: str) -> None:
+    """The loop writes weights between two steps (``how``): zeros, as a padding row, a pruning, a re-initialized
+    bias or a sparse checkpoint does, and other bf16 values, as a checkpoint of the model's dtype or an EMA swapped
+    in and back out does."""
     import torch.nn.utils.prune as prune
     with torch.no_grad():
         if how == "row zeroed":  # (a padding row kept at zero: a view's zero_, which no method of ours sees)
@@ -62,22 +63,40 @@ def _zeroed(model, how: str) -> None:
             model.fc1.weight[0].zero_().neg_()
         elif how == "nn.init.zeros_":
             torch.nn.init.zeros_(model.fc2.bias)
-        elif how == "load_state_dict":  # (bf16 values of the model's own dtype: no fp32 value to take)
+        elif how == "zeros through .data":
+            model.fc2.weight.data.copy_(torch.zeros_like(model.fc2.weight))
+        elif how == "load_state_dict, zeros":  # (bf16 values of the model's own dtype: no fp32 value to take)
             sd = {k: v.clone() for k, v in model.state_dict().items()}
             sd["fc1.weight"][:, ::3] = 0
             model.load_state_dict(sd)
-        elif how == "through .data":
-            model.fc2.weight.data.copy_(torch.zeros_like(model.fc2.weight))
+        elif how == "load_state_dict, bf16 checkpoint":  # (every value new, some columns as they were)
+            sd = {k: (v * 1.03 + 0.01).to(v.dtype) for k, v in model.state_dict().items()}
+            sd["fc1.weight"][:, ::2] = model.fc1.weight[:, ::2]
+            model.load_state_dict(sd)
+        elif how == "a row set":  # (p[i] = w: a setitem of ours)
+            model.fc1.weight[1] = model.fc1.weight[1] * 0.5 + 0.25
+        elif how == "nn.init.normal_":
+            torch.nn.init.normal_(model.fc2.weight, std=0.5)
+        elif how == "an EMA swapped in and out":  # (the weights put back: their remainders are theirs again)
+            backup = [p.detach().clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.copy_(p * 0.9)
+            for p, b in zip(model.parameters(), backup):
+                p.copy_(b)
     if how == "prune.remove":  # (the pruned weights written into the parameter: its .data swapped)
         prune.l1_unstructured(model.fc1, "weight", amount=0.5)
         prune.remove(model.fc1, "weight")
 
 
-ZEROINGS = ("row zeroed", "negative zeros", "nn.init.zeros_", "load_state_dict", "through .data", "prune.remove")
+#: (not nonzero values through .data or a view, which no method of ours sees coming: the written element keeps its
+#: old remainder there, within 1/2 bf16 ulp of the written value: README)
+WRITTEN = ("row zeroed", "negative zeros", "nn.init.zeros_", "zeros through .data", "load_state_dict, zeros",
+           "load_state_dict, bf16 checkpoint", "a row set", "nn.init.normal_", "an EMA swapped in and out",
+           "prune.remove")
 
 
-def _zeros_written(rank, world_size):
-    for how in ZEROINGS:
+def _weights_written(rank, world_size):
+    for how in WRITTEN:
         runs = []
         for remainders in (False, True):
             model = make_model(0)
@@ -85,7 +104,7 @@ def _zeros_written(rank, world_size):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             for step in range(5):
                 if step == 3:  # (after three steps: remainders of both signs in every parameter)
-                    _zeroed(model, how)
+                    _written(model, how)
                 train_step(model, opt, sched, rank, step)
             runs.append(opt)
         plain, packed = runs
@@ -99,11 +118,13 @@ def _zeros_written(rank, world_size):
             assert int(ulps.max()) <= 2, f"{how}: masters differ by {int(ulps.max())} ulps"
 
 
-def test_zeros_written_into_the_weights_train_as_with_an_fp32_master():
-    """A weight written to zero (a padding row, ``nn.init.zeros_``, pruning, a checkpoint with zeros) has the master
-    zero: torch.optim's fp32 weight is zero. With stored remainders the master is the weight and its remainder, and
-    until session 43 a written zero kept its element's old remainder: where that was negative (half the elements)
-    the master was NaN (+0's bits minus the remainder wrap around to a NaN's), and so was the weight after the next
-    step, silently; elsewhere a denormal. Now a written zero (or inf, NaN) keeps no remainder: the run trains bit
-    for bit as the one with fp32 masters."""
-    run_on_ranks(_zeros_written, 2)
+def test_weights_written_between_steps_train_as_with_an_fp32_master():
+    """Weights written between steps: torch.optim's fp32 weight is the written value, and so is the fp32 master
+    (where the bf16 weight is not its rounding any more). With stored remainders the master is the weight and its
+    remainder, and until session 43 a written weight kept its element's old remainder: within 1/2 ulp of the
+    written value, not it, and beside a written zero a NaN where the remainder was negative (half the elements: +0's
+    bits minus it wrap around to a NaN's), and so after the next step the weight, silently. Now a write that
+    WatchedParameter sees coming (copy_, load_state_dict, a setitem, nn.init) keeps the bucket's weights from before
+    it, and the look drops the remainder wherever the weight changed; a written zero (or inf, NaN) keeps none in any
+    case. The run trains bit for bit as the one with fp32 masters, also for an EMA swapped in and back out."""
+    run_on_ranks(_weights_written, 2)

@@ -19,6 +19,8 @@ finite x whose rounded value stays finite.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -163,16 +165,20 @@ def combine_bf16_remainder(hi: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def remainder_after_write(hi: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
-    """``rem`` where it can stay with ``hi`` after a write outside the optimizer replaced the high half (the model's
-    weight), 0 where ``hi`` is zero or not finite.
+def remainder_after_write(hi: torch.Tensor, rem: torch.Tensor, before: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``rem`` where it can stay with ``hi`` after a write outside the optimizer into the high half (the model's
+    weight), 0 elsewhere: where ``hi`` differs from ``before`` (the weights the remainders belong to, where the
+    caller kept them from before the write), and where ``hi`` is zero or not finite.
 
-    The write leaves the old remainder: beside a finite nonzero ``hi`` it makes a master within 1/2 bf16 ulp of it
-    (the written value's, not the old one's: a stated limit, which keeps the fp32 bits of every element a partial
-    write leaves). Beside a zero it borrows through the sign: +0's bits plus a negative remainder are a negative
-    NaN's, -0's wrap around to a positive NaN's, and a positive one makes a denormal the loop never wrote; beside an
-    inf it makes a NaN or the largest finite value. There the master is ``hi``, as torch.optim's fp32 weight is.
-    (An element whose master was a denormal below half the smallest bf16 one, ~4.6e-41, rounds to zero and becomes
-    zero too, if its parameter was written.)"""
-    return torch.where((hi == 0) | ~torch.isfinite(hi), 0, rem)
+    Where the weights from before the write are not known, the old remainder stays with a finite nonzero ``hi``: a
+    master within 1/2 bf16 ulp of the written value, not the written value (a stated limit; elements the write
+    left keep their fp32 bits). Beside a zero it would borrow through the sign: +0's bits plus a negative
+    remainder are a negative NaN's, -0's wrap around to a positive NaN's, and a positive one makes a denormal the
+    loop never wrote; beside an inf it makes a NaN or the largest finite value. There the master is ``hi``, as
+    torch.optim's fp32 weight is. (An element whose master was a denormal below half the smallest bf16 one,
+    ~4.6e-41, rounds to zero and becomes zero, if its weights were written.)"""
+    keep = (hi != 0) & torch.isfinite(hi)
+    if before is not None:
+        keep &= hi == before
+    return torch.where(keep, rem, 0)
 

@@ -114,6 +114,20 @@ def landed(p: torch.Tensor) -> None:
     if b is not None and b.ag_work is not None:
         b.wait_gather()
 
+
+def before_write(p: torch.Tensor) -> None:
+    """:func:`landed`, before a write into ``p`` that :class:`WatchedParameter` sees coming (``copy_``, a setitem,
+    ``zero_`` / ``normal_`` / ``uniform_``), and with stored remainders the first such write since the last look
+    keeps the bucket's weights as they were (:meth:`_Bucket.keep_weights_before_write`)."""
+    ref = OWNER.get(id(p))
+    b = ref() if ref is not None else None
+    if b is None:
+        return
+    if b.ag_work is not None:
+        b.wait_gather()
+    if b.master_remainder is not None and b.weights_before_write is None and not b.retired:
+        b.keep_weights_before_write()
+
 #: a laid-out parameter given an fp32 copy (:meth:`WatchedParameter.copy_`), or an in-place call (:func:`_mirrored`),
 #: while no live optimizer holds it laid out (frozen when the optimizer training the rest was built, which took it
 #: over from the one that laid it out) -> (the values it stands for, whole, as fp32; its version then), for the
@@ -214,7 +228,7 @@ class WatchedParameter(torch.nn.Parameter):
         the checkpoint, and trained to other weights than one built after the load, silently."""
         if torch.compiler.is_compiling():
             return super().copy_(src, non_blocking)
-        landed(self)
+        before_write(self)
         out = super().copy_(src, non_blocking)
         handed = DATA_HANDED.get(id(self))
         for entry in handed[1] if handed is not None else ():  # (writes through .data before it are replaced: the
@@ -255,7 +269,7 @@ class WatchedParameter(torch.nn.Parameter):
             if isinstance(value, (int, float, bool)):
                 self.fill_(value)
                 return
-        landed(self)
+        before_write(self)
         super().__setitem__(key, value)
 
     def register_post_accumulate_grad_hook(self, hook):
@@ -452,7 +466,7 @@ def _landing(name: str):
 
     def landing(self, *args, **kwargs):
         if not torch.compiler.is_compiling():
-            landed(self)
+            before_write(self)
         return method(self, *args, **kwargs)
 
     landing.__name__ = landing.__qualname__ = name
@@ -581,6 +595,11 @@ class _Bucket:
             set_grad(p, None)
         #: store_param_remainders: the master is the bf16 param shard (high half) + these int16 low halves
         self.master_remainder = None
+        #: with them: this rank's bf16 shard as it was before the first write into the bucket's parameters that
+        #: WatchedParameter saw coming since the last look (:func:`before_write`), None otherwise: where a weight is
+        #: no longer that, the look takes it as the master whole (:func:`~tritonshard.kernels.rounding.
+        #: remainder_after_write`)
+        self.weights_before_write = None
         if remainders:
             self.master_remainder = split_bf16_remainder(self.master)[1]
             self.master = None
@@ -821,11 +840,11 @@ class _Bucket:
         noted = self.precise.get(id(self.params[index]))
         if noted is not None and noted[1] == version:
             return [(dst, value.clone()) for dst, value in noted[2]]
-        shard = self.param_buffer.get_local_shard()
         if self.master_remainder is None:
             return [(dst, self.master[dst].clone()) for dst, _, _ in self._pieces_of(index)]
-        return [(dst, combine_bf16_remainder(shard[dst], self.master_remainder[dst]))
-                for dst, _, _ in self._pieces_of(index)]
+        # (the weights as a look would follow them: written since, unseen, they are not the master's high half any
+        # more; until session 43 their old remainders made a NaN beside a written zero, p[0].zero_() then p.mul_(c))
+        return [(dst, self.followed(dst)) for dst, _, _ in self._pieces_of(index)]
 
     @torch.no_grad()
     def run_calls(self, seen_version) -> None:
@@ -892,11 +911,14 @@ class _Bucket:
     def followed(self, dst: slice) -> torch.Tensor:
         """The fp32 values the look makes of the weights of this rank's shard elements ``dst`` after a write (the
         reconcile: ModelViewMixin._reconcile_master): the master where the weight is still its rounding, the
-        weight elsewhere; with stored remainders, the weight and its remainder (none at a zero or non-finite weight:
-        :func:`~tritonshard.kernels.rounding.remainder_after_write`)."""
+        weight elsewhere; with stored remainders, the weight and its remainder, none where the weight was written
+        (as far as :attr:`weights_before_write` tells) or is zero or not finite
+        (:func:`~tritonshard.kernels.rounding.remainder_after_write`)."""
         weight = self.param_buffer.get_local_shard()[dst]
         if self.master_remainder is not None:
-            return combine_bf16_remainder(weight, remainder_after_write(weight, self.master_remainder[dst]))
+            before = self.weights_before_write
+            return combine_bf16_remainder(weight, remainder_after_write(
+                weight, self.master_remainder[dst], None if before is None else before[dst]))
         return where_rounded(weight, self.master[dst], weight.float())
 
     def _run_whole(self, runnable: dict) -> bool:
@@ -1027,13 +1049,25 @@ class _Bucket:
         self.calls.clear()
         self.kept_weights.clear()
         self.whole = None
+        self.weights_before_write = None
+
+    def keep_weights_before_write(self) -> None:
+        """With stored remainders, before the first write since the last look that :class:`WatchedParameter` sees
+        coming: this rank's bf16 shard as it is, the weights the remainders belong to (:meth:`settle_remainders`).
+        Memory: 2 bytes per element of the shard until the look."""
+        self.weights_before_write = self.param_buffer.get_local_shard().clone()
 
     def settle_remainders(self) -> None:
         """After an outside write into this bucket's weights, with stored remainders: no remainder where the weight
-        is zero or not finite (:func:`~tritonshard.kernels.rounding.remainder_after_write`; until session 43 a
-        zero written over a negative remainder made the master, and after the next update the weight, NaN)."""
+        is no longer what it was before a write seen coming (:meth:`keep_weights_before_write`: a bf16 checkpoint
+        loaded, ``p.copy_(w)``, ``p[i] = w``, ``nn.init``), or is zero or not finite
+        (:func:`~tritonshard.kernels.rounding.remainder_after_write`). There the master is the written weight, as
+        torch.optim's fp32 one. Until session 43 such a write kept the old remainders: masters within 1/2 ulp of
+        the written values, not them (a stated limit, which stays for writes not seen coming: through ``.data`` or
+        a view), and beside a written zero a NaN master, and after the next update a NaN weight, silently."""
         rem = self.master_remainder
-        rem.copy_(remainder_after_write(self.param_buffer.get_local_shard(), rem))
+        rem.copy_(remainder_after_write(self.param_buffer.get_local_shard(), rem, self.weights_before_write))
+        self.weights_before_write = None
 
     def set_master(self, master: torch.Tensor) -> None:
         """Store ``master`` (fp32, shard-sized) and write its bf16 rounding into the param shard (a load: what was
