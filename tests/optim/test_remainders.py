@@ -61,6 +61,9 @@ def _written(model, how: str) -> None:
             model.fc1.weight[2].zero_()
         elif how == "negative zeros":  # (-0: the sign bit alone)
             model.fc1.weight[0].zero_().neg_()
+        elif how == "row zeroed, then a decay":  # (the decay's chain starts from the weights as the look follows
+            model.fc1.weight[2].zero_()          # them)
+            model.fc1.weight.mul_(1 - 1e-4)
         elif how == "nn.init.zeros_":
             torch.nn.init.zeros_(model.fc2.bias)
         elif how == "zeros through .data":
@@ -90,7 +93,7 @@ def _written(model, how: str) -> None:
 
 #: (not nonzero values through .data or a view, which no method of ours sees coming: the written element keeps its
 #: old remainder there, within 1/2 bf16 ulp of the written value: README)
-WRITTEN = ("row zeroed", "negative zeros", "nn.init.zeros_", "zeros through .data", "load_state_dict, zeros",
+WRITTEN = ("row zeroed", "negative zeros", "row zeroed, then a decay", "nn.init.zeros_", "zeros through .data", "load_state_dict, zeros",
            "load_state_dict, bf16 checkpoint", "a row set", "nn.init.normal_", "an EMA swapped in and out",
            "prune.remove")
 
