@@ -86,6 +86,10 @@ def _written(model, how: str) -> None:
                 p.copy_(p * 0.9)
             for p, b in zip(model.parameters(), backup):
                 p.copy_(b)
+        elif how == "vector_to_parameters":  # (each parameter's .data swapped for a slice of the vector)
+            trained = [p for p in model.parameters() if p.requires_grad]  # (the bf16 ones: not Net.frozen)
+            flat = torch.nn.utils.parameters_to_vector(trained)
+            torch.nn.utils.vector_to_parameters(flat * 1.01, trained)
     if how == "prune.remove":  # (the pruned weights written into the parameter: its .data swapped)
         prune.l1_unstructured(model.fc1, "weight", amount=0.5)
         prune.remove(model.fc1, "weight")
@@ -95,7 +99,7 @@ def _written(model, how: str) -> None:
 #: old remainder there, within 1/2 bf16 ulp of the written value: README)
 WRITTEN = ("row zeroed", "negative zeros", "row zeroed, then a decay", "nn.init.zeros_", "zeros through .data", "load_state_dict, zeros",
            "load_state_dict, bf16 checkpoint", "a row set", "nn.init.normal_", "an EMA swapped in and out",
-           "prune.remove")
+           "prune.remove", "vector_to_parameters")
 
 
 def _weights_written(rank, world_size):
