@@ -97,9 +97,9 @@ def _written(model, how: str) -> None:
 
 #: (not nonzero values through .data or a view, which no method of ours sees coming: the written element keeps its
 #: old remainder there, within 1/2 bf16 ulp of the written value: README)
-WRITTEN = ("row zeroed", "negative zeros", "row zeroed, then a decay", "nn.init.zeros_", "zeros through .data", "load_state_dict, zeros",
-           "load_state_dict, bf16 checkpoint", "a row set", "nn.init.normal_", "an EMA swapped in and out",
-           "prune.remove", "vector_to_parameters")
+WRITTEN = ("row zeroed", "negative zeros", "row zeroed, then a decay", "nn.init.zeros_", "zeros through .data",
+           "load_state_dict, zeros", "load_state_dict, bf16 checkpoint", "a row set", "nn.init.normal_",
+           "an EMA swapped in and out", "prune.remove", "vector_to_parameters")
 
 
 def _weights_written(rank, world_size):

@@ -325,9 +325,9 @@ class ModelViewMixin:
     def _reconcile_master(self, b: _Bucket) -> None:
         """Master := the parameter's value wherever the bf16 shard is not the rounding of the master (an outside
         write); elsewhere the master keeps its fp32 bits. With stored remainders the bf16 shard *is* the master's
-        high half, so the written value is the master already (its old remainder, < 1/2 bf16 ulp, stays; none at a
-        written zero: :meth:`_Bucket.settle_remainders`). Then the fp32 values noted for the weights since
-        (:meth:`_Bucket.take_precise`): whole in the step's look."""
+        high half, so the written value is the master already, with its old remainder where the write was not seen
+        coming (< 1/2 bf16 ulp) and none where it was, or where the weight is zero (:meth:`_Bucket.settle_remainders`).
+        Then the fp32 values noted for the weights since (:meth:`_Bucket.take_precise`): whole in the step's look."""
         if b.master_remainder is not None:
             b.settle_remainders()
         elif not (b.precise and b.whole_take()):  # (which writes every master)
