@@ -190,6 +190,37 @@ def test_in_place_updates_of_a_parameter_held_frozen_reach_its_master_when_it_is
         assert_bitwise_equal(getattr(model[1], k).detach(), want[k].bfloat16(), f"the head's {k}")
 
 
+@pytest.mark.parametrize("noted", ["p.mul_(0.5)", "an fp32 load"])
+@pytest.mark.parametrize("write", ["p.data.copy_(w)", "p.data = w"])
+def test_a_write_past_the_version_counter_of_a_parameter_held_frozen_is_kept_when_it_is_laid_out(noted, write):
+    """The held-frozen head above, given fp32 values to keep (an in-place call, an fp32 load), then written past its
+    version counter (through ``.data``: an EMA copied in, a re-initialization; or its ``.data`` swapped): once it
+    trains and is laid out, its master and weights are the written values, as torch.optim's would be. Until
+    session 43 the layout took the kept values whole (the version had not moved), so the weights went back to what
+    they were before the write, silently (found by reading UNHELD_PRECISE after a loop fuzzer failure)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ShardedAdamW(model.parameters(), lr=1e-3)
+    model[1].requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=0.0, weight_decay=0.0)  # (lr 0: the masters stay as laid out)
+    w = model[1].weight
+    with torch.no_grad():
+        if noted == "an fp32 load":
+            w.copy_(torch.randn(w.shape))
+        else:
+            w.mul_(0.5)
+    new = torch.randn(w.shape).bfloat16()
+    if write == "p.data = w":
+        w.data = new.clone()
+    else:
+        w.data.copy_(new)
+    model[1].requires_grad_(True)
+    model(torch.randn(4, 6).bfloat16()).float().square().mean().backward()  # (lays the head out at its end)
+    opt.step()
+    assert_bitwise_equal(opt.state_dict()["state"][2]["master"], new.float(), "the head's master")
+    assert_bitwise_equal(w.detach(), new, "the head's weight")
+
+
 @pytest.mark.parametrize("restore", ["copy_", "load_state_dict", ".data"])
 def test_an_fp32_ema_swapped_in_for_evaluation_and_back_out_leaves_the_masters_bit_for_bit(restore):
     """An fp32 EMA of the weights copied into the model to evaluate it, then the weights saved before put back

@@ -92,6 +92,8 @@ def _must_look(p: torch.Tensor, written: bool = False) -> None:
                 b.precise.pop(id(p), None)
             if b.calls:
                 b.calls.pop(id(p), None)
+    if written and UNHELD_PRECISE:
+        _unheld_written(p)
 
 
 def where_rounded(weight: torch.Tensor, value: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
@@ -339,17 +341,39 @@ def _mirrored(name: str):
     return mirrored
 
 
+def _unheld_written(p: torch.Tensor) -> None:
+    """``p``, held frozen with values kept in :data:`UNHELD_PRECISE`, was written past its version counter (its
+    ``.data`` swapped, or written through a ``.data`` handed out): the kept values hold only where its weight is
+    still their rounding (as a version that moved says)."""
+    noted = UNHELD_PRECISE.get(p)
+    if noted is not None:
+        UNHELD_PRECISE[p] = (noted[0], -1)
+
+
+def unheld_whole(p: torch.Tensor, noted: tuple) -> bool:
+    """Whether nothing wrote the held-frozen ``p`` since ``noted`` (its :data:`UNHELD_PRECISE` entry) was kept: its
+    version then, and no write through a ``.data`` handed out since (:func:`written_through_data`: until session 43
+    not asked, so ``p.mul_(c)`` or an fp32 load, then ``p.data.copy_(w)``, then the layout took the kept values
+    whole, and the write was undone, silently)."""
+    if noted[1] != _VERSION_OF(p):
+        return False
+    if id(p) in DATA_HANDED and written_through_data(id(p)):
+        _unheld_written(p)
+        return False
+    return True
+
+
 @torch.no_grad()
 def _unheld_values(p: torch.Tensor) -> torch.Tensor:
     """The fp32 values a parameter held frozen (:data:`HELD_FROZEN`) stands for, flat: its kept values
-    (:data:`UNHELD_PRECISE`) where they hold (all of them where nothing wrote it since; else where its weight is
-    still their rounding), its weights elsewhere."""
+    (:data:`UNHELD_PRECISE`) where they hold (all of them where nothing wrote it since: :func:`unheld_whole`; else
+    where its weight is still their rounding), its weights elsewhere."""
     weights = p.detach().reshape(-1)
     noted = UNHELD_PRECISE.get(p)
     if noted is None:
         return weights.float()
-    value, version = noted[0].reshape(-1), noted[1]
-    if version == _VERSION_OF(p):
+    value = noted[0].reshape(-1)
+    if unheld_whole(p, noted):
         return value.clone()
     return where_rounded(weights, value, weights.float())
 
@@ -559,13 +583,16 @@ class _Bucket:
         n = self.param_buffer.shard_numel
         # the master shard comes from the ORIGINAL values (fp32 or whatever the model had), not the rounded copy
         self.master = torch.zeros(n, dtype=torch.float32, device=device)
-        noted = [UNHELD_PRECISE.pop(p, None) for p in params] if UNHELD_PRECISE else None
+        noted = [UNHELD_PRECISE.get(p) for p in params] if UNHELD_PRECISE else None
+        # (kept while it was held frozen, UNHELD_PRECISE: taken whole where nothing wrote the parameter since, its
+        # weights then rounded from them below, the same on every rank; else where the weight is their rounding)
+        whole = [n is not None and unheld_whole(p, n) for n, p in zip(noted, params)] if noted else None
+        if noted:
+            for p in params:
+                UNHELD_PRECISE.pop(p, None)
         if HELD_FROZEN:  # (laid out now)
             for p in params:
                 HELD_FROZEN.pop(p, None)
-        # (kept while it was held frozen, UNHELD_PRECISE: taken whole where nothing wrote the parameter since, its
-        # weights then rounded from them below, the same on every rank; else where the weight is their rounding)
-        whole = [n is not None and n[1] == _VERSION_OF(p) for n, p in zip(noted, params)] if noted else None
         for piece in self.param_buffer.shard_pieces():
             src = params[piece.tensor_index].detach().reshape(-1)[piece.tensor_start:piece.tensor_end]
             self.master[piece.shard_start:piece.shard_end].copy_(src)
