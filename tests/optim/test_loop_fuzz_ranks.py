@@ -48,6 +48,7 @@ from tests.optim.training import PaperLion
 from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import CollectiveMismatchError, PeerFailedError
+from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _clamp_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
@@ -628,8 +629,8 @@ class _RankLoop:
         held = {id(p) for g in self.opt.param_groups for p in g["params"]}
         with torch.no_grad():  # (the extra head, in no group yet, keeps its fp32 values: see test_loop_fuzz.py)
             for n in self.names:
-                if id(self.ours[n]) in held:
-                    self.masters[n].copy_(self.refs[0][n].float())
+                if id(self.ours[n]) in held and self.ours[n] not in UNHELD_PRECISE:  # (fp32 values kept for a
+                    self.masters[n].copy_(self.refs[0][n].float())  # parameter held frozen: test_loop_fuzz.py)
         self.ropt = self.THEIRS(_groups(self.fp32, self.added, **self.group_options), lr=lr, **self.HPARAMS)
         self.launched = False
         self._new_optimizer()
