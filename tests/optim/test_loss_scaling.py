@@ -8,14 +8,14 @@ from tests.optim.training import LR, Reference, make_model, param_groups, schedu
 from tritonshard import LossScaleConfig, ShardedAdamW
 
 
-def _fp16_matches_reference(rank, world_size):
+def _fp16_matches_reference(rank, world_size, grad_dtype):
     scale = 2.0 ** 10  # large enough to matter for fp16 gradients, small enough never to overflow here
     model = make_model(0)
-    opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16,
+    opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16, grad_dtype=grad_dtype,
                        loss_scale=LossScaleConfig(init_scale=scale, growth_interval=10 ** 6))
     assert model.fc1.weight.dtype == torch.float16
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    ref = Reference(world_size, model_dtype=torch.float16, loss_scale=scale)
+    ref = Reference(world_size, model_dtype=torch.float16, loss_scale=scale, grad_dtype=grad_dtype)
     for step in range(3):
         norm = train_step(model, opt, sched, rank, step)
         ref_norm = ref.step(step)
@@ -25,15 +25,19 @@ def _fp16_matches_reference(rank, world_size):
     state = opt.state_dict()["state"]
     worst = max(float((state[i]["master"] - p.detach()).abs().max()) for i, p in enumerate(ref.master))
     scale_ref = max(float(p.detach().abs().max()) for p in ref.master)
-    # 2 ranks: the reference's arithmetic exactly (bf16 grad sums, power-of-two scales) up to fp32 op order, 1e-6
+    # 2 ranks: the reference's arithmetic exactly (grad sums in grad_dtype, power-of-two scales) up to fp32 op
+    # order, 1e-6
     assert worst <= 1e-6 * scale_ref, f"fp16 + loss scaling vs reference: {worst / scale_ref:.2e}"
     for p, q in zip([p for g in param_groups(model) for p in g["params"]], ref.bf16_weights()):
         assert p.dtype == q.dtype == torch.float16
         assert bool(((p.float() - q.float()).abs() <= 1e-6 * scale_ref + 2 ** -10 * q.float().abs()).all())
 
 
-def test_fp16_with_loss_scaling_matches_reference():
-    run_on_ranks(_fp16_matches_reference, 2)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_fp16_with_loss_scaling_matches_reference(grad_dtype):
+    """fp16 weights flatten and reduce their gradients in ``grad_dtype``: bf16 by default (the scaled fp16
+    gradients rounded to 8 bits, as a bf16 model's), fp32 to keep them whole (README's fp16 section)."""
+    run_on_ranks(_fp16_matches_reference, 2, grad_dtype)
 
 
 def _overflow_backoff_growth(rank, world_size):
