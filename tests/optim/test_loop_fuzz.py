@@ -988,9 +988,9 @@ class BF16StateTrainingLoop(TrainingLoop):
     op order) of a bf16 rounding midpoint could round the other way on one side, one bf16 ulp (2^-8 relative)
     apart, and move that element's next updates by ~lr * 2^-9 (~2e-5), past them; none did in 450 random loops of
     30 calls here (also with overlap_comm), and the derandomized ones are the same every run. Random loops of 30
-    calls tell these moments from fp32 ones (against torch.optim.AdamW, 150 of them fail; at a tolerance of 1e-4,
-    100 passed); the suite's 20 derandomized ones of 14 calls do not (nor 40): they check the loops' idioms on this
-    state layout (edits, resumes, counts), tests/optim/test_bf16_state.py its arithmetic."""
+    calls tell these moments from fp32 ones (a run of 150 against plain torch.optim.AdamW failed; at a tolerance of
+    1e-4 a run of 100 passed); the suite's 20 derandomized loops of 14 calls do not (nor 40): they check the loops'
+    idioms on this state layout (edits, resumes, counts), tests/optim/test_bf16_state.py its arithmetic."""
     THEIRS = BF16StateAdamW
     OPTIONS = dict(state_dtype=torch.bfloat16, state_rounding="nearest")
 
