@@ -127,8 +127,7 @@ def before_write(p: torch.Tensor) -> None:
         return
     if b.ag_work is not None:
         b.wait_gather()
-    if b.master_remainder is not None and b.weights_before_write is None and not b.retired:
-        b.keep_weights_before_write()
+    b.keep_weights_before_write()
 
 #: a laid-out parameter given an fp32 copy (:meth:`WatchedParameter.copy_`), or an in-place call (:func:`_mirrored`),
 #: while no live optimizer holds it laid out (frozen when the optimizer training the rest was built, which took it
@@ -1079,9 +1078,12 @@ class _Bucket:
         self.weights_before_write = None
 
     def keep_weights_before_write(self) -> None:
-        """With stored remainders, before the first write since the last look that :class:`WatchedParameter` sees
-        coming: this rank's bf16 shard as it is, the weights the remainders belong to (:meth:`settle_remainders`).
-        Memory: 2 bytes per element of the shard until the look."""
+        """Before a write into this bucket's weights that :class:`WatchedParameter` (or the re-adoption of a swapped
+        ``.data``) sees coming: with stored remainders, at the first such write since the last look, this rank's
+        bf16 shard as it is, the weights the remainders belong to (:meth:`settle_remainders`); nothing otherwise, nor
+        in a retired bucket, which no look reads again. Memory: 2 bytes per element of the shard until the look."""
+        if self.master_remainder is None or self.weights_before_write is not None or self.retired:
+            return
         self.weights_before_write = self.param_buffer.get_local_shard().clone()
 
     def settle_remainders(self) -> None:

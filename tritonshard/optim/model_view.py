@@ -310,9 +310,7 @@ class ModelViewMixin:
             raise RuntimeError(f"parameter {name} changed shape from {tuple(view.shape)} to {tuple(p.shape)} "
                                "after the optimizer was built")
         self.wait_for_params()
-        b = self._bucket_of[p][0]
-        if b.master_remainder is not None and b.weights_before_write is None:
-            b.keep_weights_before_write()  # (the buffer holds the weights from before the swap still)
+        self._bucket_of[p][0].keep_weights_before_write()  # (the buffer holds the weights from before the swap still)
         with torch.no_grad():
             view.copy_(p.detach())
         p.data = alone(view)  # the same Parameter object, aliasing the buffer again
