@@ -194,6 +194,23 @@ _MAKERS = {
 }
 
 
+def _first_step_on_zeros(model, maker: str, zeroed: int, what: str):
+    """A new optimizer of ``maker`` over ``model`` and torch.optim's over fp32 masters of its weights, each finding
+    the ``param.grad`` the loop left (``zeroed`` parameters hold zeros, the rest None), both stepped once and
+    compared (the reference's first weight moved: the zeros were applied, weight decay); (new, masters, ropt)."""
+    ours, theirs = _MAKERS[maker]
+    grads = [None if p.grad is None else torch.zeros(p.shape) for p in model.parameters()]
+    assert sum(g is not None for g in grads) == zeroed
+    new = ours(list(model.parameters()))
+    masters, ropt = _torch_reference(model, grads, theirs)
+    before = masters[0].detach().clone()
+    new.step()
+    ropt.step()
+    _assert_as_torch(model, new, masters, ropt, f"{what}: first step")
+    assert not torch.equal(masters[0].detach(), before), "the reference's first step did not move the weights"
+    return new, masters, ropt
+
+
 @pytest.mark.parametrize("maker", list(_MAKERS))
 @pytest.mark.parametrize("zeroed_by", ["opt.zero_grad(set_to_none=False) after step()",
                                        "model.zero_grad(set_to_none=False) after a backward"])
@@ -202,7 +219,6 @@ def test_a_new_optimizer_applies_the_zeroed_gradients_it_finds(maker, zeroed_by)
     (weight decay, momentum, a step count); until session 19 the new optimizer dropped them, so its first step
     skipped every parameter (and a backward right after a zeroing refused the new optimizer as 'between a
     backward and its step'). A parameter whose gradient is None stays skipped."""
-    ours, theirs = _MAKERS[maker]
     model = _model()
     old = ShardedAdamW(model.parameters(), lr=1e-2)
     _train(model, old, range(1))
@@ -213,15 +229,7 @@ def test_a_new_optimizer_applies_the_zeroed_gradients_it_finds(maker, zeroed_by)
     else:
         model.zero_grad(set_to_none=False)
     model[2].bias.grad = None  # (this one has no gradient: skipped by both)
-    grads = [None if p.grad is None else torch.zeros(p.shape) for p in model.parameters()]
-    assert sum(g is not None for g in grads) == 3
-    new = ours(list(model.parameters()))
-    masters, ropt = _torch_reference(model, grads, theirs)
-    before = masters[0].detach().clone()
-    new.step()
-    ropt.step()
-    _assert_as_torch(model, new, masters, ropt, f"{maker}, {zeroed_by}: first step")
-    assert not torch.equal(masters[0].detach(), before), "the reference's first step did not move the weights"
+    new, masters, ropt = _first_step_on_zeros(model, maker, 3, f"{maker}, {zeroed_by}")
     new.zero_grad()
     ropt.zero_grad()
     x = torch.randn(4, 9, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -240,7 +248,6 @@ def test_a_hand_set_gradient_zeroed_before_a_gradient_only_backward_is_the_new_o
     a new optimizer's first step applies them. Until session 35 the end of that backward flushed the zeros into
     the old optimizer's buffer, and the new optimizer was refused as built 'between a backward and its step()'
     (found by tests.optim.loop_fuzz_long's OverlappedTrainingLoop)."""
-    ours, theirs = _MAKERS[maker]
     model = _model()
     old = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
     old.attach(model)
@@ -249,13 +256,7 @@ def test_a_hand_set_gradient_zeroed_before_a_gradient_only_backward_is_the_new_o
     old.zero_grad(set_to_none=False)
     x = torch.randn(4, 9, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     torch.autograd.grad(model(x).float().sum(), list(model.parameters()))
-    grads = [None if p.grad is None else torch.zeros(p.shape) for p in model.parameters()]
-    assert sum(g is not None for g in grads) == 1
-    new = ours(list(model.parameters()))
-    masters, ropt = _torch_reference(model, grads, theirs)
-    new.step()
-    ropt.step()
-    _assert_as_torch(model, new, masters, ropt, f"{maker}, overlap_comm={overlap}: first step")
+    _first_step_on_zeros(model, maker, 1, f"{maker}, overlap_comm={overlap}")
 
 
 @pytest.mark.parametrize("maker", list(_MAKERS))
@@ -342,7 +343,6 @@ def test_zeroed_gradients_beside_a_backwards_cleared_ones_are_not_in_a_new_optim
     new optimizer takes (it applies the zeros). Until session 43 the flush forgot which parameters held zeros, so
     the first layer's zeros counted as a backward's gradient and the new optimizer was refused as built 'between a
     backward and its step()' (found by tests.optim.loop_fuzz_long with stored remainders; any options)."""
-    ours, theirs = _MAKERS[maker]
     model = _model()
     old = ShardedAdamW(model.parameters(), lr=1e-2)
     _train(model, old, range(1))
@@ -352,13 +352,7 @@ def test_zeroed_gradients_beside_a_backwards_cleared_ones_are_not_in_a_new_optim
     h = torch.randn(4, 13, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     model[2](h).float().square().mean().backward()  # (the head only: its gradients added onto its zeros)
     model[2].weight.grad = model[2].bias.grad = None
-    grads = [None if p.grad is None else torch.zeros(p.shape) for p in model.parameters()]
-    assert sum(g is not None for g in grads) == 2
-    new = ours(list(model.parameters()))
-    masters, ropt = _torch_reference(model, grads, theirs)
-    new.step()
-    ropt.step()
-    _assert_as_torch(model, new, masters, ropt, f"{maker}: first step")
+    _first_step_on_zeros(model, maker, 2, maker)
 
 
 def test_a_refused_new_optimizer_can_be_built_once_the_launched_gradients_are_cleared():
