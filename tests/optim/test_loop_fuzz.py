@@ -4,7 +4,8 @@ parameter, a param group added, writing the weights and editing ``opt.state``, a
 backward with create_graph=True and one onto them), post-accumulate-grad hooks of the loop's, as real loops mix
 them; with the default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with
 the step compiled by torch.compile, with cuda_graph=True (its graphs emulated; also with overlap_comm on one
-rank), with store_param_remainders=True, and with bf16 moments; and ShardedSGD, ShardedLion and ShardedMuon with
+rank), with store_param_remainders=True, with bf16 moments, and with fp32 gradient buffers (against fp32 sums of
+the bf16 gradients: FP32GradsTrainingLoop); and ShardedSGD, ShardedLion and ShardedMuon with
 the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
@@ -995,6 +996,123 @@ class BF16StateTrainingLoop(TrainingLoop):
     OPTIONS = dict(state_dtype=torch.bfloat16, state_rounding="nearest")
 
 
+class _CastNet(_Net):
+    """:class:`_Net` with fp32 parameters whose forward runs in bf16 (each weight cast as it is used, once per
+    forward): the gradient of each backward is the bf16 model's (the cast's backward rounds nothing going up: bf16
+    to fp32 is exact), and autograd adds the backwards' gradients into ``param.grad`` in fp32. The reference of
+    :class:`FP32GradsTrainingLoop`; its weights are kept bf16 values (the loop rounds them after every write)."""
+
+    def forward(self, x, heads):
+        def linear(m, x):
+            return torch.nn.functional.linear(x, m.weight.to(torch.bfloat16), m.bias.to(torch.bfloat16))
+        h = torch.tanh(linear(self.trunk, x.to(torch.bfloat16)))
+        return sum(linear(self.extra if k == EXTRA else self.heads[k], h).float().pow(2).mean() for k in heads)
+
+
+def _clamp_shown_grad(p) -> None:
+    """:func:`_clamp_grad` on a bf16 model with fp32 gradient sums, as FP32GradsTrainingLoop's reference takes it: the
+    clamp of the sum's bf16 rounding (what a hook on a bf16 parameter is shown) where it changes that rounding, the
+    fp32 sum elsewhere."""
+    shown = p.grad.to(torch.bfloat16)
+    clamped = shown.clamp(-0.05, 0.05)
+    p.grad.copy_(torch.where(clamped != shown, clamped.float(), p.grad))
+
+
+class FP32GradsTrainingLoop(TrainingLoop):
+    """``grad_dtype=torch.float32``: each backward's bf16 gradients are added into fp32 grad buffers, so micro-batches
+    accumulate in fp32, and the reduction, the clip, the division and the clamps act on fp32 gradients. The
+    reference is torch.optim over the same fp32 sums: a bf16 forward on fp32 parameters holding the bf16 weights
+    (:class:`_CastNet`), whose ``param.grad`` autograd accumulates in fp32. Its weights are rounded to bf16 after
+    each write, in-place update and step, as the bf16 model's are (an in-place update of a bf16 weight is torch's
+    fp32 arithmetic rounded once: the same bits). Gradients set by hand are bf16 (ours) and the same values in fp32
+    (the reference's)."""
+    OPTIONS = dict(grad_dtype=torch.float32)
+
+    def __init__(self):
+        super().__init__()
+        cast = _CastNet()
+        with torch.no_grad():
+            for (n, q), p in zip(cast.named_parameters(), self.ref.parameters()):
+                q.copy_(p.float())
+        self.ref = cast
+        self.refs = dict(cast.named_parameters())
+
+    # (a penalty's backward onto gradients kept with their graph adds to them in the bf16 model's param.grad, in
+    # bf16, as autograd does for any bf16 parameter, before the buffers see the sum: not the reference's fp32 add)
+    @precondition(lambda self: False)
+    @rule(heads=st.sets(st.sampled_from(HEADS), min_size=1))
+    def penalty_backward(self, heads):
+        raise AssertionError("not run in this machine")
+
+    @rule(heads=st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1), sync=st.booleans())
+    def backward(self, heads, sync):
+        """As in every loop; where ours holds a plain gradient (set by hand), autograd adds the backward's onto it in
+        the bf16 model's ``param.grad``, in bf16, and the flush takes that sum: the reference's is rounded so."""
+        plain = [n for n, p in self.ours.items() if type(p.grad) is torch.Tensor]
+        TrainingLoop.backward(self, heads, sync)
+        with torch.no_grad():
+            for n in plain:
+                if self.refs[n].grad is not None:
+                    self.refs[n].grad.copy_(self.refs[n].grad.to(torch.bfloat16))
+
+    @rule(name=st.sampled_from(_NAMES))
+    def add_hook(self, name):
+        """The loop's clamping hook: ours clamps the bf16 sum its hooks are shown and keeps the fp32 sum where the
+        clamp left it; the reference's hook does that to its fp32 sum (:func:`_clamp_shown_grad`). (Until session 44
+        ours rounded the sum to bf16 for the hook, and every later add of the step too, where a hook only read it.)"""
+        if name in self.hooked or not self.refs[name].requires_grad:
+            return
+        self.hooked.add(name)
+        self.ours[name].register_post_accumulate_grad_hook(_clamp_grad)
+        self.refs[name].register_post_accumulate_grad_hook(_clamp_shown_grad)
+
+    def _round_refs(self, names=None) -> None:
+        with torch.no_grad():
+            for n in (self.names if names is None else names):
+                self.refs[n].copy_(self.refs[n].to(torch.bfloat16))
+
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
+    def write(self, names, how, seed):
+        TrainingLoop.write(self, names, how, seed)
+        self._round_refs(names)
+
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
+    def update(self, names, how):
+        TrainingLoop.update(self, names, how)
+        self._round_refs(names)
+
+    @rule()
+    def step(self):
+        if self._reuses_spent():
+            raises_spent(self._opt_step, "a step that torch.optim would take with spent gradients")
+            return self._recover()
+        self._opt_step()
+        grads = self._master_grads()
+        reference_step(self.ropt, self.masters, grads, [self.refs])
+        self._round_refs()
+        self._stepped(grads)
+
+    @precondition(lambda self: not self.launched)
+    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), seed=st.integers(0, 2 ** 16))
+    def set_grads(self, names, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for n in sorted(names):
+            g = torch.randn(self.refs[n].shape, generator=gen).to(torch.bfloat16)
+            self.ours[n].grad, self.refs[n].grad = g.clone(), g.float()
+            self.spent.discard(n)
+        self.by_hand = True
+        self._set_by_hand(names)
+
+    def _compare(self):
+        """compare_with_torch on the reference's weights as bf16 (its ties judged at bf16's roundings), the weights
+        it takes from ours at a tie written back."""
+        weights = {n: p.detach().to(torch.bfloat16) for n, p in self.refs.items()}
+        compare_with_torch(self.opt, self.ropt, self.names, self.ours, weights, self.masters, atol=self.ATOL)
+        with torch.no_grad():
+            for n, p in self.refs.items():
+                p.copy_(weights[n])
+
+
 class ScaledTrainingLoop(TrainingLoop):
     """The same loops under torch.amp.GradScaler's recipe: ``scaler.scale(loss).backward()``, ``scaler.unscale_(opt)``
     at any point (before or after a clip, or never), ``scaler.step(opt); scaler.update()``, and gradients that
@@ -1184,7 +1302,7 @@ test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlapped
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
 for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop, SGDGraphedTrainingLoop,
-                LionGraphedTrainingLoop, BF16StateTrainingLoop):
+                LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
@@ -1194,6 +1312,7 @@ test_graphed_sgd_training_loops_match_torch_optim = SGDGraphedTrainingLoop.TestC
 test_graphed_lion_training_loops_match_the_papers_lion = LionGraphedTrainingLoop.TestCase
 test_stored_remainders_training_loops_match_torch_optim = RemaindersTrainingLoop.TestCase
 test_bf16_state_training_loops_match_torch_optim_with_bf16_moments = BF16StateTrainingLoop.TestCase
+test_fp32_gradient_training_loops_match_torch_optim_on_fp32_sums = FP32GradsTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase

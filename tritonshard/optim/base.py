@@ -718,6 +718,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._buffers_seen: Optional[list] = None  # (tensor, version) of each after the last broadcast
         self._placeholders: dict = {}
         self._placeholder_list: list = []  # (in _param_list's order)
+        # a grad dtype wider than the weights' (grad_dtype=torch.float32) and hooks of the loop's on a parameter: the
+        # parameters whose next accumulation _show_sum shows the sum to those hooks, the sums shown (what the hooks
+        # found, kept until the flush: _settle_shown), and each parameter's ShowSumHook (its handle's id)
+        self._sums_to_show: set = set()
+        self._sums_shown: dict = {}
+        self._show_hooks: dict = {}
         self._param_buckets: list = []  # each parameter's bucket (in _param_list's order)
         # param.grad after step() until cleared (model_sync.SpentGrad): each parameter's marker; whether step() left
         # markers that are not listed yet (the listing, _list_spent, is needed only where the loop did not call
@@ -1554,6 +1560,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._finish_compiled_step()
         if self._reduced_early:  # (a reduction whose gradients the loop all cleared since: gone)
             self._check_grads_since_reduction("forget")
+        if self._sums_shown:
+            self._settle_shown(b)
         placed = b.placed
         if self._spent_unlisted:  # (a reduction lists them again first: _check_no_spent_grads)
             self._list_spent()
@@ -1693,6 +1701,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             b = self._param_buckets[index]
             if ((_grad_enabled() or (POST_HOOKED and id(param) in POST_HOOKED and self._user_post_hooks(param)))
                     and not b.rs_launched and self._reduced is None):
+                if self.grad_dtype != self.param_dtype and not _grad_enabled():
+                    self._show_after_accumulation(param, b)  # (the hand-back would round the sum to the weights'
+                    return  # dtype, and the next backward's add would too)
                 self._hand_back_grad(param)  # backward(create_graph=True), or a post-accumulate hook of the loop's,
                 return  # onto an earlier backward's gradient
             set_grad(param, None)
@@ -1710,7 +1721,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         per-parameter clamp), which read ``param.grad`` as torch's autograd leaves it, the sum over the backwards so
         far. Asked only for the parameters in :data:`~tritonshard.optim.bucket.POST_HOOKED`."""
         hooks = param._post_accumulate_grad_hooks
-        return hooks is not None and len(hooks) > self._overlap_machinery
+        return hooks is not None and len(hooks) - (param in self._show_hooks) > self._overlap_machinery
 
     def _hand_back_grad(self, param: torch.Tensor) -> None:
         """A backward is about to add onto ``param``'s gradient, which an earlier backward (a micro-batch's) left in
@@ -1730,6 +1741,64 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         view.zero_()
         b.placed.pop(param, None)
         set_grad(param, grad)
+
+    def _show_after_accumulation(self, param: torch.Tensor, b: _Bucket) -> None:
+        """:meth:`_hand_back_grad` where the grad buffer's dtype is wider than the parameter's (``grad_dtype=
+        torch.float32`` beside bf16 weights): a backward is about to add onto ``param``'s gradient, and a hook of the
+        loop's reads the sum. Handed back, the fp32 sum would be rounded to bf16 in ``param.grad`` and the new
+        gradient added to it in bf16 (two roundings of the sum per micro-batch the loop chose fp32 to avoid:
+        ~2.8e-5 on the masters after three steps of four micro-batches at lr 1e-3 with a hook only reading the
+        gradient's norm, against 7e-9 without the hook, before session 44). Instead autograd stores this backward's
+        gradient alone, and a hook of ours ahead of the loop's (:class:`~.model_sync.ShowSumHook`, moved to the
+        front of the parameter's post-accumulate-grad hooks) adds it into the buffer in fp32 and shows the loop's
+        hooks the sum's rounding (:meth:`_show_sum`); the flush keeps the fp32 sum where they left that rounding
+        and takes their value where they wrote one (:meth:`_settle_shown`)."""
+        hooks = param._post_accumulate_grad_hooks
+        key = self._show_hooks.get(param)
+        if key is None or key not in hooks:
+            key = self._show_hooks[param] = param.register_post_accumulate_grad_hook(model_sync.ShowSumHook(self)).id
+        if next(iter(hooks)) != key:  # (torch runs them in the order of the dict under the OrderedDict, which
+            # move_to_end leaves as it was: the same dict, its entries inserted again, ours first)
+            entries, ours = list(hooks.items()), hooks[key]
+            hooks.clear()
+            hooks[key] = ours
+            hooks.update((k, hook) for k, hook in entries if k != key)
+        set_grad(param, None)
+        b.placed.pop(param, None)
+        self._sums_to_show.add(param)
+
+    def _show_sum(self, param: torch.Tensor) -> None:
+        """:class:`~.model_sync.ShowSumHook`'s work: ``param``'s new gradient (``param.grad`` now, autograd's) added
+        into its grad buffer view, and ``param.grad`` made the sum in the parameter's dtype for the loop's hooks."""
+        if param not in self._sums_to_show:
+            return
+        self._sums_to_show.discard(param)
+        grad = param.grad
+        if grad is None or grad.layout != torch.strided:  # (a sparse one: the flush names it)
+            return
+        b, i = self._bucket_of[param]
+        self._after_last_step_readers()
+        view = b.grad_buffer.get_views()[i]
+        view.add_(grad)
+        shown = view.to(param.dtype, copy=True)
+        set_grad(param, shown)
+        self._sums_shown[param] = shown.clone()
+
+    def _settle_shown(self, b: _Bucket) -> None:
+        """At the flush of ``b``: each of its parameters whose sum :meth:`_show_sum` showed the loop's hooks. Where
+        ``param.grad`` is still what they were shown, the buffer's fp32 sum stays; where a hook wrote (a clamp), its
+        value is taken, as torch's autograd leaves the hook's write in ``param.grad``; cleared (``p.grad = None``):
+        the gradient is gone. Then ``param.grad`` is its placeholder again."""
+        for p in [p for p in self._sums_shown if self._bucket_of[p][0] is b]:
+            shown = self._sums_shown.pop(p)
+            view = b.grad_buffer.get_views()[self._bucket_of[p][1]]
+            g = p.grad
+            if g is None or type(g) is not torch.Tensor or g.shape != shown.shape or g.dtype != shown.dtype:
+                view.zero_()  # (cleared, or replaced by a gradient of the loop's own: the flush takes it whole, as a
+                continue  # gradient set by hand)
+            view.copy_(torch.where(g != shown, g, view))
+            set_grad(p, self._placeholders[p])
+            b.placed[p] = True
 
     def _take_back_cleared(self, b: _Bucket) -> None:
         """torch semantics for code that cleared or replaced ``param.grad`` after we took the gradient
@@ -2249,6 +2318,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # which forgets a reduction the loop cleared since, keeps them, or a bucket half-ready then would wait for
         # the end of the backward to launch)
         in_backward = not compiling and torch._C._current_graph_task_id() != -1
+        if not in_backward:  # (the sums shown to the loop's hooks go with the gradients; inside a backward, its flush
+            self._sums_to_show.clear()  # settles them next)
+            self._sums_shown.clear()
         if compiling:  # (the markers need the parameters: the next eager call places them)
             self._flags.compiled_unfinished = self._flags.compiled_unfinished or spent
         else:

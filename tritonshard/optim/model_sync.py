@@ -62,6 +62,18 @@ class GradReadyHook(_OptimizerRef):
             opt._on_grad_ready(param)
 
 
+class ShowSumHook(_OptimizerRef):
+    """Post-accumulate-grad hook on a parameter whose gradients accumulate in a wider dtype than its own
+    (``grad_dtype=torch.float32`` beside bf16 weights) and which has hooks of the loop's: the first of its hooks,
+    it puts the sum over the backwards so far into ``param.grad`` for them (``ShardedOptimizer._show_sum``)."""
+
+    def __call__(self, param):
+        ref = self._ref
+        opt = ref() if ref is not None else None
+        if opt is not None:
+            opt._show_sum(param)
+
+
 def grad_accumulator(param: torch.Tensor):
     """The AccumulateGrad node of a leaf tensor that requires grad (``torch.autograd.graph.get_gradient_edge``'s,
     which needs grad mode, also where the optimizer is built under ``no_grad()`` or ``inference_mode()``)."""
