@@ -10,6 +10,9 @@ The "adamw-scaled" machine runs them under torch.amp.GradScaler
 (RECIPES: its recipe as loops write it, with infs set by hand on one rank): every rank skips the same steps and
 keeps the same scale. The "adamw-remainders" machine stores the masters as bf16 weights and int16 remainders
 (writes through .data are attribute writes there: nonzero values written through it keep their old remainders).
+The "adamw-fp32-grads" machine has fp32 gradient buffers: its reference's replicas are test_loop_fuzz.py's
+_CastNet (fp32 parameters holding the bf16 weights, a bf16 forward), whose gradients add up in fp32, and the
+ranks' sums are added in fp32.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -51,7 +54,7 @@ from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
-    MuonReference, MuonTrainingLoop, _clamp_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
+    MuonReference, MuonTrainingLoop, _CastNet, _clamp_grad, _clamp_shown_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
     UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -73,6 +76,9 @@ MACHINES = {
     # parameter's pieces on both ranks (a bucket per parameter, split in the middle)
     "adamw-remainders": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
                          dict(store_param_remainders=True, overlap_comm=True, bucket_cap_mb=1e-9)),
+    # fp32 gradient buffers: each rank's backwards added in fp32, reduced in fp32 (test_loop_fuzz.py's
+    # FP32GradsTrainingLoop: the replicas are _CastNet, a bf16 forward on fp32 parameters holding bf16 weights)
+    "adamw-fp32-grads": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(grad_dtype=torch.float32)),
 }
 SCALED = "adamw-scaled"
 #: per machine: the options of the biases' group and the extra head's, and the masters' tolerance (test_loop_fuzz.py's
@@ -80,6 +86,16 @@ SCALED = "adamw-scaled"
 GROUP_OPTIONS = {"muon": MuonTrainingLoop.GROUP_OPTIONS, "muon-overlap": MuonTrainingLoop.GROUP_OPTIONS}
 ATOLS = {"muon": MuonTrainingLoop.ATOL, "muon-overlap": MuonTrainingLoop.ATOL}
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
+
+
+def _cast_net(bf16: torch.nn.Module) -> _CastNet:
+    """A _CastNet holding ``bf16``'s weights (in fp32) and its frozen heads."""
+    net = _CastNet()
+    with torch.no_grad():
+        for (_, q), p in zip(net.named_parameters(), bf16.parameters()):
+            q.copy_(p.float())
+            q.requires_grad_(p.requires_grad)
+    return net
 
 
 class _RankLoop:
@@ -95,6 +111,10 @@ class _RankLoop:
         self.opt = self._ours(LRS[0])
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.refs_models = [copy.deepcopy(fp32).to(torch.bfloat16) for _ in range(WORLD)]
+        self.fp32_grads = self.OPTIONS.get("grad_dtype") == torch.float32
+        if self.fp32_grads:  # (fp32 parameters holding the bf16 weights, a bf16 forward: fp32 gradient sums)
+            self.refs_models = [_cast_net(m) for m in self.refs_models]
+        self.plain = [set() for _ in range(WORLD)]  # per rank: names whose gradient was set by hand since a flush
         self.fp32 = fp32
         self.ropt = self.THEIRS(_groups(fp32, **self.group_options), lr=LRS[0], **self.HPARAMS)
         self.names = [n for n, _ in fp32.named_parameters()]
@@ -235,6 +255,9 @@ class _RankLoop:
                         raise AssertionError("a backward onto launched reduce-scatters did not raise")
                     self._scaled(self.model.loss(x, heads[w])).backward()
                 self._scaled(self.refs_models[w].loss(x, heads[w])).backward()
+                if self.fp32_grads:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
+                    self._round(self.refs[w], self.plain[w], grads=True)  # bf16: the flush takes that sum)
+                self.plain[w] = set()
                 reached = {n for n in self.names if n.startswith("trunk.")
                            or any(n.startswith(f"heads.{h}.") for h in heads[w] if h != EXTRA)
                            or (EXTRA in heads[w] and n.startswith("extra."))}
@@ -431,6 +454,7 @@ class _RankLoop:
         assert bool(self.opt.last_step_skipped) == skipped, f"the step skipped (or not): expected {skipped}"
         if not skipped:
             reference_step(self.ropt, self.masters, grads, self.refs)
+            self._round_weights(self.names)
         # as under DDP, every rank's param.grad of a parameter with a gradient on any rank held the average: the
         # step used it on every rank (ours: a SpentGrad on every rank); zeros stand for it in the reference, whose
         # values after a step are only cleared, zeroed or an error to use
@@ -443,7 +467,7 @@ class _RankLoop:
         self.spent_values = [{n: self.refs[w][n].grad.clone() for n in self.spent[w]} for w in range(WORLD)]
         self.clipped, self.launched, self.by_hand, self.list_clip = None, False, [False] * WORLD, False
         self.held0, self.unscaled_only, self.from_backward = None, False, [set() for _ in range(WORLD)]
-        self.data_written = set()
+        self.data_written, self.plain = set(), [set() for _ in range(WORLD)]
         self._compare()
 
     def zero_grad(self, via, set_to_none):
@@ -459,6 +483,7 @@ class _RankLoop:
         (self.opt if via == "opt" else self.model).zero_grad(set_to_none=set_to_none)
         for m in self.refs_models:
             m.zero_grad(set_to_none=set_to_none)
+        self.plain = [set() for _ in range(WORLD)]
         self.spent, self.clipped, self.launched = [set() for _ in range(WORLD)], None, False
         self.by_hand, self.list_clip, self.held0 = [b and not set_to_none for b in self.by_hand], False, None
         self.unscaled_only = False
@@ -495,6 +520,7 @@ class _RankLoop:
             for n in self.names:
                 self.refs[w][n].grad = None
             self.spent[w], self.by_hand[w], self.from_backward[w] = set(), False, set()
+            self.plain[w] = set()
 
     def _symmetric_on_frozen(self, names):
         """A frozen parameter's gradient set or cleared on some ranks only is a case without torch semantics
@@ -519,7 +545,8 @@ class _RankLoop:
                 g = torch.randn(self.refs[w][n].shape, generator=gen).to(torch.bfloat16)
                 if inf:
                     g.view(-1)[0] = float("inf")
-                self.refs[w][n].grad = g.clone()
+                self.refs[w][n].grad = g.to(self.refs[w][n].dtype, copy=True)
+                self.plain[w].add(n)
                 if w == self.rank:
                     self.ours[n].grad = g.clone()
                 self.spent[w].discard(n)
@@ -535,6 +562,7 @@ class _RankLoop:
         for w, chosen in enumerate(self._symmetric_on_frozen(names)):
             for n in sorted(chosen):
                 self.refs[w][n].grad = None
+                self.plain[w].discard(n)
                 if w == self.rank:
                     self.ours[n].grad = None
                 self.spent[w].discard(n)
@@ -552,7 +580,8 @@ class _RankLoop:
                 if n in self.hooked[w] or not self.refs[w][n].requires_grad:  # (torch refuses a frozen one)
                     continue
                 self.hooked[w].add(n)
-                self.refs[w][n].register_post_accumulate_grad_hook(_clamp_grad)
+                self.refs[w][n].register_post_accumulate_grad_hook(_clamp_shown_grad if self.fp32_grads else
+                                                                   _clamp_grad)
                 if w == self.rank:
                     self.ours[n].register_post_accumulate_grad_hook(_clamp_grad)
 
@@ -575,6 +604,7 @@ class _RankLoop:
                 for w in range(WORLD):
                     self.refs[w][n].copy_(value)
                 self.masters[n].copy_(value.float())
+        self._round_weights(names)
         if how.startswith("data"):
             self.data_written |= set(names)
 
@@ -588,6 +618,7 @@ class _RankLoop:
                 for w in range(WORLD):
                     UPDATES[how](self.refs[w][n])
                 UPDATES[how](self.masters[n])
+        self._round_weights(names)
 
     def edit(self, names, how):
         """The same edit of ``opt.state`` on every rank (each holds its pieces of the state)."""
@@ -653,8 +684,30 @@ class _RankLoop:
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):  # (every rank's replica holds the same weights after a step)
-        compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs[0], self.masters,
-                           replicas=self.refs[1:], atol=self.atol)
+        refs = self.refs
+        if self.fp32_grads:  # (the replicas' weights as bf16: ties judged at bf16's roundings, then written back)
+            refs = [{n: p.detach().to(torch.bfloat16) for n, p in r.items()} for r in self.refs]
+        compare_with_torch(self.opt, self.ropt, self.names, self.ours, refs[0], self.masters,
+                           replicas=refs[1:], atol=self.atol)
+        if self.fp32_grads:
+            with torch.no_grad():
+                for mine, theirs in zip(self.refs, refs):
+                    for n, p in mine.items():
+                        p.copy_(theirs[n])
+
+    def _round_weights(self, names) -> None:
+        """fp32 gradients: the replicas' weights ``names`` rounded to bf16, as the bf16 model holds them."""
+        if self.fp32_grads:
+            for r in self.refs:
+                self._round(r, names)
+
+    @staticmethod
+    @torch.no_grad()
+    def _round(tensors: dict, names, grads: bool = False) -> None:
+        for n in names:
+            t = tensors[n].grad if grads else tensors[n]
+            if t is not None:
+                t.copy_(t.to(torch.bfloat16))
 
 
 def _run_program(rank, world_size, machine, program, directory):
@@ -738,6 +791,14 @@ def test_two_rank_overlapped_loops_match_torch_optim(program):
 @given(program=PROGRAMS)
 def test_two_rank_sgd_loops_match_torch_optim(program):
     _check("sgd", program)
+
+
+@SETTINGS
+@given(program=PROGRAMS)
+def test_two_rank_loops_with_fp32_gradients_match_torch_optim_on_fp32_sums(program):
+    """grad_dtype=torch.float32: each rank's micro-batches added in fp32 (also under the loop's hooks), the ranks'
+    sums reduced in fp32, against torch.optim over the same fp32 sums."""
+    _check("adamw-fp32-grads", program)
 
 
 @SETTINGS
