@@ -60,7 +60,8 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
     ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "lion", "muon", "muon-overlap", "adamw-scaled",
-                                    "adamw-scaled-overlap", "adamw-remainders", "adamw-fp32-grads", "after-clip")]
+                                    "adamw-scaled-overlap", "adamw-remainders", "adamw-fp32-grads", "adamw-hybrid",
+                                    "adamw-ordered-overlap", "after-clip")]
     parser.add_argument("--machines", default=",".join(MACHINES),
                         help="comma-separated: " + ", ".join([*MACHINES, *ranks]))
     args = parser.parse_args()

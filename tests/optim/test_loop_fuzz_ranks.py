@@ -13,6 +13,8 @@ keeps the same scale. The "adamw-remainders" machine stores the masters as bf16 
 The "adamw-fp32-grads" machine has fp32 gradient buffers: its reference's replicas are test_loop_fuzz.py's
 _CastNet (fp32 parameters holding the bf16 weights, a bf16 forward), whose gradients add up in fp32, and the
 ranks' sums are added in fp32.
+"adamw-hybrid" is hybrid sharding as two replicas of one-rank shard groups (the replicas' all-reduce is the whole
+reduction), "adamw-ordered-overlap" ordered_reduce=True with overlap_comm.
 
 The reference is what a DDP-style loop computes: every rank's bf16 gradients (autograd's, on a bf16 replica of the
 weights), a parameter's missing on a rank counted as zeros there, summed over the ranks in bf16 in rank order (what
@@ -42,6 +44,7 @@ import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -79,6 +82,13 @@ MACHINES = {
     # fp32 gradient buffers: each rank's backwards added in fp32, reduced in fp32 (test_loop_fuzz.py's
     # FP32GradsTrainingLoop: the replicas are _CastNet, a bf16 forward on fp32 parameters holding bf16 weights)
     "adamw-fp32-grads": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(grad_dtype=torch.float32)),
+    # hybrid sharding as 2 replicas of a shard group of one rank: each rank holds every shard, and the replicas'
+    # all-reduce is the whole reduction (_hybrid_groups gives the groups)
+    "adamw-hybrid": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(hybrid=True)),
+    # ordered_reduce: an all-to-all and the rows added in rank order (with a bucket per parameter and overlap_comm,
+    # a backward's third reduction folds its first: two scratch buffers)
+    "adamw-ordered-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
+                              dict(ordered_reduce=True, overlap_comm=True, bucket_cap_mb=1e-9)),
 }
 SCALED = "adamw-scaled"
 #: per machine: the options of the biases' group and the extra head's, and the masters' tolerance (test_loop_fuzz.py's
@@ -86,6 +96,18 @@ SCALED = "adamw-scaled"
 GROUP_OPTIONS = {"muon": MuonTrainingLoop.GROUP_OPTIONS, "muon-overlap": MuonTrainingLoop.GROUP_OPTIONS}
 ATOLS = {"muon": MuonTrainingLoop.ATOL, "muon-overlap": MuonTrainingLoop.ATOL}
 HANG_S = 60  # (a program takes well under a second; a hang fails the example after this long)
+
+
+_HYBRID_GROUPS: dict = {}
+
+
+def _hybrid_groups(rank: int) -> dict:
+    """The "adamw-hybrid" machine's groups, made once per process (every rank makes every group, in one order):
+    this rank's shard group of one, and the replica group of both."""
+    if not _HYBRID_GROUPS:
+        shards = [dist.new_group([w]) for w in range(WORLD)]
+        _HYBRID_GROUPS.update(process_group=shards[rank], replica_group=dist.new_group(list(range(WORLD))))
+    return dict(_HYBRID_GROUPS)
 
 
 def _cast_net(bf16: torch.nn.Module) -> _CastNet:
@@ -150,7 +172,11 @@ class _RankLoop:
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr):
         hparams = {k: v for k, v in self.HPARAMS.items() if k != "foreach"}
-        opt = self.OURS(_groups(self.model, self.added, **self.group_options), lr=lr, **hparams, **self.OPTIONS)
+        options = dict(self.OPTIONS)
+        if options.pop("hybrid", False):
+            options.update(_hybrid_groups(self.rank))
+        opt = self.OURS(_groups(self.model, self.added, **self.group_options), lr=lr, **hparams, **options)
+        assert "replica_group" not in options or (opt.world_size, opt.replica_size) == (1, WORLD)
         if self.OPTIONS.get("overlap_comm"):  # step() leaves the all-gathers in flight, into whatever comes next
             opt.attach(self.model)
         return opt
@@ -799,6 +825,21 @@ def test_two_rank_loops_with_fp32_gradients_match_torch_optim_on_fp32_sums(progr
     """grad_dtype=torch.float32: each rank's micro-batches added in fp32 (also under the loop's hooks), the ranks'
     sums reduced in fp32, against torch.optim over the same fp32 sums."""
     _check("adamw-fp32-grads", program)
+
+
+@SETTINGS
+@given(program=PROGRAMS)
+def test_two_rank_hybrid_loops_match_torch_optim(program):
+    """Hybrid sharding, two replicas of one-rank shard groups: the replicas' all-reduce is the reduction."""
+    _check("adamw-hybrid", program)
+
+
+@SETTINGS
+@given(program=PROGRAMS)
+def test_two_rank_ordered_reduce_loops_match_torch_optim(program):
+    """ordered_reduce=True with overlap_comm and a bucket per parameter (on two ranks the rank-order sum is the
+    reduce-scatter's: the reference is the same)."""
+    _check("adamw-ordered-overlap", program)
 
 
 @SETTINGS
