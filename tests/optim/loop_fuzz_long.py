@@ -59,9 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000, help="loops per machine")
     parser.add_argument("--steps", type=int, default=30, help="calls per loop (at most)")
-    ranks = ["ranks-" + m for m in ("adamw", "adamw-overlap", "sgd", "lion", "muon", "muon-overlap", "adamw-scaled",
-                                    "adamw-scaled-overlap", "adamw-remainders", "adamw-fp32-grads", "adamw-hybrid",
-                                    "adamw-ordered-overlap", "after-clip")]
+    from tests.optim import test_loop_fuzz_ranks
+    ranks = ["ranks-" + m for m in (*test_loop_fuzz_ranks.MACHINES, "after-clip")]
     parser.add_argument("--machines", default=",".join(MACHINES),
                         help="comma-separated: " + ", ".join([*MACHINES, *ranks]))
     args = parser.parse_args()

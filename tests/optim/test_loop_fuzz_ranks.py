@@ -82,6 +82,8 @@ MACHINES = {
     # fp32 gradient buffers: each rank's backwards added in fp32, reduced in fp32 (test_loop_fuzz.py's
     # FP32GradsTrainingLoop: the replicas are _CastNet, a bf16 forward on fp32 parameters holding bf16 weights)
     "adamw-fp32-grads": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(grad_dtype=torch.float32)),
+    "adamw-fp32-grads-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
+                                 dict(grad_dtype=torch.float32, overlap_comm=True, bucket_cap_mb=1e-9)),
     # hybrid sharding as 2 replicas of a shard group of one rank: each rank holds every shard, and the replicas'
     # all-reduce is the whole reduction (_hybrid_groups gives the groups)
     "adamw-hybrid": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(hybrid=True)),
