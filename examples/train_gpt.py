@@ -151,6 +151,7 @@ def lr_at(step: int, args) -> float:
 
 #: the torch.optim baselines (the rest are tritonshard's optimizers)
 BASELINES = ("torch", "amp", "fsdp2")
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def shard_fsdp2(model: "GPT") -> None:
@@ -207,6 +208,8 @@ def parse_args(argv=None):
                    help="optimizer state (moments) dtype; bf16 halves it")
     p.add_argument("--state-rounding", choices=["stochastic", "nearest"], default="stochastic",
                    help="rounding of bf16 optimizer states")
+    p.add_argument("--grad-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="gradient buffers and reduce-scatter dtype; fp32 for many ranks (README: Gradient precision)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap reduce-scatters with backward and all-gathers with the next forward")
     p.add_argument("--cuda-graph", action="store_true",
@@ -305,12 +308,13 @@ def main(argv=None):
         opt = tritonshard.ShardedAdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                        bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
                                        state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
-                                       state_rounding=args.state_rounding, cuda_graph=args.cuda_graph)
+                                       state_rounding=args.state_rounding, cuda_graph=args.cuda_graph,
+                                       grad_dtype=GRAD_DTYPES[args.grad_dtype])
     elif args.optimizer == "muon":
         opt = tritonshard.ShardedMuon(muon_param_groups(model, args), lr=args.muon_lr, weight_decay=args.weight_decay,
                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
                                       state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
-                                      state_rounding=args.state_rounding)
+                                      state_rounding=args.state_rounding, grad_dtype=GRAD_DTYPES[args.grad_dtype])
     if args.optimizer not in BASELINES:
         if args.overlap:
             opt.attach(model)

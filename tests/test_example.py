@@ -3,6 +3,7 @@ behave."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +134,21 @@ def test_muon_loss_falls(tmp_path):
     # (measured: 2.06 over the last 4; with lr 0.02 it was still 2.45, the schedule's cosine ending too early)
     assert first > 2.5 and last < 2.4, f"Muon: loss did not fall below the unigram entropy: {first:.3f} -> {last:.3f}"
     assert all(r["skipped"] == 0 for r in rows)
+
+
+def test_grad_dtype_fp32_trains_with_fp32_gradient_buffers(tmp_path):
+    """--grad-dtype fp32 (README: many ranks): the optimizer's gradient buffers are fp32, twice its bf16 weights'
+    bytes (the memory line), and the loss comes out of the first steps finite and lower."""
+    out = _check(_torchrun(["--steps", "8", "--ckpt-interval", "0", "--grad-dtype", "fp32"], tmp_path,
+                           REFERENCE_KERNELS))
+    line = next(line for line in out.splitlines() if line.startswith("optimizer memory per rank"))
+    units = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+    sizes = {k: float(v) * units[u] for k, v, u in re.findall(r"(\w+)=([\d.]+) (B|KiB|MiB|GiB)", line)}
+    # (0.1 % : the line's one decimal; the buffers hold the same padded element counts)
+    assert sizes["grads"] == pytest.approx(2 * sizes["params"], rel=1e-3), line
+    rows = _metrics(tmp_path)
+    assert len(rows) == 8 and all(r["skipped"] == 0 for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
 
 
 @pytest.mark.parametrize("optimizer", ["torch"])
