@@ -5,7 +5,7 @@ backward with create_graph=True and one onto them), post-accumulate-grad hooks o
 them; with the default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with
 the step compiled by torch.compile, with cuda_graph=True (its graphs emulated; also with overlap_comm on one
 rank), with store_param_remainders=True, with bf16 moments, and with fp32 gradient buffers (against fp32 sums of
-the bf16 gradients: FP32GradsTrainingLoop); and ShardedSGD, ShardedLion and ShardedMuon with
+the bf16 gradients: FP32GradsTrainingLoop; also under GradScaler's recipe); and ShardedSGD, ShardedLion and ShardedMuon with
 the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
@@ -1081,16 +1081,9 @@ class FP32GradsTrainingLoop(TrainingLoop):
         TrainingLoop.update(self, names, how)
         self._round_refs(names)
 
-    @rule()
-    def step(self):
-        if self._reuses_spent():
-            raises_spent(self._opt_step, "a step that torch.optim would take with spent gradients")
-            return self._recover()
-        self._opt_step()
-        grads = self._master_grads()
-        reference_step(self.ropt, self.masters, grads, [self.refs])
-        self._round_refs()
-        self._stepped(grads)
+    def _stepped(self, grads):
+        self._round_refs()  # (reference_step wrote the masters into the fp32 replica: their roundings, as in bf16)
+        super()._stepped(grads)
 
     @precondition(lambda self: not self.launched)
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), seed=st.integers(0, 2 ** 16))
@@ -1216,6 +1209,21 @@ class ScaledTrainingLoop(TrainingLoop):
         assert bool(self.opt.last_step_skipped) == skipped, "the step the scaler skipped (or not)"
 
 
+class FP32ScaledTrainingLoop(FP32GradsTrainingLoop, ScaledTrainingLoop):
+    """:class:`ScaledTrainingLoop`'s GradScaler recipe with fp32 gradient buffers (:class:`FP32GradsTrainingLoop`'s
+    reference): the scaled micro-batches add up in fp32, unscale_ and the skip act on the fp32 sums."""
+
+    @precondition(lambda self: not self.launched)
+    @rule(name=st.sampled_from(_NAMES))
+    def overflow(self, name):
+        g = torch.randn(self.refs[name].shape, generator=torch.Generator().manual_seed(self.batch)).to(torch.bfloat16)
+        g.view(-1)[0] = float("inf")
+        self.ours[name].grad, self.refs[name].grad = g.clone(), g.float()
+        self.spent.discard(name)
+        self.by_hand = True
+        self._set_by_hand([name])
+
+
 class CompiledTrainingLoop(TrainingLoop):
     """The same loops with ``torch.compile(opt.step)`` (torch's recipe for compiled optimizers: fullgraph=False; the
     graphs run as dynamo traced them, backend="eager"), within what the README asks of a compiled step: weights
@@ -1302,7 +1310,7 @@ test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlapped
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
 for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop, SGDGraphedTrainingLoop,
-                LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop):
+                LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop, FP32ScaledTrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
@@ -1313,6 +1321,7 @@ test_graphed_lion_training_loops_match_the_papers_lion = LionGraphedTrainingLoop
 test_stored_remainders_training_loops_match_torch_optim = RemaindersTrainingLoop.TestCase
 test_bf16_state_training_loops_match_torch_optim_with_bf16_moments = BF16StateTrainingLoop.TestCase
 test_fp32_gradient_training_loops_match_torch_optim_on_fp32_sums = FP32GradsTrainingLoop.TestCase
+test_fp32_gradient_grad_scaler_training_loops_match_torch_optim = FP32ScaledTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase
