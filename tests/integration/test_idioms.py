@@ -1136,42 +1136,53 @@ def test_a_penalty_backward_over_a_parameter_unfrozen_since_building_differentia
         assert_bitwise_equal(p.detach(), q.detach(), f"{name}, the last layer unfrozen since building")
 
 
-def _post_hooked_run(rank, world_size, overlap, machinery, registered):
-    """Three steps of two micro-batches (the first inside no_sync()), with the loop's post-accumulate-grad hooks:
-    the first layer's weight clamps its gradient (a per-parameter clip inside the backward), the last layer's bias
-    records its norm; ours and torch.optim's on fp32 masters, every rank's gradients summed in bf16 in rank order
-    and multiplied by 1 / d in fp32."""
-    seen = {"ours": [], "torch": []}
+def _hooked_batches(step: int, r: int) -> list:
+    """Rank ``r``'s two micro-batches of step ``step`` in the hooked loops."""
+    return [_create_graph_input(10 * step + micro, r) for micro in range(2)]
 
-    def clamp(p):
-        p.grad.clamp_(-0.02, 0.02)
 
-    def hooks(model, key):
-        model[0].weight.register_post_accumulate_grad_hook(clamp)
-        model[2].bias.register_post_accumulate_grad_hook(lambda p: seen[key].append(p.grad.float().norm()))
+def _clamp_hooked(p) -> None:
+    p.grad.clamp_(-0.02, 0.02)
 
-    def batches(step, r):
-        return [_create_graph_input(10 * step + micro, r) for micro in range(2)]
 
+def _hook(model, seen: list) -> None:
+    """The loop's post-accumulate-grad hooks: the first layer's weight clamps its gradient (a per-parameter clip
+    inside the backward), the last layer's bias records its norm in ``seen``."""
+    model[0].weight.register_post_accumulate_grad_hook(_clamp_hooked)
+    model[2].bias.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.float().norm()))
+
+
+def _train_hooked(rank: int, overlap: bool, machinery: bool, registered: str, seen: list, **options):
+    """Three steps of two micro-batches (the first inside no_sync()) of ShardedAdamW (lr 1e-2, a bucket per
+    parameter, ``options``) over _penalty_net, attached, with :func:`_hook`'s hooks registered before or after
+    building; the model and the optimizer after it."""
     model = _penalty_net()
     if registered == "before building":
-        hooks(model, "ours")
+        _hook(model, seen)
     with overlap_machinery(machinery):
-        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9, **options)
     opt.attach(model)
     if registered == "after building":
-        hooks(model, "ours")
+        _hook(model, seen)
     for step in range(3):
-        for micro, x in enumerate(batches(step, rank)):
+        for micro, x in enumerate(_hooked_batches(step, rank)):
             with opt.no_sync() if micro == 0 else contextlib.nullcontext():
                 model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
+    return model, opt
+
+
+def _post_hooked_run(rank, world_size, overlap, machinery, registered):
+    """:func:`_train_hooked`, ours and torch.optim's on fp32 masters, every rank's gradients summed in bf16 in rank
+    order and multiplied by 1 / d in fp32."""
+    seen = {"ours": [], "torch": []}
+    model, _ = _train_hooked(rank, overlap, machinery, registered, seen["ours"])
     def backwards(twin, step, r):
-        for x in batches(step, r):
+        for x in _hooked_batches(step, r):
             twin(x).float().square().mean().backward()
-    twin = _trained_by_torch(world_size, backwards, prepare=lambda twin: hooks(twin, "torch"))
+    twin = _trained_by_torch(world_size, backwards, prepare=lambda twin: _hook(twin, seen["torch"]))
     ours_seen = torch.stack(seen["ours"])
     torch_seen = torch.stack(seen["torch"]).view(3, world_size, 2)[:, rank]  # (the reference runs every rank's)
     assert_bitwise_equal(ours_seen, torch_seen.reshape(-1), f"the hook's norms, rank {rank}")
@@ -1195,38 +1206,12 @@ def test_post_accumulate_grad_hooks_of_the_loop_see_and_write_the_accumulated_gr
 
 
 def _fp32_sums_hooked_run(rank, world_size, overlap, machinery, registered):
-    """_post_hooked_run's loop with ``grad_dtype=torch.float32``, against torch.optim.AdamW on fp32 masters whose
+    """:func:`_train_hooked` with ``grad_dtype=torch.float32``, against torch.optim.AdamW on fp32 masters whose
     gradients are each rank's backwards' bf16 gradients added in fp32, the ranks' sums added in fp32 and multiplied
     by 1 / d, where the hooks see each sum rounded to bf16 (a hook on a bf16 parameter reads bf16) and the clamp's
     writes replace the sum in the elements it changed."""
     seen = []
-
-    def clamp(p):
-        p.grad.clamp_(-0.02, 0.02)
-
-    def hooks(model):
-        model[0].weight.register_post_accumulate_grad_hook(clamp)
-        model[2].bias.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.float().norm()))
-
-    def batches(step, r):
-        return [_create_graph_input(10 * step + micro, r) for micro in range(2)]
-
-    model = _penalty_net()
-    if registered == "before building":
-        hooks(model)
-    with overlap_machinery(machinery):
-        opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap, bucket_cap_mb=1e-9,
-                           grad_dtype=torch.float32)
-    opt.attach(model)
-    if registered == "after building":
-        hooks(model)
-    for step in range(3):
-        for micro, x in enumerate(batches(step, rank)):
-            with opt.no_sync() if micro == 0 else contextlib.nullcontext():
-                model(x).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    opt.wait_for_params()
+    model, opt = _train_hooked(rank, overlap, machinery, registered, seen, grad_dtype=torch.float32)
 
     masters = [p.detach().clone().requires_grad_() for p in _penalty_net().parameters()]
     twin = _penalty_net().to(torch.bfloat16)
@@ -1236,7 +1221,7 @@ def _fp32_sums_hooked_run(rank, world_size, overlap, machinery, registered):
         total = None
         for r in range(world_size):
             sums = [None] * len(masters)
-            for x in batches(step, r):
+            for x in _hooked_batches(step, r):
                 twin(x).float().square().mean().backward()
                 for i, q in enumerate(twin.parameters()):
                     new, q.grad = q.grad.float(), None

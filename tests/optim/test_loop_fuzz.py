@@ -441,7 +441,8 @@ class TrainingLoop(RuleBasedStateMachine):
         gen = torch.Generator().manual_seed(seed)
         for n in sorted(names):
             g = torch.randn(self.refs[n].shape, generator=gen).to(torch.bfloat16)
-            self.ours[n].grad, self.refs[n].grad = g.clone(), g.clone()
+            self.ours[n].grad, self.refs[n].grad = g.clone(), g.to(self.refs[n].dtype, copy=True)  # (fp32 where the
+            # reference's parameters are: FP32GradsTrainingLoop)
             self.spent.discard(n)
         self.by_hand = True
         self._set_by_hand(names)
@@ -1085,17 +1086,6 @@ class FP32GradsTrainingLoop(TrainingLoop):
         self._round_refs()  # (reference_step wrote the masters into the fp32 replica: their roundings, as in bf16)
         super()._stepped(grads)
 
-    @precondition(lambda self: not self.launched)
-    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), seed=st.integers(0, 2 ** 16))
-    def set_grads(self, names, seed):
-        gen = torch.Generator().manual_seed(seed)
-        for n in sorted(names):
-            g = torch.randn(self.refs[n].shape, generator=gen).to(torch.bfloat16)
-            self.ours[n].grad, self.refs[n].grad = g.clone(), g.float()
-            self.spent.discard(n)
-        self.by_hand = True
-        self._set_by_hand(names)
-
     def _compare(self):
         """compare_with_torch on the reference's weights as bf16 (its ties judged at bf16's roundings), the weights
         it takes from ours at a tie written back."""
@@ -1176,7 +1166,7 @@ class ScaledTrainingLoop(TrainingLoop):
         """A gradient that overflowed: an inf in one element of ``name``'s gradient, set by hand."""
         g = torch.randn(self.refs[name].shape, generator=torch.Generator().manual_seed(self.batch)).to(torch.bfloat16)
         g.view(-1)[0] = float("inf")
-        self.ours[name].grad, self.refs[name].grad = g.clone(), g.clone()
+        self.ours[name].grad, self.refs[name].grad = g.clone(), g.to(self.refs[name].dtype, copy=True)
         self.spent.discard(name)
         self.by_hand = True
         self._set_by_hand([name])
@@ -1209,19 +1199,16 @@ class ScaledTrainingLoop(TrainingLoop):
         assert bool(self.opt.last_step_skipped) == skipped, "the step the scaler skipped (or not)"
 
 
+class FP32OverlappedTrainingLoop(FP32GradsTrainingLoop):
+    """:class:`FP32GradsTrainingLoop` with overlap_comm's machinery and a bucket per parameter (as
+    :class:`OverlappedTrainingLoop`): the loop's hooks defer their buckets' flushes to the end of the backward."""
+    OPTIONS = dict(grad_dtype=torch.float32, overlap_comm=True, bucket_cap_mb=1e-9)
+    MACHINERY = True
+
+
 class FP32ScaledTrainingLoop(FP32GradsTrainingLoop, ScaledTrainingLoop):
     """:class:`ScaledTrainingLoop`'s GradScaler recipe with fp32 gradient buffers (:class:`FP32GradsTrainingLoop`'s
     reference): the scaled micro-batches add up in fp32, unscale_ and the skip act on the fp32 sums."""
-
-    @precondition(lambda self: not self.launched)
-    @rule(name=st.sampled_from(_NAMES))
-    def overflow(self, name):
-        g = torch.randn(self.refs[name].shape, generator=torch.Generator().manual_seed(self.batch)).to(torch.bfloat16)
-        g.view(-1)[0] = float("inf")
-        self.ours[name].grad, self.refs[name].grad = g.clone(), g.float()
-        self.spent.discard(name)
-        self.by_hand = True
-        self._set_by_hand([name])
 
 
 class CompiledTrainingLoop(TrainingLoop):
@@ -1310,7 +1297,8 @@ test_overlapped_training_loops_on_one_rank_match_torch_optim = OneRankOverlapped
 test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
 for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop, SGDGraphedTrainingLoop,
-                LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop, FP32ScaledTrainingLoop):
+                LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop, FP32ScaledTrainingLoop,
+                FP32OverlappedTrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
@@ -1322,6 +1310,7 @@ test_stored_remainders_training_loops_match_torch_optim = RemaindersTrainingLoop
 test_bf16_state_training_loops_match_torch_optim_with_bf16_moments = BF16StateTrainingLoop.TestCase
 test_fp32_gradient_training_loops_match_torch_optim_on_fp32_sums = FP32GradsTrainingLoop.TestCase
 test_fp32_gradient_grad_scaler_training_loops_match_torch_optim = FP32ScaledTrainingLoop.TestCase
+test_fp32_gradient_overlapped_training_loops_match_torch_optim = FP32OverlappedTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase

@@ -43,6 +43,7 @@ import functools
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
@@ -803,54 +804,22 @@ def _check(machine, program):
         run_on_ranks(_run_program, WORLD, machine, program, directory, timeout_s=HANG_S)
 
 
+#: the machines whose PROGRAMS the suite runs, 12 each: adamw-remainders splits each parameter's remainders between
+#: the ranks, overlap_comm's gathers in flight into the writes (the configuration's coverage: these 12 programs, as
+#: 40, pass on the code before session 43's remainder fixes, which loop_fuzz_long's random ones fail within 100;
+#: test_remainders.py and RemaindersTrainingLoop fail there); adamw-fp32-grads adds each rank's micro-batches in fp32
+#: (also under the loop's hooks) and reduces the ranks' sums in fp32; adamw-hybrid's replicas' all-reduce is the
+#: whole reduction; adamw-ordered-overlap's rank-order sum is, on two ranks, the reduce-scatter's (the same
+#: reference)
+SUITE_MACHINES = ["adamw", "adamw-overlap", "sgd", "adamw-remainders", "adamw-fp32-grads", "adamw-hybrid",
+                  "adamw-ordered-overlap"]
+
+
+@pytest.mark.parametrize("machine", SUITE_MACHINES)
 @SETTINGS
 @given(program=PROGRAMS)
-def test_two_rank_loops_match_torch_optim(program):
-    _check("adamw", program)
-
-
-@SETTINGS
-@given(program=PROGRAMS)
-def test_two_rank_overlapped_loops_match_torch_optim(program):
-    _check("adamw-overlap", program)
-
-
-@SETTINGS
-@given(program=PROGRAMS)
-def test_two_rank_sgd_loops_match_torch_optim(program):
-    _check("sgd", program)
-
-
-@SETTINGS
-@given(program=PROGRAMS)
-def test_two_rank_loops_with_fp32_gradients_match_torch_optim_on_fp32_sums(program):
-    """grad_dtype=torch.float32: each rank's micro-batches added in fp32 (also under the loop's hooks), the ranks'
-    sums reduced in fp32, against torch.optim over the same fp32 sums."""
-    _check("adamw-fp32-grads", program)
-
-
-@SETTINGS
-@given(program=PROGRAMS)
-def test_two_rank_hybrid_loops_match_torch_optim(program):
-    """Hybrid sharding, two replicas of one-rank shard groups: the replicas' all-reduce is the reduction."""
-    _check("adamw-hybrid", program)
-
-
-@SETTINGS
-@given(program=PROGRAMS)
-def test_two_rank_ordered_reduce_loops_match_torch_optim(program):
-    """ordered_reduce=True with overlap_comm and a bucket per parameter (on two ranks the rank-order sum is the
-    reduce-scatter's: the reference is the same)."""
-    _check("adamw-ordered-overlap", program)
-
-
-@SETTINGS
-@given(program=PROGRAMS)
-def test_two_rank_loops_with_stored_remainders_match_torch_optim(program):
-    """Each parameter's remainders split between the ranks, overlap_comm's gathers in flight into the writes. (The
-    configuration's coverage: these 12 programs, as 40, pass on the code before session 43's remainder fixes, which
-    loop_fuzz_long's random ones fail within 100; test_remainders.py and RemaindersTrainingLoop fail there.)"""
-    _check("adamw-remainders", program)
+def test_two_rank_loops_match_torch_optim(machine, program):
+    _check(machine, program)
 
 
 _ITERATION = st.builds(
