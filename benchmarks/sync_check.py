@@ -41,6 +41,7 @@ CONFIGS: dict[str, Callable] = {
     "ShardedAdamW bf16 states + remainders": lambda ps: tritonshard.ShardedAdamW(
         ps, lr=1e-3, state_dtype=torch.bfloat16, store_param_remainders=True),
     "ShardedAdamW fp16 + loss scaling": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3, param_dtype=torch.float16),
+    "ShardedAdamW fp32 gradients": lambda ps: tritonshard.ShardedAdamW(ps, lr=1e-3, grad_dtype=torch.float32),
     "ShardedSGD momentum": lambda ps: tritonshard.ShardedSGD(ps, lr=1e-2, momentum=0.9),
     "ShardedLion": lambda ps: tritonshard.ShardedLion(ps, lr=1e-4),
     "ShardedAdamW overlap_comm + attach, bf16 states": lambda ps: tritonshard.ShardedAdamW(
@@ -113,6 +114,8 @@ GRAPH_CONFIGS: dict[str, Callable] = {
                                                                           **kw),
     "ShardedAdamW fp16 + loss scaling": lambda ps, **kw: tritonshard.ShardedAdamW(ps, lr=1e-3,
                                                                                   param_dtype=torch.float16, **kw),
+    "ShardedAdamW fp32 gradients": lambda ps, **kw: tritonshard.ShardedAdamW(ps, lr=1e-3, grad_dtype=torch.float32,
+                                                                             **kw),
     "ShardedSGD momentum": lambda ps, **kw: tritonshard.ShardedSGD(ps, lr=1e-2, momentum=0.9, **kw),
     "ShardedLion": lambda ps, **kw: tritonshard.ShardedLion(ps, lr=1e-4, **kw),
     # (one rank: overlap_comm's machinery is out, and the step is captured as without it; graph_check attaches)
