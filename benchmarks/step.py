@@ -359,13 +359,20 @@ def time_torch_step(optimizers, params, shapes, device, reps) -> float:
     return timed(step, device, reps)
 
 
-def bench_ours(shapes, device, reps):
+def bench_ours(shapes, device, reps, grad_dtype=torch.bfloat16):
     reset_peak(device)
     params = bench_params(shapes, device)
-    opt = tritonshard.ShardedAdamW(params, lr=1e-4)
+    opt = tritonshard.ShardedAdamW(params, lr=1e-4, grad_dtype=grad_dtype)
     t = time_sharded_step(opt, params, shapes, device, reps)
-    return {"impl": "tritonshard.ShardedAdamW (bf16 params+grads, fp32 master)", "step_ms": t * 1e3,
+    what = "bf16 params+grads" if grad_dtype == torch.bfloat16 else "bf16 params, fp32 grads"
+    return {"impl": f"tritonshard.ShardedAdamW ({what}, fp32 master)", "step_ms": t * 1e3,
             "peak_bytes": peak_bytes(device), "optimizer_bytes": opt.memory_bytes()["total"]}
+
+
+def bench_ours_fp32_grads(shapes, device, reps):
+    """grad_dtype=torch.float32 (README: many ranks): the flatten writes 4 B per gradient element instead of 2, the
+    norm pass and the update read them (30 B per element of the update instead of 28)."""
+    return bench_ours(shapes, device, reps, grad_dtype=torch.float32)
 
 
 class _GradsFrom(torch.autograd.Function):
@@ -530,7 +537,8 @@ def main(argv=None):
     p.add_argument("--host-timeline", action="store_true",
                    help="also where ShardedAdamW's step spends its host time, event by event (default bucket_cap_mb)")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["ours", "torch", "after_backward", "hf_clip", "fsdp2", "muon", "torch_muon"],
+                   choices=["ours", "torch", "after_backward", "hf_clip", "fsdp2", "muon", "torch_muon",
+                            "ours_fp32_grads"],
                    help="implementations to leave out (a GPU check short of time)")
     args = p.parse_args(argv)
     device = local_device()  # indexed on CUDA: device_id= below and the memory stats need the index
@@ -548,7 +556,8 @@ def main(argv=None):
     rows = []
     where = dict(model=args.model, params=n, device=str(device))
     benches = {"ours": bench_ours, "torch": bench_torch, "fsdp2": bench_fsdp2, "muon": bench_muon,
-               "torch_muon": bench_torch_muon, "after_backward": bench_after_backward, "hf_clip": bench_hf_clip}
+               "torch_muon": bench_torch_muon, "after_backward": bench_after_backward, "hf_clip": bench_hf_clip,
+               "ours_fp32_grads": bench_ours_fp32_grads}
 
     def implementations(keys):
         for key in keys:
@@ -602,7 +611,7 @@ def main(argv=None):
         if args.scalars_ab is not None:
             rows.extend(_measured("step scalars A/B", lambda: [
                 bench_scalars_ab(shapes, device, args.reps, args.scalars_ab)], where))
-        implementations(("fsdp2", "muon", "torch_muon"))
+        implementations(("fsdp2", "muon", "torch_muon", "ours_fp32_grads"))
     except KeyboardInterrupt:
         rows.append({"impl": "the rest", "error": "not measured: stopped (SIGTERM or Ctrl-C)", **where})
         print("  stopped (SIGTERM or Ctrl-C): writing what was measured", flush=True)

@@ -45,7 +45,8 @@ def test_microbenchmarks_smoke(tmp_path):
 
 def test_step_benchmark_smoke(tmp_path):
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path)])
-    ours, theirs, after_backward, hf_clip, fsdp, muon, torch_muon = rows  # (its order: the GPU check's stage 4)
+    ours, theirs, after_backward, hf_clip, fsdp, muon, torch_muon, fp32_grads = rows  # (its order: the GPU
+    # check's stage 4)
     # after a backward (its placeholders): the optimizer's clip, and torch's over param.grad (the HF Trainer's)
     for row in (after_backward, hf_clip):
         assert "error" not in row and row["step_ms"] > 0 and row["host_ms"] > 0, row
@@ -60,6 +61,10 @@ def test_step_benchmark_smoke(tmp_path):
     # world size 1: 2 + 2 + 12 B/param, the same 16 B/param as fp32 AdamW, plus alignment padding (< 64 elements
     # per tensor, ~1% here)
     assert theirs["optimizer_bytes"] <= ours["optimizer_bytes"] <= 1.05 * theirs["optimizer_bytes"]
+    # grad_dtype=fp32: 2 B/param more of gradient buffers, all else the same (padding included: the same layout)
+    assert "error" not in fp32_grads and fp32_grads["step_ms"] > 0 and "fp32 grads" in fp32_grads["impl"]
+    assert fp32_grads["optimizer_bytes"] - ours["optimizer_bytes"] == pytest.approx(
+        ours["optimizer_bytes"] / 16 * 2, rel=0.05)
 
 
 def test_step_scalars_side_by_side_smoke(tmp_path):
@@ -68,7 +73,7 @@ def test_step_scalars_side_by_side_smoke(tmp_path):
     md = tmp_path / "results.md"
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--scalars-ab", "25",
                             "--markdown", str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon", "after_backward",
-                            "hf_clip"])
+                            "hf_clip", "ours_fp32_grads"])
     ours, ab = rows
     assert "error" not in ab, ab
     assert all(ab[f"{side}_{t}_ms"] > 0 for side in ("kernels", "torch_ops") for t in ("host", "wall")), ab
@@ -82,7 +87,8 @@ def test_step_kernel_breakdown_smoke(tmp_path):
     # launchers' host ranges stand in for the device's kernels: the same table, no measurement)
     md = tmp_path / "results.md"
     rows = bench_step.main(["--model", "tiny", "--reps", "2", "--out", str(tmp_path), "--kernels", "--markdown",
-                            str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon", "after_backward", "hf_clip"])
+                            str(md), "--skip", "torch", "fsdp2", "muon", "torch_muon", "after_backward", "hf_clip",
+                            "ours_fp32_grads"])
     ours, breakdown = rows
     assert "error" not in breakdown, breakdown
     names = [k["kernel"] for k in breakdown["kernels"]]
@@ -195,7 +201,8 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     results, members, texts = _gpu_check(
         tmp_path, TESTS="tests/kernels/test_scale.py::test_deterministic_sum",
         BENCH_ARGS="--sizes 4099 --reps 1 --only scale_", MODELS="tiny",
-        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon --kernels", BUCKET_CAPS="25 0.01", TIMELINE_MODELS="tiny",
+        STEP_ARGS="--reps 2 --skip fsdp2 muon torch_muon ours_fp32_grads --kernels", BUCKET_CAPS="25 0.01",
+        TIMELINE_MODELS="tiny",
         E2E_RUNS="tiny:1:3:amp,fsdp2,sharded-overlap:2",  # (one process, as on the GPU; two rounds)
         HOST_ARGS="--buckets 2 6 --reps 2 --params 12 --param-rounds 2 --model-rounds 1 --timeline-model tiny "
                   "--timeline-reps 2",
@@ -259,7 +266,7 @@ def test_gpu_check_reports_a_stage_that_times_out_and_runs_only_the_stages_asked
     # a hung stage must end within its budget and say so in results.md, and the next stage must still run
     env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable, "XDIST": "", "OMP_NUM_THREADS": "1",
            "STAGES": "2 4", "T2": "1", "T4": "300", "MODELS": "tiny",
-           "STEP_ARGS": "--reps 1 --skip fsdp2 muon torch_muon", "BUCKET_CAPS": "25"}
+           "STEP_ARGS": "--reps 1 --skip fsdp2 muon torch_muon ours_fp32_grads", "BUCKET_CAPS": "25"}
     env.pop("TRITON_INTERPRET", None)  # the reference kernels, as in _gpu_check (the interpreter: 25 s, not 11)
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
