@@ -161,8 +161,9 @@ def _written(entry: list) -> bool:
 
 
 def _hand_out(p: torch.Tensor) -> torch.Tensor:
-    """``p.data`` (torch's), kept in :data:`DATA_HANDED` (~1 us: a weak reference and a detach)."""
-    data = _TENSOR_DATA.__get__(p)
+    """``p.data`` (torch's, as a :class:`WatchedData`), kept in :data:`DATA_HANDED` (~1 us: a weak reference and a
+    detach)."""
+    data = torch.Tensor._make_subclass(WatchedData, _TENSOR_DATA.__get__(p), False)
     key = id(p)
     handed = DATA_HANDED.get(key)
     if handed is None:
@@ -173,7 +174,9 @@ def _hand_out(p: torch.Tensor) -> torch.Tensor:
         kept[:] = [entry for entry in kept if entry[0]() is not None]
         if gone is not None:
             kept.insert(0, gone)
-    kept.append([weakref.ref(data), data.detach(), 0])  # (detach: the same version counter, from 0)
+    entry = [weakref.ref(data), data.detach(), 0]  # (detach: the same version counter, from 0)
+    kept.append(entry)
+    data._watched = (weakref.ref(p), entry)
     return data
 
 
@@ -340,6 +343,61 @@ def _mirrored(name: str):
     return mirrored
 
 
+class WatchedData(torch.Tensor):
+    """What ``.data`` of a :class:`WatchedParameter` hands out: torch's ``.data`` (a tensor over the parameter's
+    memory with a version counter of its own; every torch function on it, and every result, plain), whose
+    elementwise in-place methods (:data:`MIRRORED_METHODS`, and ``*=``, ``+=``, ``-=``, ``/=``) are the
+    parameter's mirrored ones: the call runs on the bf16 weights and is noted for the fp32 master
+    (:func:`_data_mirrored`). A loop's decoupled decay written as ``p.data.mul_(1 - lr * wd)`` (older code's way)
+    lost its change below half a bf16 ulp, every step, silently, until session 44 (a stated limit then). Any
+    other write through it (``copy_``, a view's, ``numpy()``) is seen by its version counter as before
+    (:meth:`_Bucket.data_handed_out`). Pickled and deep-copied as a plain tensor (a copy is nobody's weights)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = self.as_subclass(torch.Tensor).clone(memory_format=torch.preserve_format)
+        return memo[id(self)]
+
+    def __repr__(self, *, tensor_contents=None):  # (torch's, as for the plain tensor it stands for)
+        return torch.Tensor.__repr__(self.as_subclass(torch.Tensor), tensor_contents=tensor_contents)
+
+
+def _data_mirrored(name: str):
+    """``WatchedData.<name>``: the mirrored method (:func:`_mirrored`) of the parameter whose ``.data`` this is,
+    run on this tensor, while nothing wrote through it unseen since it was handed out (its counter then, or after its
+    last mirrored call) and it still is the parameter's memory; torch's method otherwise (the look follows what it
+    wrote, as it did for every write through ``.data`` before session 44)."""
+    method = getattr(torch.Tensor, name)
+
+    def mirrored(self, *args, **kwargs):
+        watched = self.__dict__.get("_watched")
+        p = watched[0]() if watched is not None else None
+        if p is None or torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)
+        entry = watched[1]
+        ref = OWNER.get(id(p))
+        b = ref() if ref is not None else None
+        if (b is None or b.retired or _written(entry) or self.data_ptr() != p.data_ptr() or self.shape != p.shape
+                or self.dtype != p.dtype):
+            return method(self, *args, **kwargs)
+        if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
+            b.wait_gather()
+        before = b.before_call(p)
+        out = method(self, *args, **kwargs)
+        entry[2] = entry[1]._version  # (this write is the noted call's: no unseen write through this .data)
+        b.note_call(p, before, name, args, kwargs)
+        return out
+
+    mirrored.__name__ = mirrored.__qualname__ = name
+    mirrored.__doc__ = f"torch.Tensor.{name}, and the call noted for the parameter's fp32 master (_data_mirrored)."
+    return mirrored
+
+
 def _unheld_written(p: torch.Tensor) -> None:
     """``p``, held frozen with values kept in :data:`UNHELD_PRECISE`, was written past its version counter (its
     ``.data`` swapped, or written through a ``.data`` handed out): the kept values hold only where its weight is
@@ -390,13 +448,15 @@ def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict
     return out
 
 
-def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, end: int, cast: bool = True) -> bool:
+def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, end: int, cast: bool = True,
+              shaped: bool = False) -> bool:
     """``values`` (fp32, elements ``start:end`` of ``p`` flattened) updated in place by the noted ``call`` (see
     :meth:`_Bucket.note_call`), each tensor argument cut to those elements (broadcast to ``p``'s shape first, a
-    floating one as fp32, or as it is where not ``cast``: ``values`` bf16, torch's call again; ``p`` itself as
-    ``values``). False where an argument was written since the call (its version) or torch refuses the call on
-    fp32 values (torch ran it on the bf16 weights: never an error of ours): the master then follows the weights,
-    as for any other write."""
+    floating one as fp32, or as it is where not ``cast``; ``p`` itself as ``values``). False where an argument was
+    written since the call (its version) or torch refuses the call on fp32 values (torch ran it on the bf16
+    weights: never an error of ours): the master then follows the weights, as for any other write. ``shaped``:
+    ``values`` of ``p``'s shape, the arguments as they are, not cut (torch's call again, on a tensor of the
+    weights' shape: :meth:`_Bucket._verified`)."""
     name, args, kwargs, versions = call
 
     def cut(a):
@@ -404,7 +464,7 @@ def _run_call(values: torch.Tensor, p: torch.Tensor, call: tuple, start: int, en
             return values
         if isinstance(a, torch.Tensor):
             a = a.detach().to(values.device, values.dtype if a.is_floating_point() and cast else a.dtype)
-            return torch.broadcast_to(a, p.shape).reshape(-1)[start:end] if a.dim() else a
+            return a if shaped or not a.dim() else torch.broadcast_to(a, p.shape).reshape(-1)[start:end]
         return a
 
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not p]
@@ -503,6 +563,10 @@ for _name in MIRRORED_METHODS:
     setattr(WatchedParameter, _name, _mirrored(_name))
 for _name, _method in MIRRORED_OPERATORS.items():
     setattr(WatchedParameter, _name, _mirrored_operator(_name, _method))
+for _name in MIRRORED_METHODS:
+    setattr(WatchedData, _name, _data_mirrored(_name))
+for _name, _method in MIRRORED_OPERATORS.items():
+    setattr(WatchedData, _name, _mirrored_operator(_name, _method))
 del _name, _method
 
 WatchedParameter.__name__ = WatchedParameter.__qualname__ = torch.nn.Parameter.__qualname__
@@ -919,16 +983,28 @@ class _Bucket:
             return None
         return base
 
-    def _verified(self, p: torch.Tensor, calls: list, pieces: list, base: list, weights: list) -> bool:
+    def _verified(self, p: torch.Tensor, calls: list, pieces: list, base: list, weights: list,
+                  shaped: bool = True) -> bool:
         """``base`` (this rank's pieces of ``p``: ``[(shard slice, fp32 values)]``, ``calls`` run on them) kept
         where the weight is what torch's calls gave on the bf16 ``weights`` the chain started from (run again
         here, on bf16 values: the same ops as torch's), and elsewhere what the look makes of a write (the
         weight, where it is not its master's rounding: :meth:`followed`): a write after the calls (``p.mul_(c)``,
         then ``p[0].zero_()``), or ``.data`` handed out, through which a write may have followed them unseen
-        (:meth:`data_handed_out`). False where the calls cannot be run so."""
+        (:meth:`data_handed_out`). False where the calls cannot be run so. ``shaped``: each piece run again on a
+        tensor of ``p``'s shape with the calls' arguments uncut, as torch ran them (torch's kernels take other
+        paths for a broadcast argument than for a cut one, a fused multiply-add or not: a bf16 result one ulp off
+        torch's was taken for a write, and the master followed the weight there, 1 element of 91 after a ``.data``
+        read and ``p.add_(row, alpha=1e-3)``, until session 44); not shaped: ``pieces`` cut from the shard, for
+        calls with numbers only (one op per element, the same bits on any path: :meth:`_run_whole`)."""
         shard = self.param_buffer.get_local_shard()
         for (dst, start, end), (_, values), bf16 in zip(pieces, base, weights):
-            if not all(_run_call(bf16, p, call, start, end, cast=False) for call in calls):
+            if shaped:
+                whole = torch.zeros(p.shape, dtype=bf16.dtype, device=bf16.device)
+                whole.view(-1)[start:end] = bf16
+                if not all(_run_call(whole, p, call, 0, p.numel(), cast=False, shaped=True) for call in calls):
+                    return False
+                bf16 = whole.view(-1)[start:end]
+            elif not all(_run_call(bf16, p, call, start, end, cast=False) for call in calls):
                 return False
             weight = shard[dst]
             values.copy_(torch.where(weight == bf16, values, self.followed(dst)))
@@ -971,7 +1047,7 @@ class _Bucket:
             # so, and no note since)
             whole = slice(0, values.numel())
             if not self._verified(p, first.calls, [(whole, 0, values.numel())], [(whole, values)],
-                                  [self.master.to(self.param_buffer.dtype)]):
+                                  [self.master.to(self.param_buffer.dtype)], shaped=False):
                 return False
         notes = []
         for index, p in enumerate(self.params):
