@@ -868,9 +868,11 @@ def _updated_run(rank, world_size, how, layout):
     *[(how, d, layout) for how in list(_WEIGHT_UPDATES)[7:9] for d, layout in
       ((1, "one bucket"), (2, "one bucket"), (2, "a bucket per parameter"), (1, "stored remainders"))],
     # (not with stored remainders: there a written weight keeps its master's old remainder, < 1/2 ulp)
-    *[(how, d, layout) for how in list(_WEIGHT_UPDATES)[9:] for d, layout in
+    *[(how, d, layout) for how in list(_WEIGHT_UPDATES)[9:11] for d, layout in
       ((1, "one bucket"), (2, "one bucket"), (2, "a bucket per parameter"))],
-    ("p.data.mul_(1 - 1e-4)", 1, "stored remainders"),
+    # (through .data: each call is the parameter's own, whose layouts the cases above run)
+    ("p.data.mul_(1 - 1e-4)", 2, "a bucket per parameter"), ("p.data.mul_(1 - 1e-4)", 1, "stored remainders"),
+    ("p.data.add_(p.data, alpha=-1e-4).clamp_(-0.2, 0.2)", 1, "one bucket"),
 ])
 def test_in_place_updates_of_the_weights_between_steps_act_on_the_fp32_masters_as_torch_on_fp32(how, world_size,
                                                                                               layout):
