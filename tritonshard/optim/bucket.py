@@ -161,8 +161,8 @@ def _written(entry: list) -> bool:
 
 
 def _hand_out(p: torch.Tensor) -> torch.Tensor:
-    """``p.data`` (torch's, as a :class:`WatchedData`), kept in :data:`DATA_HANDED` (~1 us: a weak reference and a
-    detach)."""
+    """``p.data`` (torch's, as a :class:`WatchedData`), kept in :data:`DATA_HANDED` (~1 us for the subclass, ~1 us
+    for a weak reference and a detach)."""
     data = torch.Tensor._make_subclass(WatchedData, _TENSOR_DATA.__get__(p), False)
     key = id(p)
     handed = DATA_HANDED.get(key)
@@ -203,9 +203,10 @@ class WatchedParameter(torch.nn.Parameter):
     step() rewrote them from the masters, silently, where torch.optim trains from the written values. The step
     reconciles the buckets of the noted parameters elementwise, as for any write (a read changes nothing there),
     and keeps what was noted for their masters unless torch wrote through a ``.data`` (:data:`DATA_HANDED`).
-    Cost: ~1.4 us per ``.data`` read (0.21 -> 1.6 us on this repo's CPU machine); nothing per step when none was.
-    Its elementwise in-place methods (``mul_``, ``clamp_``...) are noted for the fp32 master too
-    (:func:`_mirrored`)."""
+    Cost: ~3 us per ``.data`` read (0.35 -> 3.3 us on this repo's CPU machine, 1.9 of them before session 44's
+    :class:`WatchedData`); nothing per step when none was.
+    Its elementwise in-place methods (``mul_``, ``clamp_``...), and those of the ``.data`` it hands out
+    (:class:`WatchedData`), are noted for the fp32 master too (:func:`_mirrored`)."""
 
     @property
     def data(self):
@@ -331,16 +332,22 @@ def _mirrored(name: str):
             if self in HELD_FROZEN:  # (its values, whole, kept for when it is laid out)
                 return _mirror_unheld(self, method, name, args, kwargs)
             return method(self, *args, **kwargs)  # (no optimizer lays it out next: the weights are what it takes)
-        if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
-            b.wait_gather()
-        before = b.before_call(self)
-        out = method(self, *args, **kwargs)
-        b.note_call(self, before, name, args, kwargs)
-        return out
+        return _call_noted(b, self, self, method, name, args, kwargs)
 
     mirrored.__name__ = mirrored.__qualname__ = name
     mirrored.__doc__ = f"torch.Tensor.{name}, and the call noted for the fp32 master (see :func:`_mirrored`)."
     return mirrored
+
+
+def _call_noted(b: "_Bucket", p: torch.Tensor, target: torch.Tensor, method, name: str, args: tuple, kwargs: dict):
+    """torch's in-place ``method`` on ``target`` (``p`` itself, or a ``.data`` of it), after ``p``'s in-flight
+    all-gather (:func:`landed`: it would land on the result), noted for ``p``'s fp32 master by its bucket ``b``."""
+    if b.ag_work is not None:
+        b.wait_gather()
+    before = b.before_call(p)
+    out = method(target, *args, **kwargs)
+    b.note_call(p, before, name, args, kwargs)
+    return out
 
 
 class WatchedData(torch.Tensor):
@@ -385,12 +392,8 @@ def _data_mirrored(name: str):
         if (b is None or b.retired or _written(entry) or self.data_ptr() != p.data_ptr() or self.shape != p.shape
                 or self.dtype != p.dtype):
             return method(self, *args, **kwargs)
-        if b.ag_work is not None:  # (landed(): the gather in flight would land on the result)
-            b.wait_gather()
-        before = b.before_call(p)
-        out = method(self, *args, **kwargs)
+        out = _call_noted(b, p, self, method, name, args, kwargs)
         entry[2] = entry[1]._version  # (this write is the noted call's: no unseen write through this .data)
-        b.note_call(p, before, name, args, kwargs)
         return out
 
     mirrored.__name__ = mirrored.__qualname__ = name
