@@ -5,8 +5,9 @@ backward with create_graph=True and one onto them), post-accumulate-grad hooks o
 them; with the default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with
 the step compiled by torch.compile, with cuda_graph=True (its graphs emulated; also with overlap_comm on one
 rank), with store_param_remainders=True, with bf16 moments, and with fp32 gradient buffers (against fp32 sums of
-the bf16 gradients: FP32GradsTrainingLoop; also under GradScaler's recipe); and ShardedSGD, ShardedLion and ShardedMuon with
-the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with overlap_comm).
+the bf16 gradients: FP32GradsTrainingLoop; also under GradScaler's recipe); and ShardedSGD, ShardedLion and
+ShardedMuon with the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with
+overlap_comm).
 
 The reference is what torch.optim computes for the same loop on the same bf16 model: autograd accumulates the
 bf16 gradients, and torch.optim.AdamW(foreach=False) steps fp32 masters with them (torch.optim.SGD for ShardedSGD,
@@ -1012,6 +1013,37 @@ class _CastNet(_Net):
         return sum(linear(self.extra if k == EXTRA else self.heads[k], h).float().pow(2).mean() for k in heads)
 
 
+def _cast_net(bf16: torch.nn.Module) -> _CastNet:
+    """A :class:`_CastNet` holding ``bf16``'s weights (in fp32) and its frozen heads."""
+    net = _CastNet()
+    with torch.no_grad():
+        for (_, q), p in zip(net.named_parameters(), bf16.parameters()):
+            q.copy_(p.float())
+            q.requires_grad_(p.requires_grad)
+    return net
+
+
+@torch.no_grad()
+def _round_to_bf16(tensors: dict, names, grads: bool = False) -> None:
+    """A _CastNet's weights ``names`` (``tensors``: name -> parameter), or their gradients, rounded to bf16 in place:
+    as the bf16 model holds them."""
+    for n in names:
+        t = tensors[n].grad if grads else tensors[n]
+        if t is not None:
+            t.copy_(t.to(torch.bfloat16))
+
+
+def _compare_cast(opt, ropt, names, ours, replicas: list, masters, atol: float) -> None:
+    """:func:`compare_with_torch` on _CastNet replicas (name -> parameter dicts): their weights as bf16 (ties judged at
+    bf16's roundings), and the weights they take from ours at a tie written back."""
+    weights = [{n: p.detach().to(torch.bfloat16) for n, p in r.items()} for r in replicas]
+    compare_with_torch(opt, ropt, names, ours, weights[0], masters, replicas=weights[1:], atol=atol)
+    with torch.no_grad():
+        for mine, theirs in zip(replicas, weights):
+            for n, p in mine.items():
+                p.copy_(theirs[n])
+
+
 def _clamp_shown_grad(p) -> None:
     """:func:`_clamp_grad` on a bf16 model with fp32 gradient sums, as FP32GradsTrainingLoop's reference takes it: the
     clamp of the sum's bf16 rounding (what a hook on a bf16 parameter is shown) where it changes that rounding, the
@@ -1033,12 +1065,8 @@ class FP32GradsTrainingLoop(TrainingLoop):
 
     def __init__(self):
         super().__init__()
-        cast = _CastNet()
-        with torch.no_grad():
-            for (n, q), p in zip(cast.named_parameters(), self.ref.parameters()):
-                q.copy_(p.float())
-        self.ref = cast
-        self.refs = dict(cast.named_parameters())
+        self.ref = _cast_net(self.ref)
+        self.refs = dict(self.ref.named_parameters())
 
     # (a penalty's backward onto gradients kept with their graph adds to them in the bf16 model's param.grad, in
     # bf16, as autograd does for any bf16 parameter, before the buffers see the sum: not the reference's fp32 add)
@@ -1053,10 +1081,7 @@ class FP32GradsTrainingLoop(TrainingLoop):
         the bf16 model's ``param.grad``, in bf16, and the flush takes that sum: the reference's is rounded so."""
         plain = [n for n, p in self.ours.items() if type(p.grad) is torch.Tensor]
         TrainingLoop.backward(self, heads, sync)
-        with torch.no_grad():
-            for n in plain:
-                if self.refs[n].grad is not None:
-                    self.refs[n].grad.copy_(self.refs[n].grad.to(torch.bfloat16))
+        _round_to_bf16(self.refs, plain, grads=True)
 
     @rule(name=st.sampled_from(_NAMES))
     def add_hook(self, name):
@@ -1069,33 +1094,23 @@ class FP32GradsTrainingLoop(TrainingLoop):
         self.ours[name].register_post_accumulate_grad_hook(_clamp_grad)
         self.refs[name].register_post_accumulate_grad_hook(_clamp_shown_grad)
 
-    def _round_refs(self, names=None) -> None:
-        with torch.no_grad():
-            for n in (self.names if names is None else names):
-                self.refs[n].copy_(self.refs[n].to(torch.bfloat16))
-
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
     def write(self, names, how, seed):
         TrainingLoop.write(self, names, how, seed)
-        self._round_refs(names)
+        _round_to_bf16(self.refs, names)
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
     def update(self, names, how):
         TrainingLoop.update(self, names, how)
-        self._round_refs(names)
+        _round_to_bf16(self.refs, names)
 
     def _stepped(self, grads):
-        self._round_refs()  # (reference_step wrote the masters into the fp32 replica: their roundings, as in bf16)
+        # (reference_step wrote the masters into the fp32 replica: their roundings, as in bf16)
+        _round_to_bf16(self.refs, self.names)
         super()._stepped(grads)
 
     def _compare(self):
-        """compare_with_torch on the reference's weights as bf16 (its ties judged at bf16's roundings), the weights
-        it takes from ours at a tie written back."""
-        weights = {n: p.detach().to(torch.bfloat16) for n, p in self.refs.items()}
-        compare_with_torch(self.opt, self.ropt, self.names, self.ours, weights, self.masters, atol=self.ATOL)
-        with torch.no_grad():
-            for n, p in self.refs.items():
-                p.copy_(weights[n])
+        _compare_cast(self.opt, self.ropt, self.names, self.ours, [self.refs], self.masters, self.ATOL)
 
 
 class ScaledTrainingLoop(TrainingLoop):

@@ -58,7 +58,8 @@ from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
-    MuonReference, MuonTrainingLoop, _CastNet, _clamp_grad, _clamp_shown_grad, _extra_group, _groups, _Net, clip, compare_with_torch, edit_state, \
+    MuonReference, MuonTrainingLoop, _cast_net, _clamp_grad, _clamp_shown_grad, _compare_cast, _extra_group, _groups, \
+    _Net, _round_to_bf16, clip, compare_with_torch, edit_state, \
     UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -111,16 +112,6 @@ def _hybrid_groups(rank: int) -> dict:
         shards = [dist.new_group([w]) for w in range(WORLD)]
         _HYBRID_GROUPS.update(process_group=shards[rank], replica_group=dist.new_group(list(range(WORLD))))
     return dict(_HYBRID_GROUPS)
-
-
-def _cast_net(bf16: torch.nn.Module) -> _CastNet:
-    """A _CastNet holding ``bf16``'s weights (in fp32) and its frozen heads."""
-    net = _CastNet()
-    with torch.no_grad():
-        for (_, q), p in zip(net.named_parameters(), bf16.parameters()):
-            q.copy_(p.float())
-            q.requires_grad_(p.requires_grad)
-    return net
 
 
 class _RankLoop:
@@ -285,7 +276,7 @@ class _RankLoop:
                     self._scaled(self.model.loss(x, heads[w])).backward()
                 self._scaled(self.refs_models[w].loss(x, heads[w])).backward()
                 if self.fp32_grads:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
-                    self._round(self.refs[w], self.plain[w], grads=True)  # bf16: the flush takes that sum)
+                    _round_to_bf16(self.refs[w], self.plain[w], grads=True)  # bf16: the flush takes that sum)
                 self.plain[w] = set()
                 reached = {n for n in self.names if n.startswith("trunk.")
                            or any(n.startswith(f"heads.{h}.") for h in heads[w] if h != EXTRA)
@@ -713,30 +704,16 @@ class _RankLoop:
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):  # (every rank's replica holds the same weights after a step)
-        refs = self.refs
-        if self.fp32_grads:  # (the replicas' weights as bf16: ties judged at bf16's roundings, then written back)
-            refs = [{n: p.detach().to(torch.bfloat16) for n, p in r.items()} for r in self.refs]
-        compare_with_torch(self.opt, self.ropt, self.names, self.ours, refs[0], self.masters,
-                           replicas=refs[1:], atol=self.atol)
         if self.fp32_grads:
-            with torch.no_grad():
-                for mine, theirs in zip(self.refs, refs):
-                    for n, p in mine.items():
-                        p.copy_(theirs[n])
+            return _compare_cast(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, self.atol)
+        compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs[0], self.masters,
+                           replicas=self.refs[1:], atol=self.atol)
 
     def _round_weights(self, names) -> None:
         """fp32 gradients: the replicas' weights ``names`` rounded to bf16, as the bf16 model holds them."""
         if self.fp32_grads:
             for r in self.refs:
-                self._round(r, names)
-
-    @staticmethod
-    @torch.no_grad()
-    def _round(tensors: dict, names, grads: bool = False) -> None:
-        for n in names:
-            t = tensors[n].grad if grads else tensors[n]
-            if t is not None:
-                t.copy_(t.to(torch.bfloat16))
+                _round_to_bf16(r, names)
 
 
 def _run_program(rank, world_size, machine, program, directory):
