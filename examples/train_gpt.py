@@ -151,7 +151,7 @@ def lr_at(step: int, args) -> float:
 
 #: the torch.optim baselines (the rest are tritonshard's optimizers)
 BASELINES = ("torch", "amp", "fsdp2")
-GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # (--state-dtype, --grad-dtype)
 
 
 def shard_fsdp2(model: "GPT") -> None:
@@ -307,14 +307,14 @@ def main(argv=None):
     if args.optimizer == "tritonshard":
         opt = tritonshard.ShardedAdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                        bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
-                                       state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
+                                       state_dtype=DTYPES[args.state_dtype],
                                        state_rounding=args.state_rounding, cuda_graph=args.cuda_graph,
-                                       grad_dtype=GRAD_DTYPES[args.grad_dtype])
+                                       grad_dtype=DTYPES[args.grad_dtype])
     elif args.optimizer == "muon":
         opt = tritonshard.ShardedMuon(muon_param_groups(model, args), lr=args.muon_lr, weight_decay=args.weight_decay,
                                       bucket_cap_mb=args.bucket_cap_mb, overlap_comm=args.overlap,
-                                      state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
-                                      state_rounding=args.state_rounding, grad_dtype=GRAD_DTYPES[args.grad_dtype])
+                                      state_dtype=DTYPES[args.state_dtype],
+                                      state_rounding=args.state_rounding, grad_dtype=DTYPES[args.grad_dtype])
     if args.optimizer not in BASELINES:
         if args.overlap:
             opt.attach(model)
