@@ -1151,8 +1151,11 @@ def _hooked_batches(step: int, r: int) -> list:
     return [_create_graph_input(10 * step + micro, r) for micro in range(2)]
 
 
+_HOOK_CLAMP = 0.02  # (the bound of _clamp_hooked)
+
+
 def _clamp_hooked(p) -> None:
-    p.grad.clamp_(-0.02, 0.02)
+    p.grad.clamp_(-_HOOK_CLAMP, _HOOK_CLAMP)
 
 
 def _hook(model, seen: list) -> None:
@@ -1238,7 +1241,7 @@ def _fp32_sums_hooked_run(rank, world_size, overlap, machinery, registered):
                     total_so_far = new if sums[i] is None else sums[i] + new
                     shown = total_so_far.to(torch.bfloat16)
                     if i == 0:  # (the clamp: its value where it changed what it was shown)
-                        clamped = shown.clamp(-0.02, 0.02)
+                        clamped = shown.clamp(-_HOOK_CLAMP, _HOOK_CLAMP)
                         total_so_far = torch.where(clamped != shown, clamped.float(), total_so_far)
                     if i == 3 and r == rank:
                         torch_seen.append(shown.float().norm())
