@@ -1053,6 +1053,12 @@ def _clamp_shown_grad(p) -> None:
     p.grad.copy_(torch.where(clamped != shown, clamped.float(), p.grad))
 
 
+def _read_grad(p) -> None:
+    """FP32GradsTrainingLoop.add_reading_hook's hook: a loop's look at the gradient (its norm, as a logger takes it);
+    nothing written."""
+    p.grad.float().norm()
+
+
 class FP32GradsTrainingLoop(TrainingLoop):
     """``grad_dtype=torch.float32``: each backward's bf16 gradients are added into fp32 grad buffers, so micro-batches
     accumulate in fp32, and the reduction, the clip, the division and the clamps act on fp32 gradients. The
@@ -1067,6 +1073,7 @@ class FP32GradsTrainingLoop(TrainingLoop):
         super().__init__()
         self.ref = _cast_net(self.ref)
         self.refs = dict(self.ref.named_parameters())
+        self.read: set = set()  # names given a reading hook (add_reading_hook)
 
     # (a penalty's backward onto gradients kept with their graph adds to them in the bf16 model's param.grad, in
     # bf16, as autograd does for any bf16 parameter, before the buffers see the sum: not the reference's fp32 add)
@@ -1093,6 +1100,17 @@ class FP32GradsTrainingLoop(TrainingLoop):
         self.hooked.add(name)
         self.ours[name].register_post_accumulate_grad_hook(_clamp_grad)
         self.refs[name].register_post_accumulate_grad_hook(_clamp_shown_grad)
+
+    @rule(name=st.sampled_from(_NAMES))
+    def add_reading_hook(self, name):
+        """A hook of the loop's that only reads ``param.grad`` (logs its norm): the sums stay fp32, the reference
+        has none. The clamp of :meth:`add_hook` rarely tells a bf16-rounded sum from the fp32 one (a clamped value is
+        ±0.05 either way, and AdamW's first step takes the gradient's sign), so the fuzzer did not find session 44's
+        rounding through it once its reference modelled the clamp; a read leaves the rounding itself to compare."""
+        if name in self.read or not self.refs[name].requires_grad:
+            return
+        self.read.add(name)
+        self.ours[name].register_post_accumulate_grad_hook(_read_grad)
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
     def write(self, names, how, seed):
