@@ -397,6 +397,51 @@ def test_copying_to_on_the_same_device_keeps_training_bit_for_bit():
     assert_bitwise_equal(results[1], results[0], "weights after model.to('cpu:0') following construction")
 
 
+def _conv_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Conv2d(8, 4, 3),
+                               torch.nn.Flatten(), torch.nn.Linear(64, 5)).to(torch.bfloat16)
+
+
+def _trained_conv_net(when: str | None, overlap: bool) -> tuple[torch.Tensor, list]:
+    """Three steps of :func:`_conv_net` on channels_last batches, its parameters converted to channels_last
+    ``when`` ("before" building the optimizer, "after", or never: None): the weights, and whether each
+    parameter is contiguous at the end."""
+    model = _conv_net()
+    if when == "before":
+        model = model.to(memory_format=torch.channels_last)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+    if overlap:
+        opt.attach(model)
+    if when == "after":
+        model = model.to(memory_format=torch.channels_last)
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2, 3, 8, 8).to(torch.bfloat16, memory_format=torch.channels_last)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), [p.is_contiguous() for p in
+                                                                            model.parameters()]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_channels_last_model_trains_as_the_contiguous_one_with_contiguous_parameters(when, overlap):
+    """``model.to(memory_format=torch.channels_last)`` (a CNN's usual speed-up) before or after building the
+    optimizer: each parameter is a piece of a flat buffer, so its layout is the buffer's, contiguous, as under
+    FSDP (a conversion after building is a ``.data`` swap, copied back into the buffer like accelerate's
+    ``model.to("cpu:0")``); the values, and so the training, are those of the model never converted, bit for
+    bit. What changes is the layout torch's convolutions get for the weights (the batches stay channels_last)."""
+    weights, contiguous = _trained_conv_net(when, overlap)
+    unconverted, _ = _trained_conv_net(None, overlap)
+    assert not torch.equal(unconverted, torch.cat([p.detach().flatten() for p in _conv_net().parameters()])), (
+        "the model trained")
+    assert_bitwise_equal(weights, unconverted, f"weights of the model converted to channels_last {when} building")
+    assert all(contiguous), "every parameter is its contiguous piece of the flat buffer"
+
+
 @pytest.mark.parametrize("convert", ["float", "half"])
 def test_converting_the_dtype_after_building_is_an_error(convert):
     model = tiny_llama(0)
