@@ -442,6 +442,29 @@ def test_a_channels_last_model_trains_as_the_contiguous_one_with_contiguous_para
     assert all(contiguous), "every parameter is its contiguous piece of the flat buffer"
 
 
+def test_loading_with_torchs_swap_flag_is_an_error_naming_it_and_writes_no_parameter():
+    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``model.load_state_dict`` swaps each
+    parameter's tensor (``torch.utils.swap_tensors``), which a laid-out parameter cannot allow. torch's own error
+    said only "Cannot swap t1 because it has weakref associated with it", after copying the weights in. Now:
+    an error naming the flag and the fix, no parameter written; with the flag off the same load works."""
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    loaded = {k: v + 1 for k, v in tiny_llama(1).to(torch.bfloat16).state_dict().items()}
+    before = flat_weights(model)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"set_swap_module_params_on_conversion\(True\).*Load with the flag off"):
+            model.load_state_dict(loaded)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert_bitwise_equal(flat_weights(model), before, "weights after the refused load")
+    model.load_state_dict(loaded)
+    want = torch.cat([loaded[n].float().flatten() for n, _ in model.named_parameters()])
+    assert_bitwise_equal(flat_weights(model), want, "weights loaded with the flag off")
+    _train(model, opt, steps=1)
+
+
 @pytest.mark.parametrize("convert", ["float", "half"])
 def test_converting_the_dtype_after_building_is_an_error(convert):
     model = tiny_llama(0)

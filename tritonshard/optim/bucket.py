@@ -277,6 +277,26 @@ class WatchedParameter(torch.nn.Parameter):
         before_write(self)
         super().__setitem__(key, value)
 
+    def module_load(self, other, assign=False):
+        """torch's ``module.load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)``
+        (torch calls this, then ``torch.utils.swap_tensors(param, result)``): a RuntimeError that names the flag and
+        the ways that work, before anything is written. The swap would give the parameter object another tensor,
+        no longer its piece of the optimizer's flat buffers and without the optimizer's gradient hooks, and
+        ``swap_tensors`` refuses a tensor something holds a weak reference to, as the optimizer's hooks and
+        placeholders do: torch's own error said only that, after the weights were already copied. The default
+        flag (``False``) loads by ``copy_``, which the optimizer follows."""
+        ref = OWNER.get(id(self))
+        b = ref() if ref is not None else None
+        if b is not None and not b.retired and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "tritonshard: model.load_state_dict() with torch.__future__.set_swap_module_params_on_conversion"
+                "(True) swaps each parameter's tensor for another (torch.utils.swap_tensors), and a parameter of a "
+                "tritonshard optimizer is a piece of the optimizer's flat buffers, held by its gradient hooks: it "
+                "cannot be swapped. Load with the flag off (torch.__future__.set_swap_module_params_on_conversion"
+                "(False) around the call: torch then copies into the parameters, which the optimizer follows), or "
+                "load before building the optimizer. No parameter was written")
+        return super().module_load(other, assign=assign)
+
     def register_post_accumulate_grad_hook(self, hook):
         """torch's, noted in :data:`POST_HOOKED`: the hook reads ``param.grad`` as torch's autograd leaves it (the
         sum over the backwards so far), which the optimizer then keeps there (``ShardedOptimizer._hand_back_grad``).
