@@ -33,7 +33,8 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
                                     test_loop_fuzz.OverlappedGraphedTrainingLoop,
                                     test_loop_fuzz.RemaindersTrainingLoop, test_loop_fuzz.BF16StateTrainingLoop,
                                     test_loop_fuzz.FP32GradsTrainingLoop, test_loop_fuzz.FP32ScaledTrainingLoop,
-                                    test_loop_fuzz.FP32OverlappedTrainingLoop)}
+                                    test_loop_fuzz.FP32OverlappedTrainingLoop, test_loop_fuzz.FP16TrainingLoop,
+                                    test_loop_fuzz.FP16OverlappedTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:

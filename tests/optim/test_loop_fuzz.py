@@ -5,7 +5,8 @@ backward with create_graph=True and one onto them), post-accumulate-grad hooks o
 them; with the default options, with overlap_comm and a bucket per parameter, under torch's GradScaler recipe, with
 the step compiled by torch.compile, with cuda_graph=True (its graphs emulated; also with overlap_comm on one
 rank), with store_param_remainders=True, with bf16 moments, and with fp32 gradient buffers (against fp32 sums of
-the bf16 gradients: FP32GradsTrainingLoop; also under GradScaler's recipe); and ShardedSGD, ShardedLion and
+the bf16 gradients: FP32GradsTrainingLoop; also under GradScaler's recipe), and with fp16 weights
+(FP16TrainingLoop, fp32 gradient buffers, no loss scale); and ShardedSGD, ShardedLion and
 ShardedMuon with the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with
 overlap_comm).
 
@@ -128,6 +129,7 @@ class TrainingLoop(RuleBasedStateMachine):
     OURS, THEIRS, HPARAMS = ShardedAdamW, torch.optim.AdamW, dict(foreach=False)
     MACHINERY = False  # overlap_comm's machinery of many ranks in this one process (tests.helpers.overlap_machinery)
     CLAMPS = True  # the clip_value rule runs (not under a loss scale: see ScaledTrainingLoop)
+    WEIGHTS = torch.bfloat16  # the model's weights (param_dtype): the reference's, the written values'
     GROUP_OPTIONS: dict = {}  # options of the biases' group and the extra head's (_groups)
     ATOL = MASTER_ATOL  # the masters' tolerance (the module's docstring)
 
@@ -139,7 +141,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.opt = self._ours()
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.launched = False      # overlap_comm: a backward outside no_sync() launched this step's reduce-scatters
-        self.ref = copy.deepcopy(fp32).to(torch.bfloat16)  # autograd's bf16 gradients; fp32 holds the masters
+        self.ref = copy.deepcopy(fp32).to(self.WEIGHTS)  # autograd's bf16 gradients; fp32 holds the masters
         self.ropt = self.THEIRS(_groups(fp32, **self.GROUP_OPTIONS), lr=LRS[0], **self.HPARAMS)
         names = [n for n, _ in fp32.named_parameters()]
         self.ours = dict(self.model.named_parameters())
@@ -443,7 +445,7 @@ class TrainingLoop(RuleBasedStateMachine):
         """``p.grad = t`` by hand (a custom gradient, a gradient from torch.autograd.grad)."""
         gen = torch.Generator().manual_seed(seed)
         for n in sorted(names):
-            g = torch.randn(self.refs[n].shape, generator=gen).to(torch.bfloat16)
+            g = torch.randn(self.refs[n].shape, generator=gen).to(self.WEIGHTS)
             self.ours[n].grad, self.refs[n].grad = g.clone(), g.to(self.refs[n].dtype, copy=True)  # (fp32 where the
             # reference's parameters are: FP32GradsTrainingLoop)
             self.spent.discard(n)
@@ -477,7 +479,7 @@ class TrainingLoop(RuleBasedStateMachine):
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
         loaded_weights([self.refs], self.ours, self.masters,
-                       [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.ATOL)
+                       [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.ATOL, self.WEIGHTS)
 
     @precondition(lambda self: not self.held)
     @rule()
@@ -524,7 +526,7 @@ class TrainingLoop(RuleBasedStateMachine):
         """Weights written between any two calls: torch.optim trains on from the written values (its masters are
         the weights), with the gradients it holds."""
         for n in sorted(names):
-            value = written(self.refs[n], seed, how)
+            value = written(self.refs[n], seed, how, self.WEIGHTS)
             write_weight(self.model, self.ours[n], n, value, how)
             with torch.no_grad():
                 self.refs[n].copy_(value)
@@ -576,16 +578,16 @@ class TrainingLoop(RuleBasedStateMachine):
 SPENT = "was used by the last step() and is gone"  # (the spent-gradient error: test_spent_grads.py)
 
 
-def written(ref: torch.Tensor, seed: int, how: str = "") -> torch.Tensor:
-    """New bf16 values (fp32 for a ``how`` of :data:`WRITES` ending in fp32) for a weight whose reference value is
-    ``ref``: every element moved up, by 3% to 6% of
-    (1 + |value|) (``seed`` picks how much), so that it differs from the old weight by many ulps and no series of
-    writes comes back to a weight the optimizer last saw. (tritonshard reconciles a master only where the weight
-    no longer is the master's rounding: a value equal to it keeps the master's fp32 bits, where torch.optim's
-    would be the written value; two writes in opposite directions found that, a limit the README states.)"""
+def written(ref: torch.Tensor, seed: int, how: str = "", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """New values in the weights' ``dtype`` (fp32 for a ``how`` of :data:`WRITES` ending in fp32) for a weight whose
+    reference value is ``ref``: every element moved up, by 3% to 6% of (1 + |value|) (``seed`` picks how much), so
+    that it differs from the old weight by many ulps and no series of writes comes back to a weight the optimizer
+    last saw. (tritonshard reconciles a master only where the weight no longer is the master's rounding: a value
+    equal to it keeps the master's fp32 bits, where torch.optim's would be the written value; two writes in
+    opposite directions found that, a limit the README states.)"""
     step = torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed)) * 0.03 + 0.03
     value = ref.float() + step * (1 + ref.float().abs())
-    return value if how.endswith("fp32") else value.to(torch.bfloat16)
+    return value if how.endswith("fp32") else value.to(dtype)
 
 
 def write_weight(model, param, name: str, value: torch.Tensor, how: str) -> None:
@@ -718,7 +720,8 @@ def reference_step(ropt, masters: dict, grads: dict, replicas: list) -> None:
 
 
 @torch.no_grad()
-def loaded_weights(replicas: list, ours: dict, masters: dict, names, atol: float) -> None:
+def loaded_weights(replicas: list, ours: dict, masters: dict, names, atol: float,
+                   dtype: torch.dtype = torch.bfloat16) -> None:
     """The reference's bf16 weights (each dict of ``replicas``) after a load of our optimizer's state, which writes
     each weight ``names`` lists as its master's rounding (after an in-place update that can differ from torch's
     bf16 result, ``update``): torch's master's rounding, or ours where it differs from that within the masters'
@@ -726,10 +729,10 @@ def loaded_weights(replicas: list, ours: dict, masters: dict, names, atol: float
     made the two models' next gradients differ, and a few steps later the masters: found by loop_fuzz_long,
     TracedTrainingLoop, in session 42)."""
     for n in names:
-        mine = ours[n].detach().to(torch.bfloat16)
+        mine = ours[n].detach().to(dtype)
         master = masters[n].detach().float()
-        rounded = master.to(torch.bfloat16)
-        lowest, highest = (master - atol).to(torch.bfloat16), (master + atol).to(torch.bfloat16)
+        rounded = master.to(dtype)
+        lowest, highest = (master - atol).to(dtype), (master + atol).to(dtype)
         value = torch.where((mine != rounded) & (mine >= lowest) & (mine <= highest), mine, rounded)
         for refs in replicas:
             refs[n].copy_(value)
@@ -1001,21 +1004,25 @@ class BF16StateTrainingLoop(TrainingLoop):
 
 
 class _CastNet(_Net):
-    """:class:`_Net` with fp32 parameters whose forward runs in bf16 (each weight cast as it is used, once per
+    """:class:`_Net` with fp32 parameters whose forward runs in bf16 (``DTYPE``: fp16 for FP16TrainingLoop; each
+    weight cast as it is used, once per
     forward): the gradient of each backward is the bf16 model's (the cast's backward rounds nothing going up: bf16
     to fp32 is exact), and autograd adds the backwards' gradients into ``param.grad`` in fp32. The reference of
     :class:`FP32GradsTrainingLoop`; its weights are kept bf16 values (the loop rounds them after every write)."""
 
+    DTYPE = torch.bfloat16
+
     def forward(self, x, heads):
         def linear(m, x):
-            return torch.nn.functional.linear(x, m.weight.to(torch.bfloat16), m.bias.to(torch.bfloat16))
-        h = torch.tanh(linear(self.trunk, x.to(torch.bfloat16)))
+            return torch.nn.functional.linear(x, m.weight.to(self.DTYPE), m.bias.to(self.DTYPE))
+        h = torch.tanh(linear(self.trunk, x.to(self.DTYPE)))
         return sum(linear(self.extra if k == EXTRA else self.heads[k], h).float().pow(2).mean() for k in heads)
 
 
-def _cast_net(bf16: torch.nn.Module) -> _CastNet:
-    """A :class:`_CastNet` holding ``bf16``'s weights (in fp32) and its frozen heads."""
+def _cast_net(bf16: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> _CastNet:
+    """A :class:`_CastNet` holding ``bf16``'s weights (in fp32) and its frozen heads, its forward in ``dtype``."""
     net = _CastNet()
+    net.DTYPE = dtype
     with torch.no_grad():
         for (_, q), p in zip(net.named_parameters(), bf16.parameters()):
             q.copy_(p.float())
@@ -1024,19 +1031,20 @@ def _cast_net(bf16: torch.nn.Module) -> _CastNet:
 
 
 @torch.no_grad()
-def _round_to_bf16(tensors: dict, names, grads: bool = False) -> None:
-    """A _CastNet's weights ``names`` (``tensors``: name -> parameter), or their gradients, rounded to bf16 in place:
-    as the bf16 model holds them."""
+def _round_to_weights(tensors: dict, names, grads: bool = False, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A _CastNet's weights ``names`` (``tensors``: name -> parameter), or their gradients, rounded to the weights'
+    ``dtype`` in place: as the bf16 (fp16) model holds them."""
     for n in names:
         t = tensors[n].grad if grads else tensors[n]
         if t is not None:
-            t.copy_(t.to(torch.bfloat16))
+            t.copy_(t.to(dtype))
 
 
-def _compare_cast(opt, ropt, names, ours, replicas: list, masters, atol: float) -> None:
-    """:func:`compare_with_torch` on _CastNet replicas (name -> parameter dicts): their weights as bf16 (ties judged at
-    bf16's roundings), and the weights they take from ours at a tie written back."""
-    weights = [{n: p.detach().to(torch.bfloat16) for n, p in r.items()} for r in replicas]
+def _compare_cast(opt, ropt, names, ours, replicas: list, masters, atol: float,
+                  dtype: torch.dtype = torch.bfloat16) -> None:
+    """:func:`compare_with_torch` on _CastNet replicas (name -> parameter dicts): their weights in the weights'
+    ``dtype`` (ties judged at its roundings), and the weights they take from ours at a tie written back."""
+    weights = [{n: p.detach().to(dtype) for n, p in r.items()} for r in replicas]
     compare_with_torch(opt, ropt, names, ours, weights[0], masters, replicas=weights[1:], atol=atol)
     with torch.no_grad():
         for mine, theirs in zip(replicas, weights):
@@ -1044,11 +1052,11 @@ def _compare_cast(opt, ropt, names, ours, replicas: list, masters, atol: float) 
                 p.copy_(theirs[n])
 
 
-def _clamp_shown_grad(p) -> None:
-    """:func:`_clamp_grad` on a bf16 model with fp32 gradient sums, as FP32GradsTrainingLoop's reference takes it: the
-    clamp of the sum's bf16 rounding (what a hook on a bf16 parameter is shown) where it changes that rounding, the
-    fp32 sum elsewhere."""
-    shown = p.grad.to(torch.bfloat16)
+def _clamp_shown_grad(p, dtype: torch.dtype = torch.bfloat16) -> None:
+    """:func:`_clamp_grad` on a bf16 (``dtype``) model with fp32 gradient sums, as FP32GradsTrainingLoop's reference
+    takes it: the clamp of the sum's rounding to the weights' dtype (what a hook on such a parameter is shown) where
+    it changes that rounding, the fp32 sum elsewhere."""
+    shown = p.grad.to(dtype)
     clamped = shown.clamp(-0.05, 0.05)
     p.grad.copy_(torch.where(clamped != shown, clamped.float(), p.grad))
 
@@ -1071,7 +1079,7 @@ class FP32GradsTrainingLoop(TrainingLoop):
 
     def __init__(self):
         super().__init__()
-        self.ref = _cast_net(self.ref)
+        self.ref = _cast_net(self.ref, self.WEIGHTS)
         self.refs = dict(self.ref.named_parameters())
         self.read: set = set()  # names given a reading hook (add_reading_hook)
 
@@ -1088,7 +1096,7 @@ class FP32GradsTrainingLoop(TrainingLoop):
         the bf16 model's ``param.grad``, in bf16, and the flush takes that sum: the reference's is rounded so."""
         plain = [n for n, p in self.ours.items() if type(p.grad) is torch.Tensor]
         TrainingLoop.backward(self, heads, sync)
-        _round_to_bf16(self.refs, plain, grads=True)
+        _round_to_weights(self.refs, plain, grads=True, dtype=self.WEIGHTS)
 
     @rule(name=st.sampled_from(_NAMES))
     def add_hook(self, name):
@@ -1099,7 +1107,7 @@ class FP32GradsTrainingLoop(TrainingLoop):
             return
         self.hooked.add(name)
         self.ours[name].register_post_accumulate_grad_hook(_clamp_grad)
-        self.refs[name].register_post_accumulate_grad_hook(_clamp_shown_grad)
+        self.refs[name].register_post_accumulate_grad_hook(functools.partial(_clamp_shown_grad, dtype=self.WEIGHTS))
 
     @rule(name=st.sampled_from(_NAMES))
     def add_reading_hook(self, name):
@@ -1115,20 +1123,31 @@ class FP32GradsTrainingLoop(TrainingLoop):
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
     def write(self, names, how, seed):
         TrainingLoop.write(self, names, how, seed)
-        _round_to_bf16(self.refs, names)
+        _round_to_weights(self.refs, names, dtype=self.WEIGHTS)
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
     def update(self, names, how):
         TrainingLoop.update(self, names, how)
-        _round_to_bf16(self.refs, names)
+        _round_to_weights(self.refs, names, dtype=self.WEIGHTS)
 
     def _stepped(self, grads):
         # (reference_step wrote the masters into the fp32 replica: their roundings, as in bf16)
-        _round_to_bf16(self.refs, self.names)
+        _round_to_weights(self.refs, self.names, dtype=self.WEIGHTS)
         super()._stepped(grads)
 
     def _compare(self):
-        _compare_cast(self.opt, self.ropt, self.names, self.ours, [self.refs], self.masters, self.ATOL)
+        _compare_cast(self.opt, self.ropt, self.names, self.ours, [self.refs], self.masters, self.ATOL, self.WEIGHTS)
+
+
+class FP16TrainingLoop(FP32GradsTrainingLoop):
+    """fp16 weights (``param_dtype=torch.float16``) with fp32 gradient buffers, every loop idiom of
+    :class:`FP32GradsTrainingLoop` on them: the reference is the same over fp32 sums, its forward in fp16 and its
+    weights rounded to fp16 after each write, update and step. Without a loss scale (``loss_scale=False``): the
+    built-in scaler's arithmetic against a reference is tests/optim/test_loss_scaling.py's; here the gradients of
+    this small model stay well inside fp16's range (its smallest normal is 6e-5), and both sides compute them in
+    fp16 alike."""
+    WEIGHTS = torch.float16
+    OPTIONS = dict(grad_dtype=torch.float32, param_dtype=torch.float16, loss_scale=False)
 
 
 class ScaledTrainingLoop(TrainingLoop):
@@ -1241,6 +1260,13 @@ class FP32OverlappedTrainingLoop(FP32GradsTrainingLoop):
     MACHINERY = True
 
 
+class FP16OverlappedTrainingLoop(FP16TrainingLoop):
+    """:class:`FP16TrainingLoop` with overlap_comm's machinery and a bucket per parameter (as
+    :class:`OverlappedTrainingLoop`)."""
+    OPTIONS = dict(FP16TrainingLoop.OPTIONS, overlap_comm=True, bucket_cap_mb=1e-9)
+    MACHINERY = True
+
+
 class FP32ScaledTrainingLoop(FP32GradsTrainingLoop, ScaledTrainingLoop):
     """:class:`ScaledTrainingLoop`'s GradScaler recipe with fp32 gradient buffers (:class:`FP32GradsTrainingLoop`'s
     reference): the scaled micro-batches add up in fp32, unscale_ and the skip act on the fp32 sums."""
@@ -1333,7 +1359,7 @@ test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
 for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop, SGDGraphedTrainingLoop,
                 LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop, FP32ScaledTrainingLoop,
-                FP32OverlappedTrainingLoop):
+                FP32OverlappedTrainingLoop, FP16TrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
@@ -1346,6 +1372,7 @@ test_bf16_state_training_loops_match_torch_optim_with_bf16_moments = BF16StateTr
 test_fp32_gradient_training_loops_match_torch_optim_on_fp32_sums = FP32GradsTrainingLoop.TestCase
 test_fp32_gradient_grad_scaler_training_loops_match_torch_optim = FP32ScaledTrainingLoop.TestCase
 test_fp32_gradient_overlapped_training_loops_match_torch_optim = FP32OverlappedTrainingLoop.TestCase
+test_fp16_weight_training_loops_match_torch_optim_on_fp32_sums = FP16TrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase

@@ -59,7 +59,7 @@ from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _cast_net, _clamp_grad, _clamp_shown_grad, _compare_cast, _extra_group, _groups, \
-    _Net, _round_to_bf16, clip, compare_with_torch, edit_state, \
+    _Net, _round_to_weights, clip, compare_with_torch, edit_state, \
     UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -276,7 +276,7 @@ class _RankLoop:
                     self._scaled(self.model.loss(x, heads[w])).backward()
                 self._scaled(self.refs_models[w].loss(x, heads[w])).backward()
                 if self.fp32_grads:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
-                    _round_to_bf16(self.refs[w], self.plain[w], grads=True)  # bf16: the flush takes that sum)
+                    _round_to_weights(self.refs[w], self.plain[w], grads=True)  # bf16: the flush takes that sum)
                 self.plain[w] = set()
                 reached = {n for n in self.names if n.startswith("trunk.")
                            or any(n.startswith(f"heads.{h}.") for h in heads[w] if h != EXTRA)
@@ -713,7 +713,7 @@ class _RankLoop:
         """fp32 gradients: the replicas' weights ``names`` rounded to bf16, as the bf16 model holds them."""
         if self.fp32_grads:
             for r in self.refs:
-                _round_to_bf16(r, names)
+                _round_to_weights(r, names)
 
 
 def _run_program(rank, world_size, machine, program, directory):
