@@ -34,7 +34,9 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
                                     test_loop_fuzz.RemaindersTrainingLoop, test_loop_fuzz.BF16StateTrainingLoop,
                                     test_loop_fuzz.FP32GradsTrainingLoop, test_loop_fuzz.FP32ScaledTrainingLoop,
                                     test_loop_fuzz.FP32OverlappedTrainingLoop, test_loop_fuzz.FP16TrainingLoop,
-                                    test_loop_fuzz.FP16OverlappedTrainingLoop)}
+                                    test_loop_fuzz.FP16OverlappedTrainingLoop,
+                                    test_loop_fuzz.FP16ScaledTrainingLoop,
+                                    test_loop_fuzz.FP16ScaledOverlappedTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:

@@ -6,7 +6,8 @@ them; with the default options, with overlap_comm and a bucket per parameter, un
 the step compiled by torch.compile, with cuda_graph=True (its graphs emulated; also with overlap_comm on one
 rank), with store_param_remainders=True, with bf16 moments, and with fp32 gradient buffers (against fp32 sums of
 the bf16 gradients: FP32GradsTrainingLoop; also under GradScaler's recipe), and with fp16 weights
-(FP16TrainingLoop, fp32 gradient buffers, no loss scale); and ShardedSGD, ShardedLion and
+(FP16TrainingLoop, fp32 gradient buffers, no loss scale; FP16ScaledTrainingLoop, as param_dtype=torch.float16
+trains by default: bf16 gradient buffers and the built-in loss scale); and ShardedSGD, ShardedLion and
 ShardedMuon with the default options (ShardedSGD and ShardedLion also with cuda_graph=True, ShardedMuon with
 overlap_comm).
 
@@ -43,7 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from tests.helpers import overlap_machinery
 from tests.optim.training import PaperLion, TorchMuonAdamW
-from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
+from tritonshard import LossScaleConfig, ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.optim.bucket import UNHELD_PRECISE
 from tritonshard.optim.model_sync import ShardedGrad
@@ -1052,11 +1053,12 @@ def _compare_cast(opt, ropt, names, ours, replicas: list, masters, atol: float,
                 p.copy_(theirs[n])
 
 
-def _clamp_shown_grad(p, dtype: torch.dtype = torch.bfloat16) -> None:
+def _clamp_shown_grad(p, dtype: torch.dtype = torch.bfloat16, buffer: torch.dtype = torch.float32) -> None:
     """:func:`_clamp_grad` on a bf16 (``dtype``) model with fp32 gradient sums, as FP32GradsTrainingLoop's reference
     takes it: the clamp of the sum's rounding to the weights' dtype (what a hook on such a parameter is shown) where
-    it changes that rounding, the fp32 sum elsewhere."""
-    shown = p.grad.to(dtype)
+    it changes that rounding, the fp32 sum elsewhere. ``buffer``: the grad buffers' dtype, which the sum is
+    rounded to first (bf16 beside fp16 weights: FP16ScaledTrainingLoop)."""
+    shown = p.grad.to(buffer).to(dtype)
     clamped = shown.clamp(-0.05, 0.05)
     p.grad.copy_(torch.where(clamped != shown, clamped.float(), p.grad))
 
@@ -1107,7 +1109,8 @@ class FP32GradsTrainingLoop(TrainingLoop):
             return
         self.hooked.add(name)
         self.ours[name].register_post_accumulate_grad_hook(_clamp_grad)
-        self.refs[name].register_post_accumulate_grad_hook(functools.partial(_clamp_shown_grad, dtype=self.WEIGHTS))
+        self.refs[name].register_post_accumulate_grad_hook(functools.partial(
+            _clamp_shown_grad, dtype=self.WEIGHTS, buffer=self.OPTIONS.get("grad_dtype", torch.bfloat16)))
 
     @rule(name=st.sampled_from(_NAMES))
     def add_reading_hook(self, name):
@@ -1148,6 +1151,53 @@ class FP16TrainingLoop(FP32GradsTrainingLoop):
     fp16 alike."""
     WEIGHTS = torch.float16
     OPTIONS = dict(grad_dtype=torch.float32, param_dtype=torch.float16, loss_scale=False)
+
+
+class FP16ScaledTrainingLoop(FP16TrainingLoop):
+    """fp16 weights as ``param_dtype=torch.float16`` trains them by default: bf16 gradient buffers and the built-in
+    loss scale (``opt.scale_loss(loss).backward()``, the unscale folded into the clip, the norms and the update).
+    The scale stays at its start (``growth_interval`` beyond any loop, no overflow: the scaler's own arithmetic is
+    tests/optim/test_loss_scaling.py's). The reference: :class:`FP16TrainingLoop`'s over the scaled gradients, each
+    backward's sum rounded to bf16 as the buffer holds it (an fp32 add of the fp16 gradient onto the bf16 sum, then
+    the rounding: the flatten's arithmetic), and unscaled (a power of two: exact) where torch.optim would use the
+    gradients: the clip, the norms, the step. The loop's clamping hooks clamp the scaled sums on both sides."""
+    OPTIONS = dict(param_dtype=torch.float16, loss_scale=LossScaleConfig(init_scale=2.0 ** 4, growth_interval=10 ** 9))
+    CLAMPS = False  # (clip_grad_value_'s bound before the unscale: as ScaledTrainingLoop)
+
+    def _backward(self, loss):
+        self.opt.scale_loss(loss).backward()
+
+    @rule(heads=st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1), sync=st.booleans())
+    def backward(self, heads, sync):
+        FP16TrainingLoop.backward(self, heads, sync)
+        _round_to_weights(self.refs, self.names, grads=True, dtype=torch.bfloat16)
+
+    @precondition(lambda self: not self.held)
+    @rule()
+    def rebuild(self):
+        """As in every loop, but where a parameter holds a gradient not yet in the old optimizer's buffers (set by
+        hand): a ValueError, nothing changed (a new optimizer that scales the loss cannot tell whether it was
+        scaled); the loop clears the gradients and goes on with the old one."""
+        try:
+            FP16TrainingLoop.rebuild(self)
+        except ValueError as e:
+            assert "scales the loss itself" in str(e), e
+            assert any(type(p.grad) is torch.Tensor for p in self.ours.values()), "refused without a plain gradient"
+            self._recover()
+
+    def _master_grads(self) -> dict:
+        if self.clipped is not None:
+            return self.clipped
+        scale = float(self.opt.loss_scale)
+        assert scale == 2.0 ** 4, scale
+        return {n: (None if self.refs[n].grad is None else self.refs[n].grad.to(torch.bfloat16).float() / scale)
+                for n in self.names}
+
+
+class FP16ScaledOverlappedTrainingLoop(FP16ScaledTrainingLoop):
+    """:class:`FP16ScaledTrainingLoop` with overlap_comm's machinery and a bucket per parameter."""
+    OPTIONS = dict(FP16ScaledTrainingLoop.OPTIONS, overlap_comm=True, bucket_cap_mb=1e-9)
+    MACHINERY = True
 
 
 class ScaledTrainingLoop(TrainingLoop):
@@ -1359,7 +1409,7 @@ test_sgd_training_loops_match_torch_optim = SGDTrainingLoop.TestCase
 # (their rules are the plain loop's; what is their own is the update: fewer examples)
 for machine in (LionTrainingLoop, MuonTrainingLoop, MuonOverlappedTrainingLoop, SGDGraphedTrainingLoop,
                 LionGraphedTrainingLoop, BF16StateTrainingLoop, FP32GradsTrainingLoop, FP32ScaledTrainingLoop,
-                FP32OverlappedTrainingLoop, FP16TrainingLoop):
+                FP32OverlappedTrainingLoop, FP16TrainingLoop, FP16ScaledTrainingLoop):
     machine.TestCase.settings = settings(max_examples=20, stateful_step_count=14, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_lion_training_loops_match_the_papers_lion = LionTrainingLoop.TestCase
@@ -1373,6 +1423,7 @@ test_fp32_gradient_training_loops_match_torch_optim_on_fp32_sums = FP32GradsTrai
 test_fp32_gradient_grad_scaler_training_loops_match_torch_optim = FP32ScaledTrainingLoop.TestCase
 test_fp32_gradient_overlapped_training_loops_match_torch_optim = FP32OverlappedTrainingLoop.TestCase
 test_fp16_weight_training_loops_match_torch_optim_on_fp32_sums = FP16TrainingLoop.TestCase
+test_fp16_weight_loss_scaled_training_loops_match_torch_optim_on_bf16_sums = FP16ScaledTrainingLoop.TestCase
 test_grad_scaler_training_loops_match_torch_optim = ScaledTrainingLoop.TestCase
 test_compiled_step_training_loops_match_torch_optim = CompiledTrainingLoop.TestCase
 test_traced_step_training_loops_match_torch_optim = TracedTrainingLoop.TestCase
