@@ -86,6 +86,10 @@ MACHINES = {
     "adamw-fp32-grads": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(grad_dtype=torch.float32)),
     "adamw-fp32-grads-overlap": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
                                  dict(grad_dtype=torch.float32, overlap_comm=True, bucket_cap_mb=1e-9)),
+    # fp16 weights with fp32 gradient buffers, no loss scale (test_loop_fuzz.py's FP16TrainingLoop: the replicas are
+    # _CastNet with an fp16 forward)
+    "adamw-fp16": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
+                   dict(param_dtype=torch.float16, grad_dtype=torch.float32, loss_scale=False)),
     # hybrid sharding as 2 replicas of a shard group of one rank: each rank holds every shard, and the replicas'
     # all-reduce is the whole reduction (_hybrid_groups gives the groups)
     "adamw-hybrid": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(hybrid=True)),
@@ -126,10 +130,11 @@ class _RankLoop:
         self.added = False  # add_group added the extra head
         self.opt = self._ours(LRS[0])
         self.overlap = self.OPTIONS.get("overlap_comm", False)
-        self.refs_models = [copy.deepcopy(fp32).to(torch.bfloat16) for _ in range(WORLD)]
+        self.weights = self.OPTIONS.get("param_dtype", torch.bfloat16)  # (the weights' dtype: bf16, or fp16)
+        self.refs_models = [copy.deepcopy(fp32).to(self.weights) for _ in range(WORLD)]
         self.fp32_grads = self.OPTIONS.get("grad_dtype") == torch.float32
         if self.fp32_grads:  # (fp32 parameters holding the bf16 weights, a bf16 forward: fp32 gradient sums)
-            self.refs_models = [_cast_net(m) for m in self.refs_models]
+            self.refs_models = [_cast_net(m, self.weights) for m in self.refs_models]
         self.plain = [set() for _ in range(WORLD)]  # per rank: names whose gradient was set by hand since a flush
         self.fp32 = fp32
         self.ropt = self.THEIRS(_groups(fp32, **self.group_options), lr=LRS[0], **self.HPARAMS)
@@ -276,7 +281,8 @@ class _RankLoop:
                     self._scaled(self.model.loss(x, heads[w])).backward()
                 self._scaled(self.refs_models[w].loss(x, heads[w])).backward()
                 if self.fp32_grads:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
-                    _round_to_weights(self.refs[w], self.plain[w], grads=True)  # bf16: the flush takes that sum)
+                    _round_to_weights(self.refs[w], self.plain[w], grads=True,  # bf16: the flush takes that sum)
+                                      dtype=self.weights)
                 self.plain[w] = set()
                 reached = {n for n in self.names if n.startswith("trunk.")
                            or any(n.startswith(f"heads.{h}.") for h in heads[w] if h != EXTRA)
@@ -562,7 +568,7 @@ class _RankLoop:
         for w, chosen in enumerate(self._symmetric_on_frozen(names)):
             gen = torch.Generator().manual_seed(seed * WORLD + w)
             for n in sorted(chosen):
-                g = torch.randn(self.refs[w][n].shape, generator=gen).to(torch.bfloat16)
+                g = torch.randn(self.refs[w][n].shape, generator=gen).to(self.weights)
                 if inf:
                     g.view(-1)[0] = float("inf")
                 self.refs[w][n].grad = g.to(self.refs[w][n].dtype, copy=True)
@@ -600,8 +606,8 @@ class _RankLoop:
                 if n in self.hooked[w] or not self.refs[w][n].requires_grad:  # (torch refuses a frozen one)
                     continue
                 self.hooked[w].add(n)
-                self.refs[w][n].register_post_accumulate_grad_hook(_clamp_shown_grad if self.fp32_grads else
-                                                                   _clamp_grad)
+                self.refs[w][n].register_post_accumulate_grad_hook(
+                    functools.partial(_clamp_shown_grad, dtype=self.weights) if self.fp32_grads else _clamp_grad)
                 if w == self.rank:
                     self.ours[n].register_post_accumulate_grad_hook(_clamp_grad)
 
@@ -618,7 +624,7 @@ class _RankLoop:
         if how == "data" and self.OPTIONS.get("store_param_remainders"):
             how = "attribute"  # (nonzero values through .data keep their old remainders there: README's limit)
         for n in sorted(names):
-            value = written(self.refs[0][n], seed, how)
+            value = written(self.refs[0][n], seed, how, self.weights)
             write_weight(self.model, self.ours[n], n, value, how)
             with torch.no_grad():
                 for w in range(WORLD):
@@ -667,7 +673,7 @@ class _RankLoop:
             self.opt.load_state_dict(state)
         self.ropt.load_state_dict(self.ropt.state_dict())
         loaded_weights(self.refs, self.ours, self.masters,
-                       [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.atol)
+                       [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.atol, self.weights)
         self._new_optimizer()
 
     def rebuild(self):
@@ -705,15 +711,16 @@ class _RankLoop:
     # ------------------------------------------------------------------ the comparison
     def _compare(self):  # (every rank's replica holds the same weights after a step)
         if self.fp32_grads:
-            return _compare_cast(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, self.atol)
+            return _compare_cast(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, self.atol,
+                                 self.weights)
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs[0], self.masters,
                            replicas=self.refs[1:], atol=self.atol)
 
     def _round_weights(self, names) -> None:
-        """fp32 gradients: the replicas' weights ``names`` rounded to bf16, as the bf16 model holds them."""
+        """fp32 gradients: the replicas' weights ``names`` rounded to bf16 (fp16), as the model holds them."""
         if self.fp32_grads:
             for r in self.refs:
-                _round_to_weights(r, names)
+                _round_to_weights(r, names, dtype=self.weights)
 
 
 def _run_program(rank, world_size, machine, program, directory):
