@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 
 from tests.distributed import run_on_ranks
 from tests.optim.training import PaperLion
-from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
+from tritonshard import LossScaleConfig, ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import CollectiveMismatchError, PeerFailedError
 from tritonshard.optim.bucket import UNHELD_PRECISE
@@ -90,6 +90,12 @@ MACHINES = {
     # _CastNet with an fp16 forward)
     "adamw-fp16": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
                    dict(param_dtype=torch.float16, grad_dtype=torch.float32, loss_scale=False)),
+    # fp16 weights as they train by default: bf16 gradient buffers and the built-in loss scale (test_loop_fuzz.py's
+    # FP16ScaledTrainingLoop: each replica's backwards summed in bf16, the ranks' sums in bf16 in rank order, then
+    # unscaled)
+    "adamw-fp16-scaled": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False),
+                          dict(param_dtype=torch.float16, loss_scale=LossScaleConfig(init_scale=2.0 ** 4,
+                                                                                     growth_interval=10 ** 9))),
     # hybrid sharding as 2 replicas of a shard group of one rank: each rank holds every shard, and the replicas'
     # all-reduce is the whole reduction (_hybrid_groups gives the groups)
     "adamw-hybrid": (ShardedAdamW, torch.optim.AdamW, dict(foreach=False), dict(hybrid=True)),
@@ -132,9 +138,14 @@ class _RankLoop:
         self.overlap = self.OPTIONS.get("overlap_comm", False)
         self.weights = self.OPTIONS.get("param_dtype", torch.bfloat16)  # (the weights' dtype: bf16, or fp16)
         self.refs_models = [copy.deepcopy(fp32).to(self.weights) for _ in range(WORLD)]
-        self.fp32_grads = self.OPTIONS.get("grad_dtype") == torch.float32
-        if self.fp32_grads:  # (fp32 parameters holding the bf16 weights, a bf16 forward: fp32 gradient sums)
+        self.grad_buffers = self.OPTIONS.get("grad_dtype", torch.bfloat16)
+        # (fp32 parameters holding the bf16 weights, a bf16 forward: fp32 gradient sums; with fp16 weights, also
+        # beside bf16 buffers, each backward's sum rounded to them: FP16ScaledTrainingLoop)
+        self.fp32_grads = self.grad_buffers == torch.float32 or self.weights == torch.float16
+        if self.fp32_grads:
             self.refs_models = [_cast_net(m, self.weights) for m in self.refs_models]
+        # the built-in loss scale (fp16 weights by default), which stays at its start (FP16ScaledTrainingLoop)
+        self.own_scale = self.OPTIONS.get("loss_scale") or None
         self.plain = [set() for _ in range(WORLD)]  # per rank: names whose gradient was set by hand since a flush
         self.fp32 = fp32
         self.ropt = self.THEIRS(_groups(fp32, **self.group_options), lr=LRS[0], **self.HPARAMS)
@@ -215,9 +226,15 @@ class _RankLoop:
 
     def _master_grads(self) -> dict:
         """The averaged gradient of each parameter, as the reference steps it: the ranks' bf16 gradients summed in
-        bf16 in rank order (None as zeros), times 1/WORLD in fp32; None where no rank has one."""
+        bf16 in rank order (None as zeros; in the grad buffers' dtype), times 1/WORLD in fp32, unscaled by the
+        built-in loss scale (a power of two: exact); None where no rank has one."""
         if self.clipped is not None:
             return self.clipped
+        unscale = 1.0
+        if self.own_scale is not None:
+            scale = float(self.opt.loss_scale)
+            assert scale == self.own_scale.init_scale, scale  # (it stays at its start: no overflow, no growth)
+            unscale = 1.0 / scale
         out = {}
         for n in self.names:
             grads = [self.refs[w][n].grad for w in range(WORLD)]
@@ -226,9 +243,9 @@ class _RankLoop:
                 continue
             total = None
             for g in grads:
-                g = torch.zeros_like(self.refs[0][n]) if g is None else g
+                g = (torch.zeros_like(self.refs[0][n]) if g is None else g).to(self.grad_buffers)
                 total = g.clone() if total is None else total + g
-            out[n] = total.float() * (1.0 / WORLD)
+            out[n] = total.float() * (1.0 / WORLD) * unscale
         return out
 
     def _expect_error(self, errors: list) -> str:
@@ -283,6 +300,8 @@ class _RankLoop:
                 if self.fp32_grads:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
                     _round_to_weights(self.refs[w], self.plain[w], grads=True,  # bf16: the flush takes that sum)
                                       dtype=self.weights)
+                    if self.grad_buffers != torch.float32:  # (the buffer holds each backward's sum in bf16)
+                        _round_to_weights(self.refs[w], self.names, grads=True, dtype=self.grad_buffers)
                 self.plain[w] = set()
                 reached = {n for n in self.names if n.startswith("trunk.")
                            or any(n.startswith(f"heads.{h}.") for h in heads[w] if h != EXTRA)
@@ -409,6 +428,8 @@ class _RankLoop:
         return any(float(v) > 0 for v in found.values())
 
     def _scaled(self, loss):
+        if self.own_scale is not None:
+            return self.opt.scale_loss(loss)
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def _stage(self):
@@ -606,8 +627,9 @@ class _RankLoop:
                 if n in self.hooked[w] or not self.refs[w][n].requires_grad:  # (torch refuses a frozen one)
                     continue
                 self.hooked[w].add(n)
-                self.refs[w][n].register_post_accumulate_grad_hook(
-                    functools.partial(_clamp_shown_grad, dtype=self.weights) if self.fp32_grads else _clamp_grad)
+                hook = (functools.partial(_clamp_shown_grad, dtype=self.weights, buffer=self.grad_buffers)
+                        if self.fp32_grads else _clamp_grad)
+                self.refs[w][n].register_post_accumulate_grad_hook(hook)
                 if w == self.rank:
                     self.ours[n].register_post_accumulate_grad_hook(_clamp_grad)
 
