@@ -293,8 +293,8 @@ class WatchedParameter(torch.nn.Parameter):
                 "(True) swaps each parameter's tensor for another (torch.utils.swap_tensors), and a parameter of a "
                 "tritonshard optimizer is a piece of the optimizer's flat buffers, held by its gradient hooks: it "
                 "cannot be swapped. Load with the flag off (torch.__future__.set_swap_module_params_on_conversion"
-                "(False) around the call: torch then copies into the parameters, which the optimizer follows), or "
-                "load before building the optimizer. No parameter was written")
+                "(False) around the call, and assign=False, the default: torch then copies into the parameters, "
+                "which the optimizer follows), or load before building the optimizer. No parameter was written")
         return super().module_load(other, assign=assign)
 
     def register_post_accumulate_grad_hook(self, hook):
