@@ -36,7 +36,9 @@ MACHINES = {m.__name__: m for m in (test_loop_fuzz.TrainingLoop, test_loop_fuzz.
                                     test_loop_fuzz.FP32OverlappedTrainingLoop, test_loop_fuzz.FP16TrainingLoop,
                                     test_loop_fuzz.FP16OverlappedTrainingLoop,
                                     test_loop_fuzz.FP16ScaledTrainingLoop,
-                                    test_loop_fuzz.FP16ScaledOverlappedTrainingLoop)}
+                                    test_loop_fuzz.FP16ScaledOverlappedTrainingLoop,
+                                    test_loop_fuzz.FP16ScaledGraphedTrainingLoop,
+                                    test_loop_fuzz.FP16ScaledTracedTrainingLoop)}
 
 
 def _ranks_machine(machine: str, examples: int) -> None:

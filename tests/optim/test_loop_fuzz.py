@@ -255,8 +255,14 @@ class TrainingLoop(RuleBasedStateMachine):
         return {n: (None if self.refs[n].grad is None else self.refs[n].grad.float()) for n in self.names}
 
     # ------------------------------------------------------------------ rules
+    # (each data rule calls a method of its own, which a machine overrides to change what the rule does, cooperating
+    # through super(); a rule overridden changes what the rule draws, and calls the method: so machines compose,
+    # e.g. fp16 weights under a compiled step)
     @rule(heads=st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1), sync=st.booleans())
     def backward(self, heads, sync):
+        self._backward_over(heads, sync)
+
+    def _backward_over(self, heads, sync):
         x = torch.randn(5, 7, generator=torch.Generator().manual_seed(self.batch))
         self.batch += 1
         heads = sorted(h for h in heads if h != EXTRA or self.added) or [HEADS[0]]  # (the extra head: once added)
@@ -524,6 +530,9 @@ class TrainingLoop(RuleBasedStateMachine):
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
     def write(self, names, how, seed):
+        self._write(names, how, seed)
+
+    def _write(self, names, how, seed):
         """Weights written between any two calls: torch.optim trains on from the written values (its masters are
         the weights), with the gradients it holds."""
         for n in sorted(names):
@@ -537,6 +546,9 @@ class TrainingLoop(RuleBasedStateMachine):
 
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
     def update(self, names, how):
+        self._update(names, how)
+
+    def _update(self, names, how):
         """An in-place update of the weights by the loop between any two calls (a weight decay of its own, weight
         clipping), under no_grad through the module attribute: torch.optim's fp32 weights take it in fp32; ours
         run it on the bf16 weights and the fp32 values they stand for (until session 41 a decay below half a bf16
@@ -817,12 +829,12 @@ class GraphedTrainingLoop(TrainingLoop):
     # repeat, so that steps are captured and replayed between the rules that change what a graph freezes)
     @rule(sync=st.booleans())
     def backward(self, sync):
-        TrainingLoop.backward(self, set(HEADS + (EXTRA,)), sync)
+        self._backward_over(set(HEADS + (EXTRA,)), sync)
 
     @rule(clip=st.booleans(), times=st.integers(1, 3))
     def backward_clip_and_step(self, clip, times):
         for _ in range(times):
-            TrainingLoop.backward(self, set(HEADS + (EXTRA,)), True)
+            self._backward_over(set(HEADS + (EXTRA,)), True)
             if clip:
                 self.clip(1.0, "opt")
             self.step()
@@ -970,7 +982,7 @@ class RemaindersTrainingLoop(TrainingLoop):
     @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from([w for w in WRITES if w != "data"]),
           seed=st.integers(0, 99))
     def write(self, names, how, seed):
-        TrainingLoop.write(self, names, how, seed)
+        self._write(names, how, seed)
 
 
 class BF16StateAdamW(torch.optim.AdamW):
@@ -1092,12 +1104,11 @@ class FP32GradsTrainingLoop(TrainingLoop):
     def penalty_backward(self, heads):
         raise AssertionError("not run in this machine")
 
-    @rule(heads=st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1), sync=st.booleans())
-    def backward(self, heads, sync):
+    def _backward_over(self, heads, sync):
         """As in every loop; where ours holds a plain gradient (set by hand), autograd adds the backward's onto it in
         the bf16 model's ``param.grad``, in bf16, and the flush takes that sum: the reference's is rounded so."""
         plain = [n for n, p in self.ours.items() if type(p.grad) is torch.Tensor]
-        TrainingLoop.backward(self, heads, sync)
+        super()._backward_over(heads, sync)
         _round_to_weights(self.refs, plain, grads=True, dtype=self.WEIGHTS)
 
     @rule(name=st.sampled_from(_NAMES))
@@ -1123,14 +1134,12 @@ class FP32GradsTrainingLoop(TrainingLoop):
         self.read.add(name)
         self.ours[name].register_post_accumulate_grad_hook(_read_grad)
 
-    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
-    def write(self, names, how, seed):
-        TrainingLoop.write(self, names, how, seed)
+    def _write(self, names, how, seed):
+        super()._write(names, how, seed)
         _round_to_weights(self.refs, names, dtype=self.WEIGHTS)
 
-    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
-    def update(self, names, how):
-        TrainingLoop.update(self, names, how)
+    def _update(self, names, how):
+        super()._update(names, how)
         _round_to_weights(self.refs, names, dtype=self.WEIGHTS)
 
     def _stepped(self, grads):
@@ -1167,9 +1176,8 @@ class FP16ScaledTrainingLoop(FP16TrainingLoop):
     def _backward(self, loss):
         self.opt.scale_loss(loss).backward()
 
-    @rule(heads=st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1), sync=st.booleans())
-    def backward(self, heads, sync):
-        FP16TrainingLoop.backward(self, heads, sync)
+    def _backward_over(self, heads, sync):
+        super()._backward_over(heads, sync)
         _round_to_weights(self.refs, self.names, grads=True, dtype=torch.bfloat16)
 
     @precondition(lambda self: not self.held)
@@ -1356,16 +1364,14 @@ class CompiledTrainingLoop(TrainingLoop):
     @rule(heads=st.one_of(st.just(set(HEADS + (EXTRA,))), st.sets(st.sampled_from(HEADS + (EXTRA,)), min_size=1)),
           sync=st.booleans())
     def backward(self, heads, sync):
-        TrainingLoop.backward(self, heads, sync)
+        self._backward_over(heads, sync)
 
-    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(WRITES), seed=st.integers(0, 99))
-    def write(self, names, how, seed):
+    def _write(self, names, how, seed):
         # (in place between a backward and a compiled step the step would not see it: README)
-        TrainingLoop.write(self, names, "data" if self._has_grads() else how, seed)
+        super()._write(names, "data" if self._has_grads() else how, seed)
 
-    @rule(names=st.sets(st.sampled_from(_NAMES), min_size=1), how=st.sampled_from(sorted(UPDATES)))
-    def update(self, names, how):
-        TrainingLoop.update(self, names, how)
+    def _update(self, names, how):
+        super()._update(names, how)
         if how == "zero_ [0]" and self._has_grads():  # (a write in place, not one of the parameter's mirrored
             # calls, between a backward and a compiled step: the README's recipe, found by loop_fuzz_long)
             self.opt.sync_from_model()
@@ -1380,14 +1386,25 @@ class TracedTrainingLoop(CompiledTrainingLoop):
 
     @rule(sync=st.booleans())
     def backward(self, sync):
-        TrainingLoop.backward(self, set(HEADS + (EXTRA,)), sync)
+        self._backward_over(set(HEADS + (EXTRA,)), sync)
 
     @rule()
     def backward_and_step(self):  # (a rule of its own: hypothesis picks among the rules evenly)
-        TrainingLoop.backward(self, set(HEADS + (EXTRA,)), True)
+        self._backward_over(set(HEADS + (EXTRA,)), True)
         self.step()
 
     set_grads = clear_some = freeze = add_group = divide = clip_value = None
+
+
+class FP16ScaledGraphedTrainingLoop(FP16ScaledTrainingLoop, GraphedTrainingLoop):
+    """:class:`FP16ScaledTrainingLoop` with ``cuda_graph=True`` (:class:`GraphedTrainingLoop`'s rules and emulated
+    graphs): the scale, the bf16 sums and the fp16 weights through captured and replayed steps."""
+    OPTIONS = dict(FP16ScaledTrainingLoop.OPTIONS, cuda_graph=True)
+
+
+class FP16ScaledTracedTrainingLoop(FP16ScaledTrainingLoop, TracedTrainingLoop):
+    """:class:`FP16ScaledTrainingLoop` with the step compiled by torch.compile (:class:`TracedTrainingLoop`'s rules:
+    most steps traced)."""
 
 
 # (RemaindersTrainingLoop: 40 derandomized loops find session 43's NaN masters on the code before it, 20 do not)
