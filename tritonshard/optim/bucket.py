@@ -76,6 +76,14 @@ def _holder_gone(_ref) -> None:
     HOLDERS_GONE[0] += 1
 
 
+def owner_of(p: torch.Tensor) -> "Optional[_Bucket]":
+    """The bucket holding the laid-out parameter ``p`` (:data:`OWNER`; retired or not), None where none does. (Two
+    paths read OWNER inline instead, per parameter and step: :func:`landed`, on the forward's attribute reads, and
+    :func:`_must_look`, on every ``param.grad`` assignment, ``model.zero_grad()``'s.)"""
+    ref = OWNER.get(id(p))
+    return ref() if ref is not None else None
+
+
 def _must_look(p: torch.Tensor, written: bool = False) -> None:
     """The next step of ``p``'s optimizer must look at the parameters: run eagerly if compiled (see
     WatchedParameter). ``written``: ``p``'s values were replaced past its version counter (``p.data = t``): an fp32
@@ -121,8 +129,7 @@ def before_write(p: torch.Tensor) -> None:
     """:func:`landed`, before a write into ``p`` that :class:`WatchedParameter` sees coming (``copy_``, a setitem,
     ``zero_`` / ``normal_`` / ``uniform_``), and with stored remainders the first such write since the last look
     keeps the bucket's weights as they were (:meth:`_Bucket.keep_weights_before_write`)."""
-    ref = OWNER.get(id(p))
-    b = ref() if ref is not None else None
+    b = owner_of(p)
     if b is None:
         return
     if b.ag_work is not None:
@@ -239,8 +246,7 @@ class WatchedParameter(torch.nn.Parameter):
         for entry in handed[1] if handed is not None else ():  # (writes through .data before it are replaced: the
             # look need not know of them, data_handed_out; those after it, it must)
             entry[2] = entry[1]._version
-        ref = OWNER.get(id(self))
-        b = ref() if ref is not None else None
+        b = owner_of(self)
         precise = isinstance(src, torch.Tensor) and src.dtype != self.dtype and src.is_floating_point()
         if b is not None and not b.retired:
             if b.calls:  # (the copy replaces every value: what was noted of the calls before it is void)
@@ -285,8 +291,7 @@ class WatchedParameter(torch.nn.Parameter):
         ``swap_tensors`` refuses a tensor something holds a weak reference to, as the optimizer's hooks and
         placeholders do: torch's own error said only that, after the weights were already copied. The default
         flag (``False``) loads by ``copy_``, which the optimizer follows."""
-        ref = OWNER.get(id(self))
-        b = ref() if ref is not None else None
+        b = owner_of(self)
         if b is not None and not b.retired and not torch.compiler.is_compiling():
             raise RuntimeError(
                 "tritonshard: model.load_state_dict() with torch.__future__.set_swap_module_params_on_conversion"
@@ -346,8 +351,7 @@ def _mirrored(name: str):
     def mirrored(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return method(self, *args, **kwargs)
-        ref = OWNER.get(id(self))
-        b = ref() if ref is not None else None
+        b = owner_of(self)
         if b is None or b.retired:
             if self in HELD_FROZEN:  # (its values, whole, kept for when it is laid out)
                 return _mirror_unheld(self, method, name, args, kwargs)
@@ -407,8 +411,7 @@ def _data_mirrored(name: str):
         if p is None or torch.compiler.is_compiling():
             return method(self, *args, **kwargs)
         entry = watched[1]
-        ref = OWNER.get(id(p))
-        b = ref() if ref is not None else None
+        b = owner_of(p)
         if (b is None or b.retired or _written(entry) or self.data_ptr() != p.data_ptr() or self.shape != p.shape
                 or self.dtype != p.dtype):
             return method(self, *args, **kwargs)

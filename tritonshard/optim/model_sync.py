@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .bucket import OWNER, WatchedParameter, landed
+from .bucket import OWNER, WatchedParameter, landed, owner_of
 
 __all__ = ["ShardedGrad", "SpentGrad", "guard_model", "iter_tensors"]
 
@@ -194,8 +194,7 @@ def held(p: torch.Tensor) -> bool:
     """Whether a live tritonshard optimizer holds ``p``: its entry in :data:`OWNER` refers to a live bucket. (An
     entry may be stale, its parameter gone and the id reused by ``p``; but then its bucket, which held that
     parameter, is gone too: a live bucket keeps its parameters, and so their ids, alive.)"""
-    ref = OWNER.get(id(p))
-    return ref is not None and ref() is not None
+    return owner_of(p) is not None
 
 
 def unheld(params: list) -> list:
