@@ -139,10 +139,11 @@ class _RankLoop:
         self.weights = self.OPTIONS.get("param_dtype", torch.bfloat16)  # (the weights' dtype: bf16, or fp16)
         self.refs_models = [copy.deepcopy(fp32).to(self.weights) for _ in range(WORLD)]
         self.grad_buffers = self.OPTIONS.get("grad_dtype", torch.bfloat16)
-        # (fp32 parameters holding the bf16 weights, a bf16 forward: fp32 gradient sums; with fp16 weights, also
-        # beside bf16 buffers, each backward's sum rounded to them: FP16ScaledTrainingLoop)
-        self.fp32_grads = self.grad_buffers == torch.float32 or self.weights == torch.float16
-        if self.fp32_grads:
+        # the replicas as _CastNet (fp32 parameters holding the bf16 weights, a bf16 forward: fp32 gradient sums)
+        # for fp32 buffers, and for fp16 weights also beside bf16 buffers, each backward's sum rounded to them
+        # (FP16ScaledTrainingLoop)
+        self.cast_replicas = self.grad_buffers == torch.float32 or self.weights == torch.float16
+        if self.cast_replicas:
             self.refs_models = [_cast_net(m, self.weights) for m in self.refs_models]
         # the built-in loss scale (fp16 weights by default), which stays at its start (FP16ScaledTrainingLoop)
         self.own_scale = self.OPTIONS.get("loss_scale") or None
@@ -297,7 +298,7 @@ class _RankLoop:
                         raise AssertionError("a backward onto launched reduce-scatters did not raise")
                     self._scaled(self.model.loss(x, heads[w])).backward()
                 self._scaled(self.refs_models[w].loss(x, heads[w])).backward()
-                if self.fp32_grads:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
+                if self.cast_replicas:  # (autograd adds onto a gradient set by hand in the bf16 model's param.grad, in
                     _round_to_weights(self.refs[w], self.plain[w], grads=True,  # bf16: the flush takes that sum)
                                       dtype=self.weights)
                     if self.grad_buffers != torch.float32:  # (the buffer holds each backward's sum in bf16)
@@ -628,7 +629,7 @@ class _RankLoop:
                     continue
                 self.hooked[w].add(n)
                 hook = (functools.partial(_clamp_shown_grad, dtype=self.weights, buffer=self.grad_buffers)
-                        if self.fp32_grads else _clamp_grad)
+                        if self.cast_replicas else _clamp_grad)
                 self.refs[w][n].register_post_accumulate_grad_hook(hook)
                 if w == self.rank:
                     self.ours[n].register_post_accumulate_grad_hook(_clamp_grad)
@@ -732,15 +733,15 @@ class _RankLoop:
 
     # ------------------------------------------------------------------ the comparison
     def _compare(self):  # (every rank's replica holds the same weights after a step)
-        if self.fp32_grads:
+        if self.cast_replicas:
             return _compare_cast(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, self.atol,
                                  self.weights)
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs[0], self.masters,
                            replicas=self.refs[1:], atol=self.atol)
 
     def _round_weights(self, names) -> None:
-        """fp32 gradients: the replicas' weights ``names`` rounded to bf16 (fp16), as the model holds them."""
-        if self.fp32_grads:
+        """Cast replicas: their weights ``names`` rounded to bf16 (fp16), as the model holds them."""
+        if self.cast_replicas:
             for r in self.refs:
                 _round_to_weights(r, names, dtype=self.weights)
 
