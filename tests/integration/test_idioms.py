@@ -422,8 +422,7 @@ def _trained_conv_net(when: str | None, overlap: bool) -> tuple[torch.Tensor, li
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]), [p.is_contiguous() for p in
-                                                                            model.parameters()]
+    return flat_weights(model), [p.is_contiguous() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -436,8 +435,7 @@ def test_a_channels_last_model_trains_as_the_contiguous_one_with_contiguous_para
     bit. What changes is the layout torch's convolutions get for the weights (the batches stay channels_last)."""
     weights, contiguous = _trained_conv_net(when, overlap)
     unconverted, _ = _trained_conv_net(None, overlap)
-    assert not torch.equal(unconverted, torch.cat([p.detach().flatten() for p in _conv_net().parameters()])), (
-        "the model trained")
+    assert not torch.equal(unconverted, flat_weights(_conv_net())), "the model trained"
     assert_bitwise_equal(weights, unconverted, f"weights of the model converted to channels_last {when} building")
     assert all(contiguous), "every parameter is its contiguous piece of the flat buffer"
 
