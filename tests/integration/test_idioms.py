@@ -25,9 +25,9 @@ import torch.nn.utils.prune
 
 from tests.distributed import run_on_ranks
 from tests.helpers import assert_bitwise_equal, assert_close_rel, overlap_machinery
-from tests.integration.hf import eval_loss, flat_weights, lm_loss, tiny_gpt2, tiny_llama, tokens
+from tests.integration.hf import VOCAB, eval_loss, flat_weights, lm_loss, tiny_gpt2, tiny_llama, tokens
 from tests.optim.training import LR, MAX_NORM, Reference, batch, loss_fn, make_model, param_groups, schedule
-from tritonshard import ShardedAdamW, ShardedSGD
+from tritonshard import ShardedAdamW, ShardedSGD, comm
 from tritonshard.checkpoint import load_sharded, save_sharded
 from tritonshard.comm import all_gather_single
 from tritonshard.optim import bucket, model_sync
@@ -461,6 +461,101 @@ def test_loading_with_torchs_swap_flag_is_an_error_naming_it_and_writes_no_param
     want = torch.cat([loaded[n].float().flatten() for n, _ in model.named_parameters()])
     assert_bitwise_equal(flat_weights(model), want, "weights loaded with the flag off")
     _train(model, opt, steps=1)
+
+
+NEW_ROWS = 7  # tokens added by the resize (the vocabulary no longer a multiple of anything)
+
+
+def _train_new_tokens(model, opt, steps: int, rank: int, first_step: int) -> None:
+    """:func:`_train` on batches that use the resized vocabulary's new tokens too."""
+    for step in range(first_step, first_step + steps):
+        ids = tokens(step, rank)
+        ids[:, ::5] = VOCAB + (step + rank) % NEW_ROWS
+        lm_loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _resized_after_building(rank, world_size, make, overlap):
+    model = make(0)
+    kwargs = dict(lr=1e-3, weight_decay=0.1, bucket_cap_mb=0.05, overlap_comm=overlap)
+    opt = ShardedAdamW(model.parameters(), **kwargs)
+    opt.attach(model)
+    _train(model, opt, steps=2, rank=rank)  # (with overlap_comm, the last step's gathers are in flight)
+    torch.manual_seed(5)  # (the resize samples the new rows: alike on every rank)
+    model.resize_token_embeddings(VOCAB + NEW_ROWS)
+    name = "transformer.wte.weight" if make is tiny_gpt2 else "model.embed_tokens.weight"
+    resized = {k: v.clone() for k, v in model.state_dict().items()}
+    assert resized[name].shape == (VOCAB + NEW_ROWS, 64)
+    lm_loss(model, tokens(2, rank)).backward()  # (torch.optim's backward works here; ours failed inside autograd)
+    with pytest.raises(RuntimeError, match=rf"no longer trains its parameters: parameter '{re.escape(name)}' was "
+                                           rf"given a tensor of shape \({VOCAB + NEW_ROWS}, 64\) in place of its "
+                                           rf"\({VOCAB}, 64\).*Build a new optimizer over the model after the"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="no longer trains its parameters"):
+        opt.state_dict()
+    after = model.state_dict()
+    for k, v in resized.items():
+        assert_bitwise_equal(after[k], v, f"rank {rank}: {k} after the refused step")
+    model.zero_grad()
+    # the way that works: a new optimizer over the resized model, trained as one built over a model resized first
+    opt = ShardedAdamW(model.parameters(), **kwargs)
+    opt.attach(model)
+    _train_new_tokens(model, opt, steps=2, rank=rank, first_step=3)
+    reference = make(0)
+    reference.resize_token_embeddings(VOCAB + NEW_ROWS)
+    reference.load_state_dict(resized)  # (bf16 values: the masters of both are the same)
+    ref_opt = ShardedAdamW(reference.parameters(), **kwargs)
+    ref_opt.attach(reference)
+    _train_new_tokens(reference, ref_opt, steps=2, rank=rank, first_step=3)
+    opt.wait_for_params()
+    ref_opt.wait_for_params()
+    assert not torch.equal(flat_weights(model), torch.cat([v.float().flatten() for v in resized.values()])), \
+        "the new optimizer trained"
+    assert_bitwise_equal(flat_weights(model), flat_weights(reference), f"rank {rank}: weights after the resize")
+    assert_bitwise_equal(torch.cat([b.master_fp32() for b in opt.buckets]),
+                         torch.cat([b.master_fp32() for b in ref_opt.buckets]), f"rank {rank}: masters")
+
+
+@pytest.mark.parametrize("make, world_size, overlap", [(tiny_gpt2, 1, False), (tiny_llama, 1, False),
+                                                       (tiny_llama, 2, True)],
+                         ids=["gpt2 tied", "llama", "llama, 2 ranks, overlap_comm"])
+def test_resizing_the_embeddings_after_building_names_the_parameter_and_a_new_optimizer_trains_on(make, world_size,
+                                                                                                  overlap):
+    """Hugging Face's ``model.resize_token_embeddings(n)`` after building the optimizer (tokens added to a
+    tokenizer mid-script) writes the resized matrix into the same Parameter (``p.data = t``). torch.optim trains
+    on where the parameter has no state yet and fails at the next step otherwise (its moments keep the old shape);
+    a tritonshard optimizer laid the parameter out at its old shape, so it stops training (a clear error from
+    step() and the other calls, naming the parameter, the shapes and the fix) and nothing is written; an optimizer
+    built after the resize trains the resized model bit for bit as one built over a model resized first (with
+    overlap_comm, the retired one's gathers in flight landed first). Until session 46 the next backward failed
+    inside autograd ("EmbeddingBackward0 returned an invalid gradient at index 0 - got [135, 64] but expected
+    shape compatible with [128, 64]": the AccumulateGrad node the optimizer held for its hooks kept the old
+    shape), naming neither the parameter nor the way out."""
+    if world_size == 1:
+        _resized_after_building(0, 1, make, overlap)
+    else:
+        run_on_ranks(_resized_after_building, world_size, make, overlap)
+
+
+def _resized_on_rank_0_only(rank, world_size):
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    opt.attach(model)
+    _train(model, opt, steps=1, rank=rank)
+    if rank == 0:
+        model.resize_token_embeddings(VOCAB + NEW_ROWS)
+    with pytest.raises(RuntimeError if rank == 0 else comm.PeerFailedError,
+                       match=("" if rank == 0 else r"rank 0: RuntimeError: ") + "this ShardedAdamW no longer trains"):
+        _train(model, opt, steps=1, rank=rank, first_step=1)
+
+
+def test_resizing_the_embeddings_on_one_rank_only_is_an_error_on_every_rank():
+    """A resize on rank 0 only (a tokenizer extended under ``if rank == 0``) retires rank 0's optimizer alone:
+    its step() raises, and tells the other rank, which raises a PeerFailedError naming rank 0's error instead of
+    waiting in a handshake rank 0 never joins (the retirement check ran before the step's handshake position was
+    taken until session 46, so the other rank waited)."""
+    run_on_ranks(_resized_on_rank_0_only, 2, timeout_s=120)
 
 
 @pytest.mark.parametrize("convert", ["float", "half"])

@@ -791,25 +791,51 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         save or load through it raises (:meth:`_check_not_retired`) instead of reading stale buffers or taking the
         parameters back."""
         for other, names in holders:
-            other.wait_for_params()
-            for handle in other._hooks:
+            other._retire(f"a {type(self).__name__} built later over the same parameters ({_names(names)}) took "
+                          "them over. A tritonshard parameter lives in one optimizer's buffers; use the new "
+                          "optimizer (and let go of this one, e.g. an LR scheduler or a list that still refers to it)")
+
+    def _retire(self, why: str) -> None:
+        """Stop training: wait for the all-gathers in flight (they write the parameters' values, which whatever
+        trains them next takes as its masters), remove the hooks on the parameters and the model (they would
+        flatten the gradients into this optimizer's buffers; the AccumulateGrad nodes held for them go too, so a
+        parameter given another shape gets a new one), drop the model's guards, and from then on raise ``why``
+        from every call that would train, save or load (:meth:`_check_not_retired`)."""
+        self.wait_for_params()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._grad_accumulators = [], []
+        if self._attached is not None:
+            model, handles = self._attached
+            for handle in handles:
                 handle.remove()
-            other._hooks, other._grad_accumulators = [], []
-            if other._attached is not None:
-                model, handles = other._attached
-                for handle in handles:
-                    handle.remove()
-                around = model_sync.ddp_around(model)  # (a DDP's guard too: its no_sync() and its average)
-                for module in [*model.modules(), *([around] if around is not None else [])]:
-                    guarding = module.__dict__.get("_tritonshard_guarding")
-                    if guarding:
-                        object.__setattr__(module, "_tritonshard_guarding",
-                                           tuple((r, i) for r, i in guarding if r() is not other))
-                other._attached = None
-            other._retired_by = (f"a {type(self).__name__} built later over the same parameters "
-                                 f"({_names(names)}) took them over")
-            for b in other.buckets:  # (an fp32 copy into a parameter it laid out is kept for the next that does)
-                b.retired = True
+            around = model_sync.ddp_around(model)  # (a DDP's guard too: its no_sync() and its average)
+            for module in [*model.modules(), *([around] if around is not None else [])]:
+                guarding = module.__dict__.get("_tritonshard_guarding")
+                if guarding:
+                    object.__setattr__(module, "_tritonshard_guarding",
+                                       tuple((r, i) for r, i in guarding if r() is not self))
+            self._attached = None
+        self._retired_by = why
+        for b in self.buckets:  # (an fp32 copy into a parameter it laid out is kept for the next that does)
+            b.retired = True
+
+    def _param_reshaped(self, p: torch.Tensor, shape: torch.Size) -> None:
+        """``p.data = t`` with ``t`` of another shape than ``p``'s (Hugging Face's ``resize_token_embeddings``
+        writes the resized matrix into the same Parameter this way), called before the assignment: this optimizer
+        retires (:meth:`_retire`), and its next step(), state_dict() or load names the parameter and the way that
+        works. torch.optim trains on where the parameter has no state yet and fails at the step after otherwise
+        (its moments keep the old shape); here the parameter's piece of the flat buffers, its master and its state
+        have the old shape from construction on, and the AccumulateGrad node held for its hooks kept the old
+        shape, so until session 46 the next backward failed inside autograd ("returned an invalid gradient ...
+        expected shape compatible with [128, 64]"), naming neither. An optimizer built after the resize, over
+        the model, takes the parameters over and trains the new shape (the old one's hooks are gone)."""
+        name = self._param_names[p]
+        self._retire(
+            f"parameter {name} was given a tensor of shape {tuple(shape)} in place of its {tuple(p.shape)} "
+            "(p.data = t, e.g. model.resize_token_embeddings()) after the optimizer was built, and a tritonshard "
+            "optimizer lays each parameter out in its flat buffers at its shape then. Build a new optimizer over "
+            "the model after the change (or make the change before building this one)")
 
     def _mid_step(self) -> bool:
         """Between a backward and its step(): that backward's gradients are taken into the buffers (placeholders
@@ -847,9 +873,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _check_not_retired(self) -> None:
         if self._retired_by is not None:
             raise RuntimeError(
-                f"this {type(self).__name__} no longer trains its parameters: {self._retired_by}. A tritonshard "
-                "parameter lives in one optimizer's buffers; use the new optimizer (and let go of this one, e.g. "
-                "an LR scheduler or a list that still refers to it)")
+                f"this {type(self).__name__} no longer trains its parameters: {self._retired_by}")
 
     # ------------------------------------------------------------------ construction helpers
     def _lay_out_group(self, gi: int, params: Optional[list] = None) -> list[_Bucket]:
@@ -1105,6 +1129,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                     self.state_dtype, self.state_rounding, seed, owners=self._group_owners(group, params))
         b.step_flags = self._flags  # (a gradient the loop assigns: WatchedParameter.__setattr__)
         b.seen_version = weakref.WeakMethod(self._seen_version)  # (an in-place call's start: _Bucket.before_call)
+        b.reshaped = weakref.WeakMethod(self._param_reshaped)  # (p.data = t of another shape: WatchedParameter)
         return b
 
     def _make_graphs(self, cuda_graph) -> Optional[_graphs.StepGraphs]:
@@ -2006,6 +2031,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         (:meth:`_check_grads_since_reduction`); the placeholders' ops (torch's clip: a norm, then a multiply per
         parameter) do not: that look reads every param.grad, and per parameter it would cost the square of their
         number, while step() looks in any case."""
+        self._check_not_retired()  # (also where a step() that raised it took part in the others' reduction first)
         if self._flags.compiled_unfinished and not torch.compiler.is_compiling():
             self._finish_compiled_step()
         if self._flags.traced_reduction and self._reduced is None:
@@ -2932,14 +2958,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise
 
     def _step_work(self, closure=None):
-        self._check_not_retired()
         loss = None
-        if closure is not None:
+        if closure is not None and self._retired_by is None:
             with torch.enable_grad():
                 loss = closure()
         shaken = self._entry.position()
         self._final_look = True
         try:
+            self._check_not_retired()  # (the other ranks are told: a retirement on some ranks only)
             found_inf, amp_scale, amp_found_inf, multiplier, frozen = self._before_update()
         except Exception as exc:
             self._tell_peers(exc, shaken)

@@ -226,7 +226,15 @@ class WatchedParameter(torch.nn.Parameter):
 
     @data.setter
     def data(self, value):
-        _TENSOR_DATA.__set__(self, value)  # (__setattr__ notes it)
+        """torch's (``__setattr__`` notes it for the next look), after retiring the owning optimizer where ``value``
+        has another shape (:meth:`~tritonshard.optim.base.ShardedOptimizer._param_reshaped`)."""
+        if isinstance(value, torch.Tensor) and not torch.compiler.is_compiling():
+            b = owner_of(self)
+            if b is not None and not b.retired and b.reshaped is not None and value.shape != self.shape:
+                reshaped = b.reshaped()
+                if reshaped is not None:
+                    reshaped(self, value.shape)
+        _TENSOR_DATA.__set__(self, value)
 
     def copy_(self, src, non_blocking=False):
         """torch's ``copy_``, after this parameter's in-flight all-gather (which would land on the copy), and with a
@@ -665,6 +673,8 @@ class _Bucket:
         #: a weak reference to the owning optimizer's ``_seen_version`` (set by it): a parameter's version counter
         #: as its last look at the model saw it (:meth:`before_call`)
         self.seen_version = None
+        #: a weak reference to the owning optimizer's ``_param_reshaped`` (set by it): ``p.data = t`` of another shape
+        self.reshaped = None
         self.param_buffer = Buffer(params, rank, world_size, dtype=param_dtype, device=device, align=align,
                                    group=group, check_layout=comm.is_initialized(), owners=owners)
         self.grad_buffer = Buffer(params, rank, world_size, dtype=grad_dtype, device=device, align=align,
