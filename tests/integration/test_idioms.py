@@ -463,6 +463,52 @@ def test_loading_with_torchs_swap_flag_is_an_error_naming_it_and_writes_no_param
     _train(model, opt, steps=1)
 
 
+def _trained_after_noting(noted: str, then: str, convert_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of a tiny Llama after ``noted`` (an fp32 checkpoint loaded after building the optimizer, or a
+    decay of the loop's below half a bf16 ulp, ``p.mul_(c)`` under no_grad) and a conversion ``then`` that changes
+    no parameter, after it or (``convert_first``) before it: the masters and the weights. (Converted before, the
+    notes meet nothing after them; the model's buffers are converted alike: Llama's fp32 rotary ``inv_freq``
+    becomes bf16 under ``model.to(torch.bfloat16)``.)"""
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+
+    def convert():
+        with torch.no_grad():  # (model.to() runs its assignments under no_grad too)
+            {"model.to('cpu')": lambda: model.to("cpu"), "model.to(torch.bfloat16)": lambda: model.to(torch.bfloat16),
+             "model.bfloat16()": model.bfloat16, "model.cpu()": model.cpu,
+             "p.data = p": lambda: [setattr(p, "data", p) for p in model.parameters()],
+             "p.data = p.data": lambda: [setattr(p, "data", p.data) for p in model.parameters()]}[then]()
+
+    if convert_first:
+        convert()
+    if noted == "an fp32 load":
+        model.load_state_dict(tiny_llama(1).state_dict())
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 - 1e-3)
+    if not convert_first:
+        convert()
+    _train(model, opt, steps=1)
+    return torch.cat([b.master_fp32() for b in opt.buckets]), flat_weights(model)
+
+
+@pytest.mark.parametrize("then", ["model.to('cpu')", "model.to(torch.bfloat16)", "model.bfloat16()", "model.cpu()",
+                                  "p.data = p", "p.data = p.data"])
+@pytest.mark.parametrize("noted", ["an fp32 load", "p.mul_(c)"])
+def test_a_conversion_that_changes_nothing_keeps_what_was_noted_for_the_masters(noted, then):
+    """``model.to(device)`` after loading an fp32 checkpoint into a model whose optimizer is built (accelerate's
+    ``prepare`` does it; so do most scripts), where the model is on that device already: torch's ``Module._apply``
+    assigns ``param.data = param`` to every parameter. That is no write, and the masters keep what was noted for
+    them (the checkpoint's fp32 values; the fp32 result of a decay below half a bf16 ulp): bit for bit the run
+    converted before the notes. Until session 46 the assignment voided the notes, silently: masters up to 2^-9
+    (relative) off the checkpoint, and a decay lost."""
+    masters, weights = _trained_after_noting(noted, then, convert_first=False)
+    want_masters, want_weights = _trained_after_noting(noted, then, convert_first=True)
+    assert_bitwise_equal(masters, want_masters, f"masters after {noted}, then {then}")
+    assert_bitwise_equal(weights, want_weights, f"weights after {noted}, then {then}")
+
+
 NEW_ROWS = 7  # tokens added by the resize (the vocabulary no longer a multiple of anything)
 
 

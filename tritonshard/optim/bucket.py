@@ -323,10 +323,16 @@ class WatchedParameter(torch.nn.Parameter):
         step compiled by torch.compile cannot, so it took the last backward's gradients (until session 24: a
         model.zero_grad() between the backward and a compiled step, which torch.optim then skips entirely, or a
         gradient set by hand, silently ignored). tritonshard's own assignments go through :data:`set_grad`, not
-        here. Cost: ~0.2 us per assignment (a Python frame), nothing per read."""
+        here. A ``.data`` assignment of the parameter's own elements (``model.to()`` of what it is already) is not a
+        write (:func:`_same_elements`). Cost: ~0.2 us per assignment (a Python frame), nothing per read."""
+        if name == "data" and not torch.compiler.is_compiling():
+            written = not _same_elements(value, self)  # (before the assignment: after it, they are the same)
+            _OBJECT_SETATTR(self, name, value)
+            _must_look(self, written=written)
+            return
         _OBJECT_SETATTR(self, name, value)
-        if (name == "grad" or name == "data") and not torch.compiler.is_compiling():
-            _must_look(self, written=name == "data")
+        if name == "grad" and not torch.compiler.is_compiling():
+            _must_look(self)
 
     def __repr__(self, *, tensor_contents=None):
         return torch.nn.Parameter.__repr__(torch.nn.Parameter(_TENSOR_DATA.__get__(self), self.requires_grad))
@@ -430,6 +436,24 @@ def _data_mirrored(name: str):
     mirrored.__name__ = mirrored.__qualname__ = name
     mirrored.__doc__ = f"torch.Tensor.{name}, and the call noted for the parameter's fp32 master (_data_mirrored)."
     return mirrored
+
+
+def _same_elements(t, p: torch.Tensor) -> bool:
+    """Whether ``p.data = t`` leaves ``p`` as it was: ``t`` is ``p``, or a tensor over the same elements of the same
+    memory. ``Module._apply`` assigns ``param.data = fn(param)`` for every parameter, also where ``fn`` changed
+    nothing and returned the parameter itself: ``model.to(device)`` on the device it is on (accelerate's
+    ``prepare``; most scripts after loading the weights), ``model.to(torch.bfloat16)`` or ``model.bfloat16()`` of
+    bf16 weights, ``model.cpu()`` on the CPU. Until session 46 that counted as a write past the version counter,
+    which voids what was noted for the fp32 masters: an fp32 checkpoint loaded after building the optimizer, then
+    ``model.to(device)``, started from the checkpoint's bf16 rounding (masters up to 2^-9 relative off, silently);
+    in-place calls (a decay of the loop's) lost their fp32 results the same way."""
+    if t is p:
+        return True
+    if not isinstance(t, torch.Tensor):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return (t.device == p.device and t.dtype == p.dtype and t.data_ptr() == p.data_ptr() and t.shape == p.shape
+                and t.stride() == p.stride())
 
 
 def _unheld_written(p: torch.Tensor) -> None:
