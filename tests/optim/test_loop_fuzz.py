@@ -75,7 +75,11 @@ UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=
            # (until session 42 dropped: the decay lost in every element the write left)
            "zero_ [0]": lambda p: p[0].zero_(),
            # through .data, as older loops write a decay (until session 44 torch's method on the bf16 weights alone)
-           "data.mul_": lambda p: p.data.mul_(1 - 1e-4)}
+           "data.mul_": lambda p: p.data.mul_(1 - 1e-4),
+           # not an update: what model.to(the device it is on) does to each parameter (torch's Module._apply), which
+           # until session 46 voided the calls and fp32 values noted for the master (accelerate's prepare after an
+           # fp32 load: the load taken as bf16)
+           "data = itself": lambda p: setattr(p, "data", p)}
 #: hyper-parameters a loop changes between steps, and values for them, per torch.optim class
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
