@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.optim.training import LR, Reference, loss_fn, make_model, param_groups, schedule, train_step
-from tritonshard import ShardedAdamW
+from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.optim.model_sync import ShardedGrad
 
 
@@ -134,6 +134,13 @@ def _params():
     (lambda: ShardedAdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))]),
      ValueError, r"param_groups\[0\]\['params'\]\[1\] \(shape \(3,\)\) is on the meta device"),
     (lambda: ShardedAdamW(_params(), lr=-1.0), ValueError, "lr must be >= 0"),
+    # a tensor lr: one element, as torch.optim's "Tensor lr must be 1-element" (until session 46 it passed and
+    # failed inside step() with "shape '[]' is invalid for input of size 2"), and not negative (torch.optim refuses
+    # it; it trained uphill, silently)
+    (lambda: ShardedAdamW(_params(), lr=torch.tensor([1e-3, 2e-3])), ValueError,
+     r"lr must be a number or a 1-element tensor, got a tensor of shape \(2,\) \(param_groups\[0\]\)"),
+    (lambda: ShardedAdamW(_params(), lr=torch.tensor(-1e-3)), ValueError, r"lr must be >= 0 and finite, got -0\.001"),
+    (lambda: ShardedSGD(_params(), lr=torch.tensor([float("nan")])), ValueError, "lr must be >= 0 and finite, got nan"),
     # infinities passed construction and failed at step() (issue 23)
     (lambda: ShardedAdamW(_params(), lr=float("inf")), ValueError, "lr must be >= 0 and finite, got inf"),
     (lambda: ShardedAdamW(_params(), eps=float("inf")), ValueError, "eps must be > 0 and finite"),
@@ -161,6 +168,28 @@ def _params():
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
+
+
+def test_a_tensor_lr_set_after_construction_is_checked_at_step():
+    """A scheduler or a loop that sets ``group["lr"]`` to a tensor of more than one element (or a negative CPU one)
+    between steps: step() names it and the group before anything changes, as construction does."""
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR)
+    x = torch.randn(6, 13).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    for lr, match in ((torch.tensor([LR, LR]), r"1-element tensor, got a tensor of shape \(2,\) \(param_groups\[1\], "
+                                                r"at step\(\)\)"),
+                      (torch.tensor(-LR), r"lr must be >= 0 and finite, got -.* \(a tensor\) \(param_groups\[1\]")):
+        opt.param_groups[1]["lr"] = lr
+        loss_fn(model, x).backward()
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a refused step wrote the weights"
+    opt.param_groups[1]["lr"] = torch.tensor([LR])  # (one element: as torch.optim, it trains)
+    loss_fn(model, x).backward()
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_hooks_on_the_model_do_not_keep_the_optimizer_alive():

@@ -23,11 +23,19 @@ def require(ok: bool, msg: str, where: str) -> None:
 
 
 def check_lr(lr, where: str) -> None:
-    """A number >= 0, or a tensor (read on the device, so a changing lr needs no recompile)."""
+    """A number >= 0, or a 1-element tensor (read on the device, so a changing lr needs no recompile), as
+    torch.optim takes: its value is checked where that costs no device sync (a CPU tensor, not under
+    torch.compile). Until session 46 any tensor passed: a 2-element one failed inside step() with "shape '[]' is
+    invalid for input of size 2", and a negative one, which torch.optim refuses, trained uphill, silently."""
     if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a number or a 1-element tensor, got a tensor of shape {tuple(lr.shape)}"
+                             f"{where}")
+        if lr.device.type == "cpu" and not torch.compiler.is_compiling() and not 0 <= float(lr) < math.inf:
+            raise ValueError(f"lr must be >= 0 and finite, got {float(lr)} (a tensor){where}")
         return
     if not _is_number(lr):
-        raise TypeError(f"lr must be a number or a 0-d tensor, got {type(lr).__name__}{where}")
+        raise TypeError(f"lr must be a number or a 1-element tensor, got {type(lr).__name__}{where}")
     if not 0 <= lr < math.inf:
         raise ValueError(f"lr must be >= 0 and finite, got {lr}{where}")
 
