@@ -440,6 +440,43 @@ def test_a_channels_last_model_trains_as_the_contiguous_one_with_contiguous_para
     assert all(contiguous), "every parameter is its contiguous piece of the flat buffer"
 
 
+def _trained_transposed(when: str, overlap: bool) -> tuple[torch.Tensor, bool]:
+    """Three steps of a small bf16 MLP whose square first weight is transposed in place (``w.data = w.data.t()``)
+    ``when`` ("before" building the optimizer, as a contiguous copy, or "after"): the weights, and whether that
+    weight is contiguous (its piece of the flat buffer) at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).to(torch.bfloat16)
+    if when == "before":
+        model[0].weight.data = model[0].weight.data.t().contiguous()
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, overlap_comm=overlap)
+    if overlap:
+        opt.attach(model)
+    if when == "after":
+        model[0].weight.data = model[0].weight.data.t()
+    torch.manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(4, 6).bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()]), model[0].weight.is_contiguous()
+
+
+@pytest.mark.usefixtures("with_overlap_machinery")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_square_weight_transposed_through_data_after_building_trains_as_one_transposed_before(overlap):
+    """``w.data = w.data.t()`` of a square weight (a conversion between the (in, out) and (out, in) conventions)
+    after building: the parameter then starts at its own address with other strides, which the optimizer's look at
+    the model (addresses and version counters) did not see, so until session 46 each backward's gradient was
+    flattened in the transposed order onto elements the update reads in the buffer's: silently wrong training
+    (weights 0.05 off after three steps). The assignment is now taken as a copy of the transposed values, and the
+    training is that of the weight transposed before building, bit for bit."""
+    after, contiguous = _trained_transposed("after", overlap)
+    before, _ = _trained_transposed("before", overlap)
+    assert_bitwise_equal(after, before, "weights, transposed after building vs before")
+    assert contiguous, "the transposed weight is its contiguous piece of the flat buffer again"
+
+
 def test_loading_with_torchs_swap_flag_is_an_error_naming_it_and_writes_no_parameter():
     """Under ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``model.load_state_dict`` swaps each
     parameter's tensor (``torch.utils.swap_tensors``), which a laid-out parameter cannot allow. torch's own error

@@ -227,13 +227,20 @@ class WatchedParameter(torch.nn.Parameter):
     @data.setter
     def data(self, value):
         """torch's (``__setattr__`` notes it for the next look), after retiring the owning optimizer where ``value``
-        has another shape (:meth:`~tritonshard.optim.base.ShardedOptimizer._param_reshaped`)."""
+        has another shape (:meth:`~tritonshard.optim.base.ShardedOptimizer._param_reshaped`). A ``value`` over the
+        parameter's own memory in another layout (``p.data = p.t()`` of a square weight: the transposed values)
+        is taken as a copy of those values: the look sees a parameter at the same address and would leave it there,
+        its gradients flattened in its logical order onto elements the update reads in the buffer's (until session
+        46 the training silently paired them wrongly)."""
         if isinstance(value, torch.Tensor) and not torch.compiler.is_compiling():
             b = owner_of(self)
-            if b is not None and not b.retired and b.reshaped is not None and value.shape != self.shape:
-                reshaped = b.reshaped()
-                if reshaped is not None:
-                    reshaped(self, value.shape)
+            if b is not None and not b.retired:
+                if value.shape != self.shape:
+                    reshaped = b.reshaped() if b.reshaped is not None else None
+                    if reshaped is not None:
+                        reshaped(self, value.shape)
+                elif _aliases_in_another_layout(value, self):
+                    value = value.clone(memory_format=torch.contiguous_format)
         _TENSOR_DATA.__set__(self, value)
 
     def copy_(self, src, non_blocking=False):
@@ -454,6 +461,12 @@ def _same_elements(t, p: torch.Tensor) -> bool:
     with torch._C.DisableTorchFunctionSubclass():
         return (t.device == p.device and t.dtype == p.dtype and t.data_ptr() == p.data_ptr() and t.shape == p.shape
                 and t.stride() == p.stride())
+
+
+def _aliases_in_another_layout(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether ``t`` starts at ``p``'s address with other strides (a transpose or permutation of ``p`` itself)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.data_ptr() == p.data_ptr() and t.stride() != p.stride() and t.device == p.device
 
 
 def _unheld_written(p: torch.Tensor) -> None:
