@@ -355,6 +355,26 @@ def test_zeroed_gradients_beside_a_backwards_cleared_ones_are_not_in_a_new_optim
     _first_step_on_zeros(model, maker, 2, maker)
 
 
+@pytest.mark.parametrize("maker", list(_MAKERS))
+def test_hand_set_gradients_zeroed_beside_a_backwards_cleared_ones_are_not_in_a_new_optimizers_way(maker):
+    """As above, with the zeros those of gradients set by hand (``p.grad = t``) and zeroed in place by
+    ``opt.zero_grad(set_to_none=False)``: the head's backward flushes them into the buffers beside its own
+    gradients, unchanged. Until session 46 that flush counted them as the backward's, so once the head's gradients
+    were cleared the new optimizer was refused as built 'between a backward and its step()', where torch.optim's
+    takes the zeros (found by tests.optim.loop_fuzz_long's TrainingLoop)."""
+    model = _model()
+    old = ShardedAdamW(model.parameters(), lr=1e-2)
+    _train(model, old, range(1))
+    gen = torch.Generator().manual_seed(9)
+    for p in model[0].parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    old.zero_grad(set_to_none=False)
+    h = torch.randn(4, 13, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    model[2](h).float().square().mean().backward()  # (the head only)
+    model[2].weight.grad = model[2].bias.grad = None
+    _first_step_on_zeros(model, maker, 2, maker)
+
+
 def test_a_refused_new_optimizer_can_be_built_once_the_launched_gradients_are_cleared():
     """overlap_comm: a backward's end launched the reduce-scatters, so a new optimizer is refused; the loop then
     clears every gradient (model.zero_grad()), which drops the launched reductions as torch.optim would drop the

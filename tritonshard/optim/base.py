@@ -673,6 +673,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # zero_grad(set_to_none=False), or param.grad.zero_(); since the last flush): not the middle of a step
         # (_holds_placed_gradients)
         self._zeroed: dict = {}
+        #: parameter -> (its plain gradient, that gradient's version) as ``zero_grad(set_to_none=False)`` zeroed it in
+        #: place (one set by hand, not flushed yet): the flush that takes it unchanged marks it ``_zeroed``
+        self._zeroed_plain: dict = {}
         # this step: torch code multiplied or clamped param.grad over its own list of gradients (an error at step()
         # if the ranks' lists differ: _without_grad_everywhere), and the parameters without a gradient here that
         # have one on another rank (found by step(); they get a SpentGrad here too, as under DDP)
@@ -1562,8 +1565,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 b.has_grads = True
         for b, pending in rest:
             self._place_placeholders(b, pending)
-        if self._zeroed:  # (as in _place_placeholders)
-            self._forget_zeroed([p for _, pending in flushed for p, _, _ in pending])
+        if self._zeroed or self._zeroed_plain:  # (as in _place_placeholders)
+            self._forget_zeroed([x for _, pending in flushed for x in pending])
 
     def _flatten_together(self) -> bool:
         """Whether :meth:`_flush_buckets` flattens several buckets in one launch: on the Triton kernels (compiled,
@@ -1690,21 +1693,29 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 for p in refused:
                     del placed[p]
         b.has_grads = True
-        if self._zeroed:
-            self._forget_zeroed([p for p, _, _ in pending])
+        if self._zeroed or self._zeroed_plain:
+            self._forget_zeroed(pending)
 
     def _forget_zeroed(self, flushed: list) -> None:
-        """``flushed`` hold a backward's (or a hand-set) gradient now, not the zeros of a ``zero_grad(set_to_none=
-        False)``; the other zeroed parameters still hold zeros, which are in nobody's way (:meth:`_mid_step`). Until
-        session 43 every flush forgot them all: a loop that then cleared the flushed gradients (``p.grad = None``)
-        could not build another optimizer over the parameters, refused as if a gradient waited (found by
-        tests.optim.loop_fuzz_long)."""
-        zeroed = self._zeroed
+        """``flushed`` (a flush's ``(param, gradient, offset)``) hold a backward's (or a hand-set) gradient now, not
+        the zeros of a ``zero_grad(set_to_none=False)``; the other zeroed parameters still hold zeros, which are in
+        nobody's way (:meth:`_mid_step`). Until session 43 every flush forgot them all: a loop that then cleared the
+        flushed gradients (``p.grad = None``) could not build another optimizer over the parameters, refused as if
+        a gradient waited (found by tests.optim.loop_fuzz_long). A gradient set by hand and zeroed in place by
+        ``zero_grad(set_to_none=False)`` is flushed as one, but holds those zeros where the flush takes it unchanged
+        (the same tensor, its version as zeroed: ``_zeroed_plain``): zeroed too (until session 46 a backward that
+        did not reach it counted it as its gradient, and the same refusal followed; found the same way)."""
+        zeroed, plain = self._zeroed, self._zeroed_plain
         if len(flushed) == len(self._param_list):  # (the usual flush: every parameter)
             zeroed.clear()
-            return
-        for p in flushed:
-            zeroed.pop(p, None)
+        else:
+            for p, _, _ in flushed:
+                zeroed.pop(p, None)
+        if plain:  # (looked up, not taken: a bucket's flush may pass here twice, _flush_buckets)
+            for p, g, _ in flushed:
+                kept = plain.get(p)
+                if kept is not None and kept[0] is g and g._version == kept[1]:
+                    zeroed[p] = True
 
     def _after_last_step_readers(self) -> None:
         """Streams, rule 3: before the first write into a grad buffer after ``step()``, the current stream waits for
@@ -2379,6 +2390,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if not compiling:  # (keyed by the parameters, which dynamo would wrap, and their param.grad, which it
             # cannot: the eager rerun after a compiled step clears it, _finish_compiled_step)
             self._zeroed.clear()
+            self._zeroed_plain.clear()
         self._reduced, self._clip_coef, self._reduced_early = None, None, False
         self._clamped = self._partials_of_pieces = False
         self._step_cache.clear()
@@ -3443,9 +3455,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                         if set_to_none or type(grad) is SpentGrad:  # (the buffers are zero-filled below)
                             set_grad(p, None)
                         else:
-                            to_zero.append(grad)
-        for grad in to_zero:  # (outside: a torch op, which a subclass' own __torch_function__ may handle)
+                            to_zero.append((p, grad))
+        for _, grad in to_zero:  # (outside: a torch op, which a subclass' own __torch_function__ may handle)
             grad.zero_()
+        if to_zero:  # (gradients set by hand, zeroed in place: what the next flush takes of them, _forget_zeroed)
+            self._zeroed_plain = {p: (grad, grad._version) for p, grad in to_zero}
         self._spent_unlisted, self._spent, self._stale = False, {}, {}
         if not set_to_none:  # those that had a gradient have one of zeros now (torch's: step() updates with them)
             # (every buffer without gradients yet zero-filled in one multi-tensor launch, not one fill per bucket)
