@@ -226,13 +226,18 @@ class WatchedParameter(torch.nn.Parameter):
 
     @data.setter
     def data(self, value):
-        """torch's (``__setattr__`` notes it for the next look), after retiring the owning optimizer where ``value``
-        has another shape (:meth:`~tritonshard.optim.base.ShardedOptimizer._param_reshaped`). A ``value`` over the
-        parameter's own memory in another layout (``p.data = p.t()`` of a square weight: the transposed values)
-        is taken as a copy of those values: the look sees a parameter at the same address and would leave it there,
-        its gradients flattened in its logical order onto elements the update reads in the buffer's (until session
-        46 the training silently paired them wrongly)."""
-        if isinstance(value, torch.Tensor) and not torch.compiler.is_compiling():
+        """torch's, noted for the owning optimizer's next look (:func:`_must_look`) as a write past the version
+        counter unless ``value`` is the parameter's own elements (:func:`_same_elements`), after retiring that
+        optimizer where ``value`` has another shape (:meth:`~tritonshard.optim.base.ShardedOptimizer.
+        _param_reshaped`). A ``value`` over the parameter's own memory in another layout (``p.data = p.t()`` of a
+        square weight: the transposed values) is taken as a copy of those values: the look sees a parameter at the
+        same address and would leave it there, its gradients flattened in its logical order onto elements the
+        update reads in the buffer's (until session 46 the training silently paired them wrongly)."""
+        if torch.compiler.is_compiling():
+            _TENSOR_DATA.__set__(self, value)
+            return
+        written = not _same_elements(value, self)  # (before the assignment: after it, they are the same)
+        if written and isinstance(value, torch.Tensor):
             b = owner_of(self)
             if b is not None and not b.retired:
                 if value.shape != self.shape:
@@ -242,6 +247,7 @@ class WatchedParameter(torch.nn.Parameter):
                 elif _aliases_in_another_layout(value, self):
                     value = value.clone(memory_format=torch.contiguous_format)
         _TENSOR_DATA.__set__(self, value)
+        _must_look(self, written=written)
 
     def copy_(self, src, non_blocking=False):
         """torch's ``copy_``, after this parameter's in-flight all-gather (which would land on the copy), and with a
@@ -330,13 +336,8 @@ class WatchedParameter(torch.nn.Parameter):
         step compiled by torch.compile cannot, so it took the last backward's gradients (until session 24: a
         model.zero_grad() between the backward and a compiled step, which torch.optim then skips entirely, or a
         gradient set by hand, silently ignored). tritonshard's own assignments go through :data:`set_grad`, not
-        here. A ``.data`` assignment of the parameter's own elements (``model.to()`` of what it is already) is not a
-        write (:func:`_same_elements`). Cost: ~0.2 us per assignment (a Python frame), nothing per read."""
-        if name == "data" and not torch.compiler.is_compiling():
-            written = not _same_elements(value, self)  # (before the assignment: after it, they are the same)
-            _OBJECT_SETATTR(self, name, value)
-            _must_look(self, written=written)
-            return
+        here. (``param.data = t`` is noted by the ``data`` property's setter, which this calls.) Cost: ~0.2 us per
+        assignment (a Python frame), nothing per read."""
         _OBJECT_SETATTR(self, name, value)
         if name == "grad" and not torch.compiler.is_compiling():
             _must_look(self)
