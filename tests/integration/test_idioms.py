@@ -36,10 +36,16 @@ from tritonshard.optim.model_sync import ShardedGrad
 BF16_REL = 2.0 ** -8  # one bf16 rounding, relative to the value: round to nearest is within half of 2^-7
 
 
-def _train(model, opt, steps: int, rank: int = 0, clip: str | None = None, first_step: int = 0):
+def _masters(opt) -> torch.Tensor:
+    """This rank's fp32 masters of every bucket, concatenated in bucket order."""
+    return torch.cat([b.master_fp32() for b in opt.buckets])
+
+
+def _train(model, opt, steps: int, rank: int = 0, clip: str | None = None, first_step: int = 0, ids=tokens):
+    """``steps`` steps on the batches ``ids(step, rank)``; the clip's norms."""
     norms = []
     for step in range(first_step, first_step + steps):
-        lm_loss(model, tokens(step, rank)).backward()
+        lm_loss(model, ids(step, rank)).backward()
         if clip == "torch":
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         elif clip == "opt":
@@ -114,7 +120,7 @@ def _trained_after_a_load(rank: int, when: str, how: str, **kwargs) -> tuple[tor
     if saved_opt is not None:  # (moments and counts; its dict has no masters: they stay the model's)
         opt.load_state_dict(saved_opt)
     _train(model, opt, steps=2, rank=rank)
-    return torch.cat([b.master_fp32() for b in opt.buckets]), flat_weights(model)
+    return _masters(opt), flat_weights(model)
 
 
 def _load_before_or_after_building(rank, world_size, how, kwargs):
@@ -459,7 +465,7 @@ def _trained_transposed(when: str, overlap: bool) -> tuple[torch.Tensor, bool]:
         opt.step()
         opt.zero_grad()
     opt.wait_for_params()
-    return torch.cat([p.detach().float().flatten() for p in model.parameters()]), model[0].weight.is_contiguous()
+    return flat_weights(model), model[0].weight.is_contiguous()
 
 
 @pytest.mark.usefixtures("with_overlap_machinery")
@@ -527,7 +533,7 @@ def _trained_after_noting(noted: str, then: str, convert_first: bool) -> tuple[t
     if not convert_first:
         convert()
     _train(model, opt, steps=1)
-    return torch.cat([b.master_fp32() for b in opt.buckets]), flat_weights(model)
+    return _masters(opt), flat_weights(model)
 
 
 @pytest.mark.parametrize("then", ["model.to('cpu')", "model.to(torch.bfloat16)", "model.bfloat16()", "model.cpu()",
@@ -549,14 +555,11 @@ def test_a_conversion_that_changes_nothing_keeps_what_was_noted_for_the_masters(
 NEW_ROWS = 7  # tokens added by the resize (the vocabulary no longer a multiple of anything)
 
 
-def _train_new_tokens(model, opt, steps: int, rank: int, first_step: int) -> None:
-    """:func:`_train` on batches that use the resized vocabulary's new tokens too."""
-    for step in range(first_step, first_step + steps):
-        ids = tokens(step, rank)
-        ids[:, ::5] = VOCAB + (step + rank) % NEW_ROWS
-        lm_loss(model, ids).backward()
-        opt.step()
-        opt.zero_grad()
+def _new_tokens(step: int, rank: int) -> torch.Tensor:
+    """:func:`tokens` with the resized vocabulary's new tokens among them."""
+    ids = tokens(step, rank)
+    ids[:, ::5] = VOCAB + (step + rank) % NEW_ROWS
+    return ids
 
 
 def _resized_after_building(rank, world_size, make, overlap):
@@ -584,20 +587,19 @@ def _resized_after_building(rank, world_size, make, overlap):
     # the way that works: a new optimizer over the resized model, trained as one built over a model resized first
     opt = ShardedAdamW(model.parameters(), **kwargs)
     opt.attach(model)
-    _train_new_tokens(model, opt, steps=2, rank=rank, first_step=3)
+    _train(model, opt, steps=2, rank=rank, first_step=3, ids=_new_tokens)
     reference = make(0)
     reference.resize_token_embeddings(VOCAB + NEW_ROWS)
     reference.load_state_dict(resized)  # (bf16 values: the masters of both are the same)
     ref_opt = ShardedAdamW(reference.parameters(), **kwargs)
     ref_opt.attach(reference)
-    _train_new_tokens(reference, ref_opt, steps=2, rank=rank, first_step=3)
+    _train(reference, ref_opt, steps=2, rank=rank, first_step=3, ids=_new_tokens)
     opt.wait_for_params()
     ref_opt.wait_for_params()
     assert not torch.equal(flat_weights(model), torch.cat([v.float().flatten() for v in resized.values()])), \
         "the new optimizer trained"
     assert_bitwise_equal(flat_weights(model), flat_weights(reference), f"rank {rank}: weights after the resize")
-    assert_bitwise_equal(torch.cat([b.master_fp32() for b in opt.buckets]),
-                         torch.cat([b.master_fp32() for b in ref_opt.buckets]), f"rank {rank}: masters")
+    assert_bitwise_equal(_masters(opt), _masters(ref_opt), f"rank {rank}: masters")
 
 
 @pytest.mark.parametrize("make, world_size, overlap", [(tiny_gpt2, 1, False), (tiny_llama, 1, False),
