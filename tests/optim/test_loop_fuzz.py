@@ -507,6 +507,10 @@ class TrainingLoop(RuleBasedStateMachine):
         lr = self.opt.param_groups[0]["lr"]
         live = [n for n, p in self.refs.items() if p.grad is not None and p.grad.any()
                 and not (n in self.spent and torch.equal(p.grad, self.spent_values[n]))]
+        # (read before the new optimizer is built: one that lays such a parameter out takes its entry. Until session
+        # 47 read after, so a head frozen at the last build, unfrozen and decayed in place, then taken by a new
+        # optimizer with its fp32 values, as torch.optim's fp32 weight holds them, was compared with its bf16 weight)
+        precise = {n for n in self.names if self.ours[n] in UNHELD_PRECISE}
         try:
             self.opt = self._ours(lr)
         except RuntimeError as e:
@@ -516,7 +520,7 @@ class TrainingLoop(RuleBasedStateMachine):
         held = {id(p) for g in self.opt.param_groups for p in g["params"]}
         with torch.no_grad():  # (the new optimizer's masters: its parameters' bf16 weights; the extra head, in no
             for n in self.names:  # group yet, keeps its fp32 values, which add_group takes)
-                if id(self.ours[n]) in held and self.ours[n] not in UNHELD_PRECISE:
+                if id(self.ours[n]) in held and n not in precise:
                     self.masters[n].copy_(self.refs[n].float())
         self.ropt = self.THEIRS(_groups(self.fp32, self.added, **self.GROUP_OPTIONS), lr=lr, **self.HPARAMS)
         self.launched = False

@@ -705,11 +705,12 @@ class _RankLoop:
         if self.clipped is not None or any(self._live(w) for w in range(WORLD)):
             return self.skipped.append("rebuild with live gradients")
         lr = self.opt.param_groups[0]["lr"]
+        precise = {n for n in self.names if self.ours[n] in UNHELD_PRECISE}  # (before the build: test_loop_fuzz.py)
         self.opt = self._ours(lr)
         held = {id(p) for g in self.opt.param_groups for p in g["params"]}
         with torch.no_grad():  # (the extra head, in no group yet, keeps its fp32 values: see test_loop_fuzz.py)
             for n in self.names:
-                if id(self.ours[n]) in held and self.ours[n] not in UNHELD_PRECISE:  # (fp32 values kept for a
+                if id(self.ours[n]) in held and n not in precise:  # (fp32 values kept for a
                     self.masters[n].copy_(self.refs[0][n].float())  # parameter held frozen: test_loop_fuzz.py)
         self.ropt = self.THEIRS(_groups(self.fp32, self.added, **self.group_options), lr=lr, **self.HPARAMS)
         self.launched = False

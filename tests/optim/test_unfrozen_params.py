@@ -179,6 +179,41 @@ def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_
         opt.step()
 
 
+@pytest.mark.parametrize("before_unfreezing", ["clip without a gradient", "backward, clip, model.zero_grad()"])
+def test_unfrozen_after_a_reduction_that_holds_no_gradient_steps_as_without_it(before_unfreezing):
+    """On one rank, a reduction none of whose gradients is held at step() (a clip before any backward, or every
+    gradient cleared after it), then a parameter frozen at construction is unfrozen and step() runs: torch.optim
+    steps nothing there (no parameter holds a gradient), and the unfrozen one trains from the next backward. Until
+    session 47 that step() failed with "cannot unpack non-iterable NoneType object": the look at the unfrozen
+    parameters forgot the reduction, and the step was handed the forgotten one (found by
+    tests.optim.loop_fuzz_long's FP32GradsTrainingLoop). The reference: the same loop without the reduction."""
+    runs = []
+    for reduced in (True, False):
+        model = _model()
+        model[0].weight.requires_grad_(False)
+        opt = ShardedAdamW(model.parameters(), lr=1e-2)
+        if reduced:
+            if before_unfreezing != "clip without a gradient":
+                _loss(model, 0).backward()
+            norm = opt.clip_grad_norm_(0.05)
+            model.zero_grad()
+            assert torch.isfinite(norm)
+        model[0].weight.requires_grad_(True)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()  # (no gradient anywhere: nothing moves)
+        for i, (p, b) in enumerate(zip(model.parameters(), before)):
+            assert_bitwise_equal(p.detach(), b, f"parameter {i}: stepped without a gradient")
+        for step in (1, 2):
+            _loss(model, step).backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+        assert float(opt.state[model[0].weight]["step"]) == 2, "the unfrozen weight trains from the next backward"
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_bitwise_equal(a, b, f"parameter {i}: after a reduction that held no gradient")
+
+
 @pytest.mark.parametrize("then", ["backward", "step"])
 @pytest.mark.parametrize("reduced_by", ["opt.clip_grad_norm_", "torch clip_grad_norm_", "per-parameter norms"])
 def test_a_frozen_parameter_given_a_gradient_with_every_reduced_one_replaced_is_stepped(reduced_by, then):

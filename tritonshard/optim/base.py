@@ -2049,9 +2049,12 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             self._adopt_traced_reduction()
         if self._reduced_early and (for_step or recheck):
             self._recheck_reduction("step" if for_step else "norm")
+        if self._reduced is not None and self._frozen_at_build and not torch.compiler.is_compiling():
+            # (unfrozen since the reduction: an error if it would miss a gradient; on one rank a reduction that
+            # holds no gradient any more is forgotten there first, and this step's is made below, with the new
+            # buckets: until session 47 the forgotten one was returned, None, and step() failed unpacking it)
+            self._adopt_unfrozen()
         if self._reduced is not None:
-            if self._frozen_at_build and not torch.compiler.is_compiling():
-                self._adopt_unfrozen()  # (unfrozen since the reduction: an error if it would miss a gradient)
             return self._reduced
         shaken = self._entry.position()
         try:
