@@ -168,6 +168,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.by_hand = False       # a gradient set by hand is still a plain bf16 tensor (until a flush: see clip)
         self.batch = 0
         self.hooked: set = set()   # names given a clamping post-accumulate-grad hook (add_hook)
+        self.saved = None          # the last save's in-memory checkpoint (save), for a rollback to it
 
     # ------------------------------------------------------------------ helpers
     def _ours(self, lr=LRS[0]):
@@ -425,6 +426,48 @@ class TrainingLoop(RuleBasedStateMachine):
         grads = self._master_grads()
         reference_step(self.ropt, self.masters, grads, [self.refs])
         self._stepped(grads)
+
+    @rule()
+    def save(self):
+        """A checkpoint between any two calls, not only after step(): the model's and the optimizer's state_dict
+        read (mid-accumulation, after a clip, after a write or an in-place update the optimizer has not looked at
+        yet, with a head frozen since the build): the weights, masters and step counts it holds must be torch.optim's
+        as they stand now (a checkpoint that lies is the worst kind of silent wrong result)."""
+        saved = self.model.state_dict()
+        for n in self.names:
+            assert torch.equal(saved[n], self.ours[n].detach()), f"{n}: model.state_dict() is not the weight"
+        self._compare()
+        # (kept in memory as a loop keeps a rollback point: deep copies, as torch.optim's state_dict() holds its
+        # live state tensors)
+        self.saved = (copy.deepcopy(saved), copy.deepcopy(self.opt.state_dict()),
+                      copy.deepcopy(self.ropt.state_dict()), {n: self.refs[n].detach().clone() for n in self.names},
+                      {n: self.masters[n].detach().clone() for n in self.names}, self.added)
+
+    @precondition(lambda self: self.saved is not None and not self.held and not self.launched
+                  and all(p.grad is None for p in self.refs.values()))
+    @rule(model_first=st.booleans())
+    def rollback(self, model_first):
+        """Back to the last save, into the same optimizer and model (a loop that rolls back after a loss spike or a
+        non-finite loss): ``model.load_state_dict`` and ``opt.load_state_dict`` of the saved dicts, in either order;
+        torch.optim's loads its own and goes on from the saved masters and state. After ``add_param_group`` the
+        groups differ from the saved ones: both raise (torch.optim's ValueError), and nothing changes."""
+        model_sd, opt_sd, ropt_sd, refs, masters, added = self.saved
+        if added != self.added:
+            with pytest.raises(ValueError, match="parameter groups"):
+                self.ropt.load_state_dict(copy.deepcopy(ropt_sd))
+            with pytest.raises(ValueError, match="2 param groups, the optimizer 3"):
+                self.opt.load_state_dict(copy.deepcopy(opt_sd))
+            return
+        loads = [lambda: self.model.load_state_dict(model_sd), lambda: self.opt.load_state_dict(copy.deepcopy(opt_sd))]
+        for load in loads if model_first else loads[::-1]:
+            load()
+        self.ropt.load_state_dict(copy.deepcopy(ropt_sd))  # (copies: a load may keep the dict's tensors as state)
+        with torch.no_grad():
+            for n in self.names:
+                self.refs[n].copy_(refs[n])
+                self.masters[n].copy_(masters[n])
+        self.spent, self.spent_values, self.data_written = set(), {}, set()
+        self._compare()
 
     def _stepped(self, grads):
         """After a step with ``grads`` (the reference's, by name): they are spent, and the weights compared."""

@@ -168,6 +168,7 @@ class _RankLoop:
         self.hooked = [set() for _ in range(WORLD)]  # per rank: names given a clamping post-accumulate hook
         self.skipped: list = []  # (calls skipped because they would fail on some ranks only)
         self.directory, self.saves = None, 0  # (resume through a checkpoint: set by _run_program)
+        self.saved = None  # the last save's in-memory checkpoint (save), for a rollback to it
         # GradScaler (SCALED): one scaler per rank, the same scale on every rank (every rank skips the same steps);
         # the reference's gradients are in the loop's units (scaled at each backward) and divided by the scale
         # where torch would unscale them. growth_interval=2: the scale doubles every second step taken
@@ -699,6 +700,48 @@ class _RankLoop:
                        [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.atol, self.weights)
         self._new_optimizer()
 
+    def save(self):
+        """test_loop_fuzz.TrainingLoop.save on every rank: the model's and the optimizer's state_dict read between any
+        two calls hold torch.optim's weights, masters and counts as they stand (with overlap_comm, the gathers in
+        flight); kept in memory for a rollback."""
+        saved = self.model.state_dict()
+        for n in self.names:
+            assert torch.equal(saved[n], self.ours[n].detach()), f"{n}: model.state_dict() is not the weight"
+        self._compare()
+        self.saved = (copy.deepcopy(saved), copy.deepcopy(self.opt.state_dict()),
+                      copy.deepcopy(self.ropt.state_dict()),
+                      [{n: r[n].detach().clone() for n in self.names} for r in self.refs],
+                      {n: self.masters[n].detach().clone() for n in self.names}, self.added)
+
+    def rollback(self, model_first):
+        """test_loop_fuzz.TrainingLoop.rollback on every rank: back to the last save, into the same model and
+        optimizer, in either order (each rank loads the dict it saved: the same on every rank)."""
+        if self.saved is None:
+            return self.skipped.append("rollback without a save")
+        if self.clipped is not None or self.launched or self._any_grad():
+            return self.skipped.append("rollback with gradients")
+        model_sd, opt_sd, ropt_sd, refs, masters, added = self.saved
+        if added != self.added:
+            with pytest.raises(ValueError, match="parameter groups"):
+                self.ropt.load_state_dict(copy.deepcopy(ropt_sd))
+            with pytest.raises(ValueError, match="2 param groups, the optimizer 3"):
+                self.opt.load_state_dict(copy.deepcopy(opt_sd))
+            return
+        loads = [lambda: self.model.load_state_dict(model_sd), lambda: self.opt.load_state_dict(copy.deepcopy(opt_sd))]
+        for load in loads if model_first else loads[::-1]:
+            load()
+        self.ropt.load_state_dict(copy.deepcopy(ropt_sd))
+        with torch.no_grad():
+            for r, kept in zip(self.refs, refs):
+                for n in self.names:
+                    r[n].copy_(kept[n])
+            for n in self.names:
+                self.masters[n].copy_(masters[n])
+        self.spent = [set() for _ in range(WORLD)]
+        self.spent_values = [{} for _ in range(WORLD)]
+        self.data_written = set()
+        self._compare()
+
     def rebuild(self):
         """A new optimizer without state; only where no rank holds a gradient torch.optim would still use (where
         one does, the refusal is that rank's alone: test_loop_fuzz.py checks it on one rank)."""
@@ -782,6 +825,8 @@ _CALLS = st.one_of(
     st.tuples(st.just("drop"), st.frozensets(st.sampled_from(range(WORLD))), st.sampled_from(["opt", "model"])),
     st.tuples(st.just("overflow"), st.tuples(*[st.frozensets(st.sampled_from(_NAMES), max_size=1)] * WORLD)),
     st.tuples(st.just("add_hook"), st.tuples(*[_names] * WORLD)),
+    st.tuples(st.just("save")),
+    st.tuples(st.just("rollback"), st.booleans()),
 )
 PROGRAMS = st.lists(_CALLS, min_size=1, max_size=14)
 _BACKWARD = st.tuples(st.just("backward"), st.tuples(*[_heads] * WORLD), st.booleans())
