@@ -1661,6 +1661,77 @@ def test_reading_the_weights_right_after_step_with_overlap_sees_the_new_weights(
     run_on_ranks(_reads_after_step, 2, wrapper)
 
 
+def _rolled_back(rank: int, world_size: int, model_first: bool, overlap: bool) -> None:
+    """A tiny Llama trained 2 steps, kept in memory (deep copies of both dicts), trained 2 more with a loss spike
+    (every gradient times 1e4, past a clip that lets it through), rolled back into the same model and optimizer,
+    and trained the 2 steps again on the same batches: this rank's masters and the weights after it, bit for bit
+    those after the 2 steps without the detour."""
+    results = []
+    for detour in (True, False):
+        model = tiny_llama(0)
+        opt = ShardedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, overlap_comm=overlap)
+        if overlap:
+            opt.attach(model)
+        _train(model, opt, steps=2, rank=rank, clip="torch")
+        if detour:
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            for step in (2, 3):  # (the spike: the loop finds it in its loss log and goes back)
+                (lm_loss(model, tokens(step, rank)) * 1e4).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+                opt.step()
+                opt.zero_grad()
+            if model_first:
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+            else:
+                opt.load_state_dict(saved[1])
+                model.load_state_dict(saved[0])
+        _train(model, opt, steps=2, rank=rank, clip="torch", first_step=2)
+        results.append((_masters(opt), flat_weights(model)))
+    (masters, weights), (want_masters, want_weights) = results
+    assert_bitwise_equal(masters, want_masters, f"rank {rank}: masters after the rollback")
+    assert_bitwise_equal(weights, want_weights, f"rank {rank}: weights after the rollback")
+
+
+@pytest.mark.parametrize("world_size,overlap", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-overlap"])
+@pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
+def test_a_rollback_to_an_in_memory_checkpoint_trains_on_as_without_the_detour(model_first, world_size, overlap):
+    """A loop that keeps a rollback point in memory and goes back to it after a loss spike, loading the model and
+    the optimizer in either order into the same objects (with overlap_comm, the gathers of the last step in flight
+    into the loads): bit for bit the run without the detour (weights, masters). docs/training-loops.md; the loop
+    fuzzers save and roll back at any point since session 47."""
+    if world_size > 1:
+        run_on_ranks(_rolled_back, world_size, model_first, overlap)
+    else:
+        _rolled_back(0, 1, model_first, overlap)
+
+
+def test_the_optimizers_state_dict_loaded_alone_puts_the_weights_back_and_a_reload_of_the_model_keeps_them():
+    """docs/training-loops.md: ``opt.load_state_dict(sd)`` alone puts back the weights of the save (the rounding of
+    its fp32 masters, which torch AMP keeps in the model); loading the model's current dict after it keeps the
+    current weights, with the loaded moments; their masters are the loaded ones where a weight is still their
+    rounding, and the weight elsewhere (the rule of every write: README)."""
+    model = tiny_llama(0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, steps=1)
+    saved, at_save = copy.deepcopy(opt.state_dict()), flat_weights(model)
+    _train(model, opt, steps=1, first_step=1)
+    current, now = copy.deepcopy(model.state_dict()), flat_weights(model)
+    assert not torch.equal(now, at_save)
+    opt.load_state_dict(saved)
+    assert_bitwise_equal(flat_weights(model), at_save, "the weights of the save")
+    model.load_state_dict(current)
+    assert_bitwise_equal(flat_weights(model), now, "the model's current weights, loaded after")
+    state = opt.state_dict()["state"]
+    for i, p in enumerate(model.parameters()):
+        loaded, weight = saved["state"][i]["master"].reshape(p.shape), p.detach()
+        assert (weight != loaded.to(weight.dtype)).any(), "no weight moved since the save: the rule below would go untested"
+        assert_bitwise_equal(state[i]["master"].reshape(p.shape),
+                             torch.where(weight == loaded.to(weight.dtype), loaded, weight.float()),
+                             f"parameter {i}: its master")
+        assert_bitwise_equal(state[i]["exp_avg"], saved["state"][i]["exp_avg"], f"parameter {i}: the loaded moment")
+
+
 # ---------------------------------------------------------------------------------------------- 5. DDP
 def _attribute_paths(rank, world_size):
     """One read or write per step, first thing after step() (see _reads_after_step), through the paths that do not

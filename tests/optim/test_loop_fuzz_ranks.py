@@ -59,7 +59,7 @@ from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _cast_net, _clamp_grad, _clamp_shown_grad, _compare_cast, _extra_group, _groups, \
-    _Net, _round_to_weights, clip, compare_with_torch, edit_state, \
+    _Net, _loaded_after, _round_to_weights, clip, compare_with_torch, edit_state, \
     UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -735,8 +735,8 @@ class _RankLoop:
             for r, kept in zip(self.refs, refs):
                 for n in self.names:
                     r[n].copy_(kept[n])
-            for n in self.names:
-                self.masters[n].copy_(masters[n])
+            for n in self.names:  # (the model loaded after the optimizer: test_loop_fuzz.py's rollback)
+                self.masters[n].copy_(masters[n] if model_first else _loaded_after(model_sd[n], masters[n]))
         self.spent = [set() for _ in range(WORLD)]
         self.spent_values = [{} for _ in range(WORLD)]
         self.data_written = set()
