@@ -169,6 +169,63 @@ def test_fp32_weights_loaded_into_a_parameter_held_frozen_reach_its_master_when_
     assert_bitwise_equal(masters[3]["master"], pretrained["bias"], "the head's bias master")
 
 
+@pytest.mark.parametrize("then", ["weights put back", "other weights in some elements"])
+def test_fp32_values_kept_for_a_parameter_held_frozen_survive_a_copy_of_its_own_dtype_where_it_holds_them(then):
+    """The held-frozen head below, given fp32 weights (kept for its layout), then a copy of bf16 weights into it:
+    its own put back (an EMA swapped in to evaluate and out again; the model's state_dict loaded after the
+    optimizer's, in a rollback), or others in some elements. Its master, once it trains, keeps the fp32 values
+    where the weight is still their rounding and takes the weight elsewhere, as a laid-out master does after a
+    write. Until session 47 the copy dropped them all: the master was the bf16 weight (found by
+    tests.optim.loop_fuzz_long's rollback)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ShardedAdamW(model.parameters(), lr=1e-3)
+    model[1].requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    pretrained = {k: torch.randn(v.shape) for k, v in model[1].state_dict().items()}
+    model[1].load_state_dict(pretrained)
+    saved = copy.deepcopy(model[1].state_dict())  # (bf16: the rounding of the fp32 values)
+    with torch.no_grad():
+        for p in model[1].parameters():
+            p.normal_()  # (an EMA swapped in)
+    if then != "weights put back":
+        saved["weight"][0] += 1
+    model[1].load_state_dict(saved)
+    model[1].requires_grad_(True)
+    model(torch.randn(4, 6).bfloat16()).float().square().mean().backward()  # (lays the head out at its end)
+    masters = opt.state_dict()["state"]
+    for i, k in ((2, "weight"), (3, "bias")):
+        want = torch.where(saved[k] == pretrained[k].bfloat16(), pretrained[k], saved[k].float())
+        assert_bitwise_equal(masters[i]["master"], want, f"the head's {k} master")
+
+
+def test_a_parameter_held_frozen_and_decayed_between_steps_has_the_rounding_of_the_fp32_decays_at_each_step():
+    """The held-frozen head below, decayed in place by the loop before every step (``p.mul_(1 - 1e-3)`` over every
+    weight, below half a bf16 ulp in most elements): after each step its weights are the rounding of the fp32
+    decays, as torch AMP's forward rounds its fp32 weights and as a laid-out parameter's become its master's
+    rounding at every step. Until session 47 they stayed where torch's bf16 calls left them, most never moving
+    (found by tests.optim.loop_fuzz_long: an fp32 write, a decay, a step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ShardedAdamW(model.parameters(), lr=1e-3)
+    model[1].requires_grad_(False)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    want = {k: v.detach().float().clone() for k, v in model[1].named_parameters()}
+    bf16_calls = {k: v.detach().clone() for k, v in model[1].named_parameters()}  # (where torch's calls leave them)
+    for step in range(8):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 - 1e-3)
+            for v in (*want.values(), *bf16_calls.values()):
+                v.mul_(1 - 1e-3)
+        model(torch.randn(4, 6).bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for k, p in model[1].named_parameters():
+            assert_bitwise_equal(p.detach(), want[k].bfloat16(), f"step {step}: the frozen head's {k}")
+    assert not torch.equal(bf16_calls["weight"], want["weight"].bfloat16()), "the two ways must differ to tell"
+
+
 @pytest.mark.parametrize("loaded", [False, True], ids=["bf16 weights", "fp32 weights loaded first"])
 def test_in_place_updates_of_a_parameter_held_frozen_reach_its_master_when_it_is_laid_out(loaded):
     """The held-frozen head above, updated in place while frozen (a decay of the loop's own over every weight,

@@ -280,6 +280,11 @@ class WatchedParameter(torch.nn.Parameter):
             # when it lays it out)
             UNHELD_PRECISE[self] = (src.detach().expand(self.shape).to(self.device, torch.float32, copy=True),
                                     _VERSION_OF(self))
+        elif self in UNHELD_PRECISE and self in HELD_FROZEN:
+            # (a copy of the weights' own dtype: the kept values hold where the weight is still their rounding, as a
+            # master's do after a write; until session 47 they were dropped, so the model's weights loaded after the
+            # optimizer's state, a rollback to a save made after an in-place call, left the bf16 weights as masters)
+            _unheld_written(self)
         else:
             UNHELD_PRECISE.pop(self, None)
         return out
@@ -505,6 +510,26 @@ def _unheld_values(p: torch.Tensor) -> torch.Tensor:
     if unheld_whole(p, noted):
         return value.clone()
     return where_rounded(weights, value, weights.float())
+
+
+@torch.no_grad()
+def settle_unheld(params: list) -> None:
+    """The step's look at parameters held frozen (``params``: the optimizer's ``_frozen_at_build``): one with fp32
+    values kept (:data:`UNHELD_PRECISE`) and nothing written since (:func:`unheld_whole`) gets their rounding as its
+    weights, as a laid-out parameter's weights become its master's rounding at every step
+    (:meth:`_Bucket.take_precise`) and torch.optim's fp32 weight is what the next forward rounds. torch's in-place
+    calls on the bf16 weights round at each call (two decays, or a decay after an fp32 load, leave some weights an
+    ulp from the values' rounding; a decay below half an ulp never moves them), so until session 47 a frozen
+    parameter's forward saw those weights, step after step. The kept values stay, for its layout."""
+    for p in params:
+        noted = UNHELD_PRECISE.get(p)
+        if noted is None or not unheld_whole(p, noted):
+            continue
+        rounded = noted[0].to(p.dtype)
+        weights = p.detach()
+        if not torch.equal(weights, rounded):
+            weights.copy_(rounded)
+            UNHELD_PRECISE[p] = (noted[0], _VERSION_OF(p))  # (this write is the values' own)
 
 
 def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict):

@@ -27,7 +27,7 @@ from ..kernels._dispatch import triton_kernels_run
 from ..kernels.scale import (partials_multi_launch_spec, segment_sums_, segment_sums_launch_spec,
                              shared_sum_sq_workspace, sum_sq_partials_)
 from . import model_sync
-from .bucket import DATA_HANDED, DATA_READS, _Bucket, alone, watch, written_through_data
+from .bucket import DATA_HANDED, DATA_READS, UNHELD_PRECISE, _Bucket, alone, settle_unheld, watch, written_through_data
 from .bucket import plain_attrs as _PLAIN_ATTRS
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -138,6 +138,8 @@ class ModelViewMixin:
                     "existing parameters, which tritonshard follows), or build the optimizer after loading.")
         if self._frozen_at_build:
             self._adopt_unfrozen()
+            if self._final_look and UNHELD_PRECISE:  # (fp32 values kept for a parameter held frozen)
+                settle_unheld(self._frozen_at_build)
         dirty = set()
         if self._flags.precise_notes:  # (fp32 values noted for the weights, calls to run on them: _Bucket.calls)
             if DATA_READS:  # (.data handed out: written through, unseen, perhaps after the calls or the copy)
