@@ -226,12 +226,14 @@ def test_a_parameter_held_frozen_and_decayed_between_steps_has_the_rounding_of_t
     assert not torch.equal(bf16_calls["weight"], want["weight"].bfloat16()), "the two ways must differ to tell"
 
 
+@pytest.mark.parametrize("through", ["p.mul_", "p.data.mul_"])
 @pytest.mark.parametrize("loaded", [False, True], ids=["bf16 weights", "fp32 weights loaded first"])
-def test_in_place_updates_of_a_parameter_held_frozen_reach_its_master_when_it_is_laid_out(loaded):
+def test_in_place_updates_of_a_parameter_held_frozen_reach_its_master_when_it_is_laid_out(loaded, through):
     """The held-frozen head above, updated in place while frozen (a decay of the loop's own over every weight,
-    ``p.mul_(1 - 1e-4)``, below half a bf16 ulp; after an fp32 load, or from its bf16 weights): its master, once
-    it trains and is laid out, is the fp32 result, as torch's fp32 weights would hold, and its weights that
-    result's rounding (fail before session 41: the decay was lost)."""
+    ``p.mul_(1 - 1e-4)``, below half a bf16 ulp; after an fp32 load, or from its bf16 weights; also written as
+    ``p.data.mul_``, older loops' way): its master, once it trains and is laid out, is the fp32 result, as torch's
+    fp32 weights would hold, and its weights that result's rounding (fail before session 41: the decay was lost;
+    through ``.data``, before session 47, found by tests.optim.loop_fuzz_long)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     ShardedAdamW(model.parameters(), lr=1e-3)
@@ -243,7 +245,7 @@ def test_in_place_updates_of_a_parameter_held_frozen_reach_its_master_when_it_is
         model[1].load_state_dict(want)
     with torch.no_grad():
         for (k, p) in model[1].named_parameters():
-            p.mul_(1 - 1e-4)
+            (p if through == "p.mul_" else p.data).mul_(1 - 1e-4)
             want[k].mul_(1 - 1e-4)
     model[1].requires_grad_(True)
     model(torch.randn(4, 6).bfloat16()).float().square().mean().backward()  # (lays the head out at its end)

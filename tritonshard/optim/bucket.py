@@ -439,10 +439,22 @@ def _data_mirrored(name: str):
             return method(self, *args, **kwargs)
         entry = watched[1]
         b = owner_of(p)
-        if (b is None or b.retired or _written(entry) or self.data_ptr() != p.data_ptr() or self.shape != p.shape
-                or self.dtype != p.dtype):
+        if _written(entry) or self.data_ptr() != p.data_ptr() or self.shape != p.shape or self.dtype != p.dtype:
             return method(self, *args, **kwargs)
-        out = _call_noted(b, p, self, method, name, args, kwargs)
+        if b is None or b.retired:
+            if p not in HELD_FROZEN:
+                return method(self, *args, **kwargs)
+            # (held frozen: its kept values, as p.mul_ keeps them; until session 47 torch's call alone, so the
+            # frozen head's master, once laid out, was the bf16 result: found by tests.optim.loop_fuzz_long)
+            out = _mirror_unheld(p, method, name, args, kwargs, target=self)
+            handed = DATA_HANDED.get(id(p))  # (the look at the kept values took the .data handed out: this one is
+            if handed is None:               # live still, and a later write through it must be seen)
+                handed = DATA_HANDED[id(p)] = (weakref.ref(p, lambda _, key=id(p), table=DATA_HANDED:
+                                                           table.pop(key, None)), [])
+            if not any(e is entry for e in handed[1]):
+                handed[1].append(entry)
+        else:
+            out = _call_noted(b, p, self, method, name, args, kwargs)
         entry[2] = entry[1]._version  # (this write is the noted call's: no unseen write through this .data)
         return out
 
@@ -532,11 +544,12 @@ def settle_unheld(params: list) -> None:
             UNHELD_PRECISE[p] = (noted[0], _VERSION_OF(p))  # (this write is the values' own)
 
 
-def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict):
+def _mirror_unheld(p: torch.Tensor, method, name: str, args: tuple, kwargs: dict, target=None):
     """:func:`_mirrored` for a parameter held frozen (laid out by no live optimizer; rare): torch's call on the
-    weights and, at once, on the fp32 values they stand for, kept whole in :data:`UNHELD_PRECISE` for its layout."""
+    weights (``target``: a ``.data`` of ``p``, else ``p``) and, at once, on the fp32 values they stand for, kept whole
+    in :data:`UNHELD_PRECISE` for its layout."""
     before = _unheld_values(p)
-    out = method(p, *args, **kwargs)
+    out = method(p if target is None else target, *args, **kwargs)
     with torch.no_grad():
         if _run_call(before, p, _noted_call(p, name, args, kwargs), 0, before.numel()):
             UNHELD_PRECISE[p] = (before.view(p.shape), _VERSION_OF(p))
