@@ -500,6 +500,7 @@ def load_sharded(opt, path: str) -> dict:
         opt._load_scaler_state(meta.get("scaler", {}))
         opt._load_rounding_state(meta.get("rounding", {}))
         opt._refresh_params_from_master()
+        opt._forget_unheld_values()
     opt._expose_state()
     return meta["extra"]
 

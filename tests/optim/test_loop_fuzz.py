@@ -470,6 +470,7 @@ class TrainingLoop(RuleBasedStateMachine):
             for n in self.names:
                 self.refs[n].copy_(refs[n])
                 self.masters[n].copy_(masters[n] if model_first else _loaded_after(model_sd[n], masters[n]))
+        held_frozen_after_a_load(self.opt, self.ours, self.masters, model_sd)
         self.spent, self.spent_values, self.data_written = set(), {}, set()
         self._compare()
 
@@ -538,6 +539,7 @@ class TrainingLoop(RuleBasedStateMachine):
         self.ropt.load_state_dict(self.ropt.state_dict())
         loaded_weights([self.refs], self.ours, self.masters,
                        [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.ATOL, self.WEIGHTS)
+        held_frozen_after_a_load(self.opt, self.ours, self.masters, self.refs)
 
     @precondition(lambda self: not self.held)
     @rule()
@@ -810,6 +812,19 @@ def loaded_weights(replicas: list, ours: dict, masters: dict, names, atol: float
         value = torch.where((mine != rounded) & (mine >= lowest) & (mine <= highest), mine, rounded)
         for refs in replicas:
             refs[n].copy_(value)
+
+
+def held_frozen_after_a_load(opt, ours: dict, masters: dict, weights: dict) -> None:
+    """The reference's masters of the parameters ``opt`` holds frozen, not laid out, after a load of its state (a
+    resume, a rollback): their bf16 weights (``weights``: name -> the weights they hold after the loads), as a
+    fresh process resuming from the same files would take them. The fp32 values kept for such a parameter (an fp32
+    write, in-place calls while frozen) are in no checkpoint, and a load drops them (README; until session 47 they
+    stayed, and a rollback kept the calls made after the save)."""
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    with torch.no_grad():
+        for n, p in ours.items():
+            if id(p) in held and p not in opt._bucket_of:
+                masters[n].copy_(weights[n].detach().float())
 
 
 def compare_with_torch(opt, ropt, names, ours, refs, masters, replicas=(), atol: float = MASTER_ATOL) -> None:

@@ -59,7 +59,7 @@ from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _cast_net, _clamp_grad, _clamp_shown_grad, _compare_cast, _extra_group, _groups, \
-    _Net, _loaded_after, _round_to_weights, clip, compare_with_torch, edit_state, \
+    _Net, _loaded_after, _round_to_weights, held_frozen_after_a_load, clip, compare_with_torch, edit_state, \
     UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -698,6 +698,7 @@ class _RankLoop:
         self.ropt.load_state_dict(self.ropt.state_dict())
         loaded_weights(self.refs, self.ours, self.masters,
                        [n for n in self.names if self.ours[n] in self.opt._bucket_of], self.atol, self.weights)
+        held_frozen_after_a_load(self.opt, self.ours, self.masters, self.refs[0])
         self._new_optimizer()
 
     def save(self):
@@ -737,6 +738,7 @@ class _RankLoop:
                     r[n].copy_(kept[n])
             for n in self.names:  # (the model loaded after the optimizer: test_loop_fuzz.py's rollback)
                 self.masters[n].copy_(masters[n] if model_first else _loaded_after(model_sd[n], masters[n]))
+        held_frozen_after_a_load(self.opt, self.ours, self.masters, model_sd)
         self.spent = [set() for _ in range(WORLD)]
         self.spent_values = [{} for _ in range(WORLD)]
         self.data_written = set()
