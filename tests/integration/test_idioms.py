@@ -149,17 +149,23 @@ def test_fp32_weights_loaded_after_building_train_as_if_loaded_before(how, world
         run_on_ranks(_load_before_or_after_building, world_size, how, kwargs)
 
 
+def _held_frozen_head():
+    """(model, opt): a Linear trunk and head laid out by a first ShardedAdamW, the head frozen, then a second one
+    built over the model, which takes the parameters over and holds the head frozen, not laid out."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    ShardedAdamW(model.parameters(), lr=1e-3)
+    model[1].requires_grad_(False)
+    return model, ShardedAdamW(model.parameters(), lr=1e-3)
+
+
 def test_fp32_weights_loaded_into_a_parameter_held_frozen_reach_its_master_when_it_is_laid_out():
     """A second optimizer built while a head is frozen (a second phase of training) takes the parameters over from
     the first, but lays the head out only once it trains: fp32 weights loaded into it meanwhile (bf16 since the
     first optimizer laid it out) reach its master then, unrounded, as they reach a laid-out parameter's. Found by
     tests.optim.loop_fuzz_long in session 40 (a freeze, a new optimizer, an fp32 write, a gradient set by hand):
     the new head's master was the bf16 rounding."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    ShardedAdamW(model.parameters(), lr=1e-3)
-    model[1].requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    model, opt = _held_frozen_head()
     pretrained = {k: torch.randn(v.shape) for k, v in model[1].state_dict().items()}  # (fp32, not bf16 values)
     model[1].load_state_dict(pretrained)
     model[1].requires_grad_(True)
@@ -171,17 +177,13 @@ def test_fp32_weights_loaded_into_a_parameter_held_frozen_reach_its_master_when_
 
 @pytest.mark.parametrize("then", ["weights put back", "other weights in some elements"])
 def test_fp32_values_kept_for_a_parameter_held_frozen_survive_a_copy_of_its_own_dtype_where_it_holds_them(then):
-    """The held-frozen head below, given fp32 weights (kept for its layout), then a copy of bf16 weights into it:
+    """The held-frozen head, given fp32 weights (kept for its layout), then a copy of bf16 weights into it:
     its own put back (an EMA swapped in to evaluate and out again; the model's state_dict loaded after the
     optimizer's, in a rollback), or others in some elements. Its master, once it trains, keeps the fp32 values
     where the weight is still their rounding and takes the weight elsewhere, as a laid-out master does after a
     write. Until session 47 the copy dropped them all: the master was the bf16 weight (found by
     tests.optim.loop_fuzz_long's rollback)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    ShardedAdamW(model.parameters(), lr=1e-3)
-    model[1].requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    model, opt = _held_frozen_head()
     pretrained = {k: torch.randn(v.shape) for k, v in model[1].state_dict().items()}
     model[1].load_state_dict(pretrained)
     saved = copy.deepcopy(model[1].state_dict())  # (bf16: the rounding of the fp32 values)
@@ -201,17 +203,13 @@ def test_fp32_values_kept_for_a_parameter_held_frozen_survive_a_copy_of_its_own_
 
 @pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
 def test_a_rollback_drops_what_was_kept_for_a_parameter_held_frozen_since_the_save(model_first):
-    """The held-frozen head below, decayed in place after an in-memory save (fp32 values kept for it), then the
+    """The held-frozen head, decayed in place after an in-memory save (fp32 values kept for it), then the
     loop rolls back to the save: its master, once it trains, is its saved bf16 weight, not the decay's fp32 result.
     The kept values are in no checkpoint (the optimizer's dict holds state only for laid-out parameters, as
     torch.optim's holds none for a frozen one), so a load drops them, and a rollback in this process gives what a
     fresh one resuming from the same files gives. Until session 47 the decay made after the save survived the
     rollback (found by tests.optim.loop_fuzz_long's rollback)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    ShardedAdamW(model.parameters(), lr=1e-3)
-    model[1].requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    model, opt = _held_frozen_head()
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
     with torch.no_grad():
         for p in model[1].parameters():
@@ -227,16 +225,12 @@ def test_a_rollback_drops_what_was_kept_for_a_parameter_held_frozen_since_the_sa
 
 
 def test_a_parameter_held_frozen_and_decayed_between_steps_has_the_rounding_of_the_fp32_decays_at_each_step():
-    """The held-frozen head below, decayed in place by the loop before every step (``p.mul_(1 - 1e-3)`` over every
+    """The held-frozen head, decayed in place by the loop before every step (``p.mul_(1 - 1e-3)`` over every
     weight, below half a bf16 ulp in most elements): after each step its weights are the rounding of the fp32
     decays, as torch AMP's forward rounds its fp32 weights and as a laid-out parameter's become its master's
     rounding at every step. Until session 47 they stayed where torch's bf16 calls left them, most never moving
     (found by tests.optim.loop_fuzz_long: an fp32 write, a decay, a step)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    ShardedAdamW(model.parameters(), lr=1e-3)
-    model[1].requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    model, opt = _held_frozen_head()
     want = {k: v.detach().float().clone() for k, v in model[1].named_parameters()}
     bf16_calls = {k: v.detach().clone() for k, v in model[1].named_parameters()}  # (where torch's calls leave them)
     for step in range(8):
@@ -256,16 +250,12 @@ def test_a_parameter_held_frozen_and_decayed_between_steps_has_the_rounding_of_t
 @pytest.mark.parametrize("through", ["p.mul_", "p.data.mul_"])
 @pytest.mark.parametrize("loaded", [False, True], ids=["bf16 weights", "fp32 weights loaded first"])
 def test_in_place_updates_of_a_parameter_held_frozen_reach_its_master_when_it_is_laid_out(loaded, through):
-    """The held-frozen head above, updated in place while frozen (a decay of the loop's own over every weight,
+    """The held-frozen head, updated in place while frozen (a decay of the loop's own over every weight,
     ``p.mul_(1 - 1e-4)``, below half a bf16 ulp; after an fp32 load, or from its bf16 weights; also written as
     ``p.data.mul_``, older loops' way): its master, once it trains and is laid out, is the fp32 result, as torch's
     fp32 weights would hold, and its weights that result's rounding (fail before session 41: the decay was lost;
     through ``.data``, before session 47, found by tests.optim.loop_fuzz_long)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    ShardedAdamW(model.parameters(), lr=1e-3)
-    model[1].requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-3)  # (takes them over; the head frozen: not laid out)
+    model, opt = _held_frozen_head()
     want = {k: v.detach().float().clone() for k, v in model[1].named_parameters()}
     if loaded:
         want = {k: torch.randn(v.shape) for k, v in want.items()}
@@ -1811,7 +1801,7 @@ def test_the_optimizers_state_dict_loaded_alone_puts_the_weights_back_and_a_relo
     state = opt.state_dict()["state"]
     for i, p in enumerate(model.parameters()):
         loaded, weight = saved["state"][i]["master"].reshape(p.shape), p.detach()
-        assert (weight != loaded.to(weight.dtype)).any(), "no weight moved since the save: the rule below would go untested"
+        assert (weight != loaded.to(weight.dtype)).any(), "no weight moved since the save: the rule goes untested"
         assert_bitwise_equal(state[i]["master"].reshape(p.shape),
                              torch.where(weight == loaded.to(weight.dtype), loaded, weight.float()),
                              f"parameter {i}: its master")

@@ -455,17 +455,9 @@ class TrainingLoop(RuleBasedStateMachine):
         its saved master (an in-place call since the last step, e.g. ``p.mul_(c)``, rounds the bf16 weight where
         torch's fp32 weight is not rounded), the master takes the weight (:func:`_loaded_after`; a limit
         docs/training-loops.md states)."""
-        model_sd, opt_sd, ropt_sd, refs, masters, added = self.saved
-        if added != self.added:
-            with pytest.raises(ValueError, match="parameter groups"):
-                self.ropt.load_state_dict(copy.deepcopy(ropt_sd))
-            with pytest.raises(ValueError, match="2 param groups, the optimizer 3"):
-                self.opt.load_state_dict(copy.deepcopy(opt_sd))
+        model_sd, _, _, refs, masters, _ = self.saved
+        if not roll_back(self, self.saved, model_first):
             return
-        loads = [lambda: self.model.load_state_dict(model_sd), lambda: self.opt.load_state_dict(copy.deepcopy(opt_sd))]
-        for load in loads if model_first else loads[::-1]:
-            load()
-        self.ropt.load_state_dict(copy.deepcopy(ropt_sd))  # (copies: a load may keep the dict's tensors as state)
         with torch.no_grad():
             for n in self.names:
                 self.refs[n].copy_(refs[n])
@@ -643,6 +635,25 @@ class TrainingLoop(RuleBasedStateMachine):
     # ------------------------------------------------------------------ the comparison
     def _compare(self):
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, atol=self.ATOL)
+
+
+def roll_back(loop, saved: tuple, model_first: bool) -> bool:
+    """The loads of a rollback (``loop``: a machine, with ``model``, ``opt``, ``ropt``, ``added``; ``saved``: its
+    save's), ours in the order ``model_first`` says and torch.optim's, each from copies (a load may keep the dict's
+    tensors as state). False where ``add_param_group`` ran since the save: both optimizers raise torch.optim's
+    ValueError, and nothing is loaded."""
+    model_sd, opt_sd, ropt_sd, _, _, added = saved
+    if added != loop.added:
+        with pytest.raises(ValueError, match="parameter groups"):
+            loop.ropt.load_state_dict(copy.deepcopy(ropt_sd))
+        with pytest.raises(ValueError, match="2 param groups, the optimizer 3"):
+            loop.opt.load_state_dict(copy.deepcopy(opt_sd))
+        return False
+    loads = [lambda: loop.model.load_state_dict(model_sd), lambda: loop.opt.load_state_dict(copy.deepcopy(opt_sd))]
+    for load in loads if model_first else loads[::-1]:
+        load()
+    loop.ropt.load_state_dict(copy.deepcopy(ropt_sd))
+    return True
 
 
 def _loaded_after(weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _cast_net, _clamp_grad, _clamp_shown_grad, _compare_cast, _extra_group, _groups, \
-    _Net, _loaded_after, _round_to_weights, held_frozen_after_a_load, clip, compare_with_torch, edit_state, \
+    _Net, _loaded_after, _round_to_weights, held_frozen_after_a_load, clip, roll_back, compare_with_torch, edit_state, \
     UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
@@ -721,17 +721,9 @@ class _RankLoop:
             return self.skipped.append("rollback without a save")
         if self.clipped is not None or self.launched or self._any_grad():
             return self.skipped.append("rollback with gradients")
-        model_sd, opt_sd, ropt_sd, refs, masters, added = self.saved
-        if added != self.added:
-            with pytest.raises(ValueError, match="parameter groups"):
-                self.ropt.load_state_dict(copy.deepcopy(ropt_sd))
-            with pytest.raises(ValueError, match="2 param groups, the optimizer 3"):
-                self.opt.load_state_dict(copy.deepcopy(opt_sd))
+        model_sd, _, _, refs, masters, _ = self.saved
+        if not roll_back(self, self.saved, model_first):
             return
-        loads = [lambda: self.model.load_state_dict(model_sd), lambda: self.opt.load_state_dict(copy.deepcopy(opt_sd))]
-        for load in loads if model_first else loads[::-1]:
-            load()
-        self.ropt.load_state_dict(copy.deepcopy(ropt_sd))
         with torch.no_grad():
             for r, kept in zip(self.refs, refs):
                 for n in self.names:
