@@ -433,15 +433,7 @@ class TrainingLoop(RuleBasedStateMachine):
         read (mid-accumulation, after a clip, after a write or an in-place update the optimizer has not looked at
         yet, with a head frozen since the build): the weights, masters and step counts it holds must be torch.optim's
         as they stand now (a checkpoint that lies is the worst kind of silent wrong result)."""
-        saved = self.model.state_dict()
-        for n in self.names:
-            assert torch.equal(saved[n], self.ours[n].detach()), f"{n}: model.state_dict() is not the weight"
-        self._compare()
-        # (kept in memory as a loop keeps a rollback point: deep copies, as torch.optim's state_dict() holds its
-        # live state tensors)
-        self.saved = (copy.deepcopy(saved), copy.deepcopy(self.opt.state_dict()),
-                      copy.deepcopy(self.ropt.state_dict()), {n: self.refs[n].detach().clone() for n in self.names},
-                      {n: self.masters[n].detach().clone() for n in self.names}, self.added)
+        self.saved = take_save(self, [self.refs])
 
     @precondition(lambda self: self.saved is not None and not self.held and not self.launched
                   and all(p.grad is None for p in self.refs.values()))
@@ -455,7 +447,7 @@ class TrainingLoop(RuleBasedStateMachine):
         its saved master (an in-place call since the last step, e.g. ``p.mul_(c)``, rounds the bf16 weight where
         torch's fp32 weight is not rounded), the master takes the weight (:func:`_loaded_after`; a limit
         docs/training-loops.md states)."""
-        model_sd, _, _, refs, masters, _ = self.saved
+        model_sd, _, _, (refs,), masters, _ = self.saved
         if not roll_back(self, self.saved, model_first):
             return
         with torch.no_grad():
@@ -635,6 +627,21 @@ class TrainingLoop(RuleBasedStateMachine):
     # ------------------------------------------------------------------ the comparison
     def _compare(self):
         compare_with_torch(self.opt, self.ropt, self.names, self.ours, self.refs, self.masters, atol=self.ATOL)
+
+
+def take_save(loop, refs: list) -> tuple:
+    """A machine's save (``loop``: with ``model``, ``opt``, ``ropt``, ``names``, ``ours``, ``masters``, ``added`` and
+    ``_compare``; ``refs``: the reference's weights, a dict per replica), after checking what it reads: the model's
+    state_dict holds the weights, the optimizer's torch.optim's masters and counts as they stand. Kept in memory as
+    a loop keeps a rollback point: deep copies, as torch.optim's state_dict() holds its live state tensors. What
+    :func:`roll_back` loads: (model dict, our dict, torch.optim's dict, [reference weights], masters, added)."""
+    saved = loop.model.state_dict()
+    for n in loop.names:
+        assert torch.equal(saved[n], loop.ours[n].detach()), f"{n}: model.state_dict() is not the weight"
+    loop._compare()
+    return (copy.deepcopy(saved), copy.deepcopy(loop.opt.state_dict()), copy.deepcopy(loop.ropt.state_dict()),
+            [{n: r[n].detach().clone() for n in loop.names} for r in refs],
+            {n: loop.masters[n].detach().clone() for n in loop.names}, loop.added)
 
 
 def roll_back(loop, saved: tuple, model_first: bool) -> bool:

@@ -59,8 +59,8 @@ from tritonshard.optim.bucket import UNHELD_PRECISE
 
 from .test_loop_fuzz import _NAMES, EXTRA, HEADS, LRS, MASTER_ATOL, SPENT as _SPENT, STATE_EDITS, WRITES, \
     MuonReference, MuonTrainingLoop, _cast_net, _clamp_grad, _clamp_shown_grad, _compare_cast, _extra_group, _groups, \
-    _Net, _loaded_after, _round_to_weights, held_frozen_after_a_load, clip, roll_back, compare_with_torch, edit_state, \
-    UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
+    _Net, _loaded_after, _round_to_weights, held_frozen_after_a_load, clip, roll_back, take_save, compare_with_torch, \
+    edit_state, UPDATES, loaded_weights, raises_spent, reference_clip, reference_step, set_hparam, write_weight, written
 
 WORLD = 2
 MACHINES = {
@@ -705,14 +705,7 @@ class _RankLoop:
         """test_loop_fuzz.TrainingLoop.save on every rank: the model's and the optimizer's state_dict read between any
         two calls hold torch.optim's weights, masters and counts as they stand (with overlap_comm, the gathers in
         flight); kept in memory for a rollback."""
-        saved = self.model.state_dict()
-        for n in self.names:
-            assert torch.equal(saved[n], self.ours[n].detach()), f"{n}: model.state_dict() is not the weight"
-        self._compare()
-        self.saved = (copy.deepcopy(saved), copy.deepcopy(self.opt.state_dict()),
-                      copy.deepcopy(self.ropt.state_dict()),
-                      [{n: r[n].detach().clone() for n in self.names} for r in self.refs],
-                      {n: self.masters[n].detach().clone() for n in self.names}, self.added)
+        self.saved = take_save(self, self.refs)
 
     def rollback(self, model_first):
         """test_loop_fuzz.TrainingLoop.rollback on every rank: back to the last save, into the same model and

@@ -37,6 +37,13 @@ def _loss(model, step):
     return model(x).float().square().mean()
 
 
+def _weight_frozen_at_build():
+    """(model, opt): :func:`_model` with its first weight frozen, and a ShardedAdamW built over every parameter."""
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    return model, ShardedAdamW(model.parameters(), lr=1e-2)
+
+
 def _unfreeze_run(rank, world_size, kind, options):
     """``options``: the optimizer's, and ``torch_clip`` (torch's clip_grad_norm_ every step), ``frozen_at`` (step ->
     names of the backbone's parameters frozen again in that step, after the unfreeze), ``hybrid``
@@ -129,9 +136,7 @@ def test_unfrozen_with_gradients_set_by_hand_is_taken_at_step():
     step(), its gradient kept; the same bits as a backward's."""
     runs = []
     for by_hand in (False, True):
-        model = _model()
-        model[0].weight.requires_grad_(False)
-        opt = ShardedAdamW(model.parameters(), lr=1e-2)
+        model, opt = _weight_frozen_at_build()
         for step in range(3):
             if step == 1:
                 model[0].weight.requires_grad_(True)
@@ -152,9 +157,7 @@ def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_
     """Unfrozen after clip_grad_norm_ reduced this step's gradients: without a gradient it is skipped in this step
     (as torch.optim skips it) and taken in at the next backward; holding one (set by hand), step() raises rather
     than leave it out of the reduction."""
-    model = _model()
-    model[0].weight.requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    model, opt = _weight_frozen_at_build()
     before = model[0].weight.detach().clone()
     _loss(model, 0).backward()
     opt.clip_grad_norm_(1.0)  # reduces this step's gradients, without the frozen weight
@@ -168,9 +171,7 @@ def test_unfrozen_between_the_reduction_and_step_waits_for_the_next_backward_or_
     assert not torch.equal(model[0].weight.detach(), before)
     opt.zero_grad()
 
-    model = _model()
-    model[0].weight.requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    model, opt = _weight_frozen_at_build()
     _loss(model, 0).backward()
     opt.clip_grad_norm_(1.0)
     model[0].weight.requires_grad_(True)
@@ -189,9 +190,7 @@ def test_unfrozen_after_a_reduction_that_holds_no_gradient_steps_as_without_it(b
     tests.optim.loop_fuzz_long's FP32GradsTrainingLoop). The reference: the same loop without the reduction."""
     runs = []
     for reduced in (True, False):
-        model = _model()
-        model[0].weight.requires_grad_(False)
-        opt = ShardedAdamW(model.parameters(), lr=1e-2)
+        model, opt = _weight_frozen_at_build()
         if reduced:
             if before_unfreezing != "clip without a gradient":
                 _loss(model, 0).backward()
@@ -226,9 +225,7 @@ def test_a_frozen_parameter_given_a_gradient_with_every_reduced_one_replaced_is_
     reference: the same loop without the first backward and its reduction, bit for bit."""
     runs = []
     for reduced in (True, False):
-        model = _model()
-        model[0].weight.requires_grad_(False)
-        opt = ShardedAdamW(model.parameters(), lr=1e-2)
+        model, opt = _weight_frozen_at_build()
         if reduced:
             _loss(model, 0).backward()
             if reduced_by == "opt.clip_grad_norm_":
@@ -254,9 +251,7 @@ def _frozen_given_a_gradient_after_a_clip(rank, world_size, replaced_on):
     every gradient the clip reduced, then a backward: an error on every rank (whether the reduction is gone is each
     rank's own; a rank that forgot it alone would wait in the layout's handshake for the others). Where every rank
     replaced them all, torch.optim would train on (as on one rank, above): a limit, an error rather than a hang."""
-    model = _model()
-    model[0].weight.requires_grad_(False)
-    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    model, opt = _weight_frozen_at_build()
     _loss(model, rank).backward()
     opt.clip_grad_norm_(0.05)
     gen = torch.Generator().manual_seed(7)

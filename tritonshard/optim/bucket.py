@@ -167,15 +167,21 @@ def _written(entry: list) -> bool:
     return entry[1]._version != entry[2]
 
 
-def _hand_out(p: torch.Tensor) -> torch.Tensor:
-    """``p.data`` (torch's, as a :class:`WatchedData`), kept in :data:`DATA_HANDED` (~1 us for the subclass, ~1 us
-    for a weak reference and a detach)."""
-    data = torch.Tensor._make_subclass(WatchedData, _TENSOR_DATA.__get__(p), False)
+def _handed_entries(p: torch.Tensor) -> list:
+    """The entries of the ``.data`` of ``p`` handed out since its optimizer's last look (:data:`DATA_HANDED`),
+    the table's row made where there is none."""
     key = id(p)
     handed = DATA_HANDED.get(key)
     if handed is None:
         handed = DATA_HANDED[key] = (weakref.ref(p, lambda _, key=key, table=DATA_HANDED: table.pop(key, None)), [])
-    kept = handed[1]
+    return handed[1]
+
+
+def _hand_out(p: torch.Tensor) -> torch.Tensor:
+    """``p.data`` (torch's, as a :class:`WatchedData`), kept in :data:`DATA_HANDED` (~1 us for the subclass, ~1 us
+    for a weak reference and a detach)."""
+    data = torch.Tensor._make_subclass(WatchedData, _TENSOR_DATA.__get__(p), False)
+    kept = _handed_entries(p)
     if len(kept) >= 8:
         gone = next((entry for entry in kept if entry[0]() is None and _written(entry)), None)
         kept[:] = [entry for entry in kept if entry[0]() is not None]
@@ -447,12 +453,9 @@ def _data_mirrored(name: str):
             # (held frozen: its kept values, as p.mul_ keeps them; until session 47 torch's call alone, so the
             # frozen head's master, once laid out, was the bf16 result: found by tests.optim.loop_fuzz_long)
             out = _mirror_unheld(p, method, name, args, kwargs, target=self)
-            handed = DATA_HANDED.get(id(p))  # (the look at the kept values took the .data handed out: this one is
-            if handed is None:               # live still, and a later write through it must be seen)
-                handed = DATA_HANDED[id(p)] = (weakref.ref(p, lambda _, key=id(p), table=DATA_HANDED:
-                                                           table.pop(key, None)), [])
-            if not any(e is entry for e in handed[1]):
-                handed[1].append(entry)
+            kept = _handed_entries(p)  # (the look at the kept values took the .data handed out: this one is live
+            if not any(e is entry for e in kept):  # still, and a later write through it must be seen)
+                kept.append(entry)
         else:
             out = _call_noted(b, p, self, method, name, args, kwargs)
         entry[2] = entry[1]._version  # (this write is the noted call's: no unseen write through this .data)
