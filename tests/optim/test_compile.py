@@ -640,6 +640,42 @@ def test_the_whole_iteration_compiled_gives_the_eager_weights_or_a_clear_error()
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "with a scheduler: compiled != eager"
 
 
+def test_dynamo_may_set_attributes_on_a_sharded_optimizer_it_wraps():
+    """torch 2.11 (the GPU machine's) builds dynamo's OptimizerVariable without a mutation type: the first attribute
+    a traced step set failed dynamo's assertion (pytorch/pytorch#171590), so every compiled step and clip failed
+    there (the suite under torch 2.11 + Triton 3.6, session 48: 30 tests). The variable built as 2.11's builder
+    builds it (no mutation type) gets the type 2.13's passes, for tritonshard's optimizers only; torch's own are
+    left as that torch builds them."""
+    from torch._dynamo.source import LocalSource
+    from torch._dynamo.variables.base import AttributeMutationExisting
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    ours = FACTORIES["adamw"](make_model(0))
+    assert isinstance(OptimizerVariable(ours, source=LocalSource("opt")).mutation_type, AttributeMutationExisting)
+    assert OptimizerVariable(ours).mutation_type is None  # (sourceless: built inside the traced code, not ours to say)
+    theirs = torch.optim.SGD(make_model(0).parameters(), lr=0.1)
+    assert OptimizerVariable(theirs, source=LocalSource("opt")).mutation_type is None
+
+
+def test_a_placeholder_read_while_dynamo_wraps_it_names_torch_compile():
+    """A placeholder gradient read by dynamo's own work around the traced code (wrapping the parameters that
+    ``model.zero_grad()`` of a model not attached walks, in a compiled function) says torch.compile is at work,
+    with its fixes. torch 2.13 holds ``torch.compiler.is_compiling()`` True for the whole compilation, torch 2.11
+    only inside the traced code, so there the message meant for eager code came (no word of torch.compile): here
+    the compile context dynamo opens, without that flag, as on 2.11."""
+    model = make_model(0)
+    opt = FACTORIES["adamw"](model)
+    (loss_fn(model, batch(0, 0, 0)) + 0 * model.unused.sum()).backward()
+    grad = next(model.parameters()).grad
+    with pytest.raises(RuntimeError, match="It supports the norms") as eager:
+        grad.untyped_storage()
+    assert "torch.compile" not in str(eager.value)
+    with torch._guards.compile_context(torch._guards.CompileContext(None)):
+        assert not torch.compiler.is_compiling()
+        with pytest.raises(RuntimeError, match="torch.compile is tracing code that reads param.grad"):
+            grad.untyped_storage()
+    opt.step()
+
+
 def _compiled_on_ranks(rank, world_size, overlap_comm):
     """The same two-rank loop eagerly, then with its clip + step compiled (torch's recipe, fullgraph=False): the
     same bits and norms; the head that gets a gradient on no rank is left unchanged, as torch.optim leaves it, and

@@ -354,6 +354,36 @@ def _run_backward_hooks_eagerly() -> None:
         return
 
 
+def _let_dynamo_write_our_attributes() -> None:
+    """Let a step traced by torch.compile set attributes on a ShardedOptimizer, as torch 2.13 lets it for any
+    ``torch.optim.Optimizer``. Dynamo wraps an optimizer it meets as an ``OptimizerVariable``; torch 2.11 builds that
+    without a mutation type, so the first attribute the traced step sets (``self._final_look = True``) fails
+    dynamo's assertion "Attempted setattr on a user-defined object that does not have an AttributeMutation
+    mutation_type" (pytorch/pytorch#171590), with or without ``fullgraph``: every compiled step and clip failed on
+    the GPU machine's torch, while torch.optim's own optimizers, which set no attribute in ``step()``, compile
+    there. torch 2.13's builder passes ``AttributeMutationExisting()`` (an object that existed before tracing,
+    its writes replayed after the graph); this passes the same where the builder passed none, for our optimizers
+    alone. A torch that passes one is left as it is; one without these classes, untouched."""
+    try:  # (private API: the classes as in torch 2.11-2.13)
+        from torch._dynamo.variables.base import AttributeMutationExisting
+        from torch._dynamo.variables.optimizer import OptimizerVariable
+    except ImportError:
+        return
+    built = OptimizerVariable.__init__
+    if getattr(built, "_tritonshard_existing", False):
+        return
+
+    @functools.wraps(built)
+    def __init__(self, value, *args, **kwargs):
+        if (isinstance(value, ShardedOptimizer) and kwargs.get("source") is not None
+                and kwargs.get("mutation_type") is None):
+            kwargs["mutation_type"] = AttributeMutationExisting()
+        built(self, value, *args, **kwargs)
+
+    __init__._tritonshard_existing = True
+    OptimizerVariable.__init__ = __init__
+
+
 #: overlap_comm: completed buckets flushed together where none is launched at its completion (_flush_completed)
 FLUSH_TOGETHER = 4
 
@@ -487,6 +517,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         super().__init__(params, defaults)
         if not _EAGERLY:
             _run_backward_hooks_eagerly()
+            _let_dynamo_write_our_attributes()
             _EAGERLY.update(((name, why), torch.compiler.disable(fn, reason=_EAGER_REASONS[why]))
                             for name, fn, whys in (("step", _step_eagerly, ("here", "ranks")),
                                                    ("clip", _clip_eagerly, ("here", "ranks")),

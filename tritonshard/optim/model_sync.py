@@ -634,6 +634,15 @@ def _amp_unscale(grads, found_inf, inv_scale) -> None:
             torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
 
 
+def _compiling_now() -> bool:
+    """Whether torch.compile is at work: tracing the code (``torch.compiler.is_compiling()``) or, around it, wrapping
+    the tensors that code meets, where a placeholder's hooks run eagerly. torch 2.13 holds ``is_compiling()`` True
+    for the whole compilation; torch 2.11 (the GPU machine's) only inside the traced code, so there a placeholder
+    wrapped by dynamo (``model.zero_grad()`` of a model not attached, in a compiled function) got the message meant
+    for eager code, naming no torch.compile. The compile context dynamo opens tells it on both."""
+    return torch.compiler.is_compiling() or torch._guards.CompileContext.try_get() is not None
+
+
 def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bool = False) -> RuntimeError:
     name = placeholder._name if placeholder is not None else "a parameter"
     where = (f"tritonshard: {what} on the gradient of {name}: after backward, tritonshard keeps gradients in its "
@@ -643,7 +652,7 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
             where + " The tritonshard optimizer that held it is gone (let go of between the backward and its step()), "
                     "and the gradient went with its buffers. Call step() of the old optimizer before letting it go, or "
                     "zero the gradients (model.zero_grad()) and run the backward again with the new optimizer.")
-    if torch.compiler.is_compiling():
+    if _compiling_now():
         return RuntimeError(
             where + " torch.compile is tracing code that reads param.grad, and dynamo cannot wrap the placeholder: "
             "torch's clip_grad_norm_ or clip_grad_value_, a loop over p.grad, or model.zero_grad() of a model not "
