@@ -644,7 +644,7 @@ def test_dynamo_may_set_attributes_on_a_sharded_optimizer_it_wraps():
     """torch 2.11 (the GPU machine's) builds dynamo's OptimizerVariable without a mutation type: the first attribute
     a traced step set failed dynamo's assertion (pytorch/pytorch#171590), so every compiled step and clip failed
     there (the suite under torch 2.11 + Triton 3.6, session 48: 30 tests). The variable built as 2.11's builder
-    builds it (no mutation type) gets the type 2.13's passes, for tritonshard's optimizers only; torch's own are
+    builds it (no mutation type) gets the type 2.12 and later pass, for tritonshard's optimizers only; torch's own are
     left as that torch builds them."""
     from torch._dynamo.source import LocalSource
     from torch._dynamo.variables.base import AttributeMutationExisting

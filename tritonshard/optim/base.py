@@ -355,16 +355,16 @@ def _run_backward_hooks_eagerly() -> None:
 
 
 def _let_dynamo_write_our_attributes() -> None:
-    """Let a step traced by torch.compile set attributes on a ShardedOptimizer, as torch 2.13 lets it for any
-    ``torch.optim.Optimizer``. Dynamo wraps an optimizer it meets as an ``OptimizerVariable``; torch 2.11 builds that
-    without a mutation type, so the first attribute the traced step sets (``self._final_look = True``) fails
+    """Let a step traced by torch.compile set attributes on a ShardedOptimizer, as torch 2.12 and later let it for
+    any ``torch.optim.Optimizer``. Dynamo wraps an optimizer it meets as an ``OptimizerVariable``; torch 2.11 builds
+    that without a mutation type, so the first attribute the traced step sets (``self._final_look = True``) fails
     dynamo's assertion "Attempted setattr on a user-defined object that does not have an AttributeMutation
     mutation_type" (pytorch/pytorch#171590), with or without ``fullgraph``: every compiled step and clip failed on
     the GPU machine's torch, while torch.optim's own optimizers, which set no attribute in ``step()``, compile
-    there. torch 2.13's builder passes ``AttributeMutationExisting()`` (an object that existed before tracing,
-    its writes replayed after the graph); this passes the same where the builder passed none, for our optimizers
-    alone. A torch that passes one is left as it is; one without these classes, untouched."""
-    try:  # (private API: the classes as in torch 2.11-2.13)
+    there. torch 2.12's builder and later ones pass ``AttributeMutationExisting()`` (an object that existed before
+    tracing, its writes replayed after the graph); this passes the same where the builder passed none, for our
+    optimizers alone. A torch that passes one is left as it is; one without these classes, untouched."""
+    try:  # (private API: the classes as in torch 2.11-2.14)
         from torch._dynamo.variables.base import AttributeMutationExisting
         from torch._dynamo.variables.optimizer import OptimizerVariable
     except ImportError:
