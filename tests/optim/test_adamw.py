@@ -164,6 +164,24 @@ def _params():
     # torch.optim.AdamW's own arguments that change what is computed: named, not "unexpected keyword argument"
     (lambda: ShardedAdamW(_params(), 1e-3, (0.9, 0.999), 1e-8, 1e-2, True), ValueError, "amsgrad=True"),
     (lambda: ShardedAdamW(_params(), differentiable=True), ValueError, "differentiable=True"),
+    # the switches take bools only: until session 49 overlap_comm and store_param_remainders took any value's
+    # truth, so the string "False" of a config file switched overlap_comm on
+    (lambda: ShardedAdamW(_params(), overlap_comm="False"), TypeError, "overlap_comm must be a bool, got str"),
+    (lambda: ShardedAdamW(_params(), ordered_reduce=1), TypeError, "ordered_reduce must be a bool, got int"),
+    (lambda: ShardedAdamW(_params(), store_param_remainders=None), TypeError,
+     "store_param_remainders must be a bool, got NoneType"),
+    (lambda: ShardedAdamW(_params(), check_collectives="yes"), TypeError, "check_collectives must be a bool"),
+    # what is not a parameter, in torch.optim's words (until session 49 a str, or a value given twice, raised an
+    # AttributeError about .shape; a dict, one group without its list, named its key as a non-tensor)
+    (lambda: ShardedAdamW("weights"), TypeError, "should be an iterable of Tensors or dicts, but got a str"),
+    (lambda: ShardedAdamW({"params": _params()}), TypeError, r"but got a dict \(pass \[group\] for one param group\)"),
+    (lambda: ShardedAdamW([None, None]), TypeError,
+     r"optimizer can only optimize Tensors, but one of the params is NoneType \(param_groups\[0\]\)"),
+    (lambda: ShardedAdamW([{"params": _params()[:1]}, {"params": [_params()[1], 3]}]), TypeError,
+     r"one of the params is int \(param_groups\[1\]\)"),
+    # named parameters, torch.optim's (name, tensor) pairs: a pair given twice is the duplicate it is
+    (lambda: ShardedAdamW(list(torch.nn.Linear(3, 2).named_parameters()) * 2), ValueError,
+     r"a parameter of shape \(2, 3\) is passed twice"),
 ])
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):

@@ -200,8 +200,16 @@ def _reject_duplicates(params: list) -> None:
             group["params"] = list(group["params"])
     seen = set()
     for gi, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            continue  # (torch.optim names it)
         ps = group["params"]
         for p in ([ps] if isinstance(ps, torch.Tensor) else list(ps)):
+            if isinstance(p, tuple) and len(p) == 2:  # (named parameters: torch.optim takes (name, tensor) pairs)
+                p = p[1]
+            if not isinstance(p, torch.Tensor):  # (torch.optim's message; until session 49 a repeated one, the
+                # letters of params="weights" among them, raised an AttributeError here)
+                raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)} "
+                                f"(param_groups[{gi}])")
             if id(p) in seen:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is passed twice (param_groups[{gi}])")
             seen.add(id(p))
@@ -487,13 +495,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             raise ValueError(f"differentiable=True: {type(self).__name__}'s step is not differentiable (it updates "
                              "its buffers in place, outside autograd); use torch.optim for a differentiable step")
         del foreach, fused, capturable  # torch.optim's implementation switches (see the docstring)
-        if not isinstance(init_sync, bool):
-            raise TypeError(f"init_sync must be a bool, got {type(init_sync).__name__}")
+        for name, flag in (("overlap_comm", overlap_comm), ("ordered_reduce", ordered_reduce),
+                           ("store_param_remainders", store_param_remainders), ("cuda_graph", cuda_graph),
+                           ("check_collectives", check_collectives), ("init_sync", init_sync)):
+            if not isinstance(flag, bool):  # (until session 49 overlap_comm and store_param_remainders took any
+                # value's truth: the string "False" of a config file switched overlap_comm on)
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
             raise ValueError("store_param_remainders=True needs param_dtype=torch.bfloat16 (the master's high half)")
-        self.store_param_remainders = bool(store_param_remainders)
+        self.store_param_remainders = store_param_remainders
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         if state_rounding not in ("stochastic", "nearest"):
@@ -510,6 +522,10 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if isinstance(params, torch.Tensor):  # (list() would iterate its rows, and fail as "non-leaf" tensors)
             raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
                             f"got a {torch.typename(params)} (pass [param] for one parameter)")
+        if isinstance(params, (str, bytes, dict)):  # (list() would iterate its letters, or a dict's keys)
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                            f"got a {type(params).__name__}" + (" (pass [group] for one param group)"
+                                                                 if isinstance(params, dict) else ""))
         if isinstance(params, (set, frozenset)):  # (torch.optim takes one here and orders it per process)
             raise TypeError(f"params is a set: {_UNORDERED}")
         params = list(params)
@@ -551,18 +567,16 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # checked before any collective depends on it: a different overlap_comm hung, a different grad_dtype
         # aborted gloo (issue 23)
         self._check_options_agree({
-            "optimizer": type(self).__name__, "overlap_comm": bool(overlap_comm), "grad_dtype": str(grad_dtype),
-            "param_dtype": str(param_dtype), "ordered_reduce": bool(ordered_reduce), "state_dtype": str(state_dtype),
+            "optimizer": type(self).__name__, "overlap_comm": overlap_comm, "grad_dtype": str(grad_dtype),
+            "param_dtype": str(param_dtype), "ordered_reduce": ordered_reduce, "state_dtype": str(state_dtype),
             "store_param_remainders": self.store_param_remainders, "loss_scale": loss_scale is not None and loss_scale is not False,
-            "check_collectives": bool(check_collectives), "cuda_graph": bool(cuda_graph), "init_sync": init_sync,
+            "check_collectives": check_collectives, "cuda_graph": cuda_graph, "init_sync": init_sync,
             "bucket_cap_mb": float(bucket_cap_mb), "align": align, "replica_size": self.replica_size,
             "param_groups": len(self.param_groups),
             "trainable_params": sum(p.requires_grad for g in self.param_groups for p in g["params"]),
             "parameters": _layout_digest(self.param_groups)}, hints=_LAYOUT_HINT)
         # the handshake at every entry point that runs collectives (comm.EntryCheck): ranks in different calls get
         # a CollectiveMismatchError on every rank instead of a hang or gloo's "Received data size doesn't match"
-        if not isinstance(check_collectives, bool):
-            raise TypeError(f"check_collectives must be a bool, got {type(check_collectives).__name__}")
         self._entry = comm.EntryCheck([(self.process_group, self.world_size), (self.replica_group, self.replica_size)]
                                       if check_collectives else [])
         #: gradients are averaged over every data-parallel rank (shard group x replicas); the shards hold the SUM
@@ -605,8 +619,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
         # fp64 [sum_sq, non-finite]: all-reduced in fp64, so the per-rank sums' grouping (the layout) cannot show
         self._norm_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if not isinstance(ordered_reduce, bool):
-            raise TypeError(f"ordered_reduce must be a bool, got {type(ordered_reduce).__name__}")
         self.ordered_reduce = ordered_reduce
         if ordered_reduce and self.replica_size > 2:
             raise ValueError(f"ordered_reduce=True with a replica group of {self.replica_size} ranks is not supported "
@@ -1168,9 +1180,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _make_graphs(self, cuda_graph) -> Optional[_graphs.StepGraphs]:
         """The StepGraphs of ``cuda_graph=True`` (None when off), once every option it needs is checked."""
-        if not isinstance(cuda_graph, bool):
-            raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
-        if not cuda_graph:
+        if not cuda_graph:  # (a bool: checked first thing in __init__)
             return None
         backend = dist.get_backend(self.process_group) if self._direct_collectives else None
         reason = _graphs.unsupported(self.device, backend) or self._uncapturable_options()
