@@ -16,7 +16,7 @@ from tests.distributed import run_on_ranks
 from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedAdamW
 from tritonshard.checkpoint import (CheckpointMismatchError, atomic_save, latest_checkpoint, load_file,
-                                    load_sharded, save_sharded)
+                                    load_sharded, save_checkpoint, save_sharded)
 
 K = 2  # steps before the checkpoint; the runs continue to 2K
 SMALL_BUCKETS = 200 * 2 / 2 ** 20  # ~200 elements: several buckets, so bucket layouts differ from the default
@@ -302,6 +302,39 @@ def test_an_extra_that_could_not_be_loaded_is_refused_before_anything_is_written
     assert os.listdir(tmp_path) == []
     with pytest.raises(TypeError, match="extra must be a dict"):
         save_sharded(opt, path, extra=[1, 2])
+
+
+def test_bad_arguments_to_the_checkpoint_calls_are_named_before_anything_is_written(tmp_path):
+    """Until session 49 a model or a torch.optim optimizer passed as ``opt`` failed on a private attribute ("'Linear'
+    object has no attribute '_entry'"), a path of None inside ``os``, and a float step after the directory was made
+    ("Unknown format code 'd'")."""
+    model, opt, sched = _setup()
+    train_step(model, opt, sched, 0, 0)
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # (not the model's: it would take them over)
+    for call in (lambda o: save_sharded(o, str(tmp_path / "a")), lambda o: load_sharded(o, str(tmp_path / "a")),
+                 lambda o: save_checkpoint(o, str(tmp_path), 1)):
+        with pytest.raises(TypeError, match=r"\(\) takes a tritonshard optimizer \(ShardedAdamW, ShardedSGD, \.\.\.\) "
+                                            rf"as its first argument, got {type(model).__name__}$"):
+            call(model)
+        with pytest.raises(TypeError, match=r"got AdamW: save a torch.optim optimizer with torch.save\(opt"):
+            call(torch_opt)
+    with pytest.raises(TypeError, match=r"save_sharded\(\): path must be a str or an os.PathLike, got NoneType"):
+        save_sharded(opt, None)
+    with pytest.raises(TypeError, match=r"load_sharded\(\): path must be a str or an os.PathLike, got int"):
+        load_sharded(opt, 3)
+    with pytest.raises(TypeError, match=r"save_checkpoint\(\): directory must be a str or an os.PathLike"):
+        save_checkpoint(opt, None, 1)
+    for step, exc, match in ((2.0, TypeError, "step must be an int, got float"),
+                             (True, TypeError, "step must be an int, got bool"),
+                             (-1, ValueError, "step must be >= 0, got -1")):
+        with pytest.raises(exc, match=rf"save_checkpoint\(\): {match}"):
+            save_checkpoint(opt, str(tmp_path / "ckpts"), step)
+    assert os.listdir(tmp_path) == []
+    # what an int is, in the loop's hands: numpy's, a 0-d integer tensor (a step counter kept on the host)
+    import numpy as np
+    assert save_checkpoint(opt, str(tmp_path / "ckpts"), np.int64(3)).endswith("step_00000003")
+    assert save_checkpoint(opt, tmp_path / "ckpts", torch.tensor(4)).endswith("step_00000004")
+    assert latest_checkpoint(str(tmp_path / "ckpts")).endswith("step_00000004")
 
 
 def test_rng_states_and_nested_values_in_extra_come_back_from_the_load(tmp_path):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import operator
 import os
 import pickle
 import warnings
@@ -206,6 +207,36 @@ _SAVE_HOOKS = ("state_dict_pre", "state_dict_post")
 _LOAD_HOOKS = ("load_state_dict_pre", "load_state_dict_post")
 
 
+def _check_optimizer(opt, call: str) -> None:
+    """``opt`` is a tritonshard optimizer (until session 49 a model or a torch.optim optimizer passed here failed
+    on a private attribute: "'Linear' object has no attribute '_entry'")."""
+    from .optim.base import ShardedOptimizer
+    if not isinstance(opt, ShardedOptimizer):
+        raise TypeError(f"{call}() takes a tritonshard optimizer (ShardedAdamW, ShardedSGD, ...) as its first "
+                        f"argument, got {type(opt).__name__}" + (
+                            ": save a torch.optim optimizer with torch.save(opt.state_dict(), path)"
+                            if isinstance(opt, torch.optim.Optimizer) else ""))
+
+
+def _check_path(path, call: str, name: str) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{call}(): {name} must be a str or an os.PathLike, got {type(path).__name__}")
+
+
+def _check_step(step) -> int:
+    """``save_checkpoint``'s step as an int >= 0 (an int, numpy's, a 0-d integer tensor; not a bool or a float,
+    whose directory name would not sort or would fail half-way)."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"save_checkpoint(): step must be an int, got {type(step).__name__}") from None
+    if value < 0:
+        raise ValueError(f"save_checkpoint(): step must be >= 0, got {value}")
+    return value
+
+
 def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     """Write ``opt``'s state as a sharded checkpoint directory ``path`` (a collective: every rank calls it).
 
@@ -218,7 +249,9 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
     otherwise, before any shard is written). An error on one rank only (a file it cannot write) is an error on
     every rank (:class:`~tritonshard.comm.PeerFailedError` on the others), never a hang.
     """
+    _check_optimizer(opt, "save_sharded")
     with _together(opt, "save"):  # (the call's first handshake: every rank's checks travel in it)
+        _check_path(path, "save_sharded", "path")
         _refuse_dict_hooks(opt, "save_sharded", _SAVE_HOOKS)
         _check_extra(extra)
     with _together(opt, "save"):
@@ -437,7 +470,9 @@ def load_sharded(opt, path: str) -> dict:
     checkpoints (meta.pt's checksums differ: another step, another run; a copy elsewhere is the same). An
     optimizer with torch.optim load-state-dict hooks is an error, as in :func:`save_sharded`.
     """
+    _check_optimizer(opt, "load_sharded")
     with _together(opt, "load"):  # (the call's first handshake: every rank's checks travel in it)
+        _check_path(path, "load_sharded", "path")
         _refuse_dict_hooks(opt, "load_sharded", _LOAD_HOOKS)
     opt._prepared_state = None
     with _together(opt, "load"):  # (a path only some ranks see: on every rank, before the collective below)
@@ -526,7 +561,10 @@ def save_checkpoint(opt, directory: str, step: int, *, extra: Optional[dict] = N
     timeline that ``latest`` must never point back to). Returns the checkpoint's path. The pointer moves only
     after the checkpoint is complete on every rank.
     """
+    _check_optimizer(opt, "save_checkpoint")
     with _together(opt, "save"):  # (the call's first handshake: every rank's checks travel in it)
+        _check_path(directory, "save_checkpoint", "directory")
+        step = _check_step(step)
         _refuse_dict_hooks(opt, "save_checkpoint", _SAVE_HOOKS)
     with _together(opt, "save"):
         if _is_lead(opt):

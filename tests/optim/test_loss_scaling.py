@@ -82,11 +82,11 @@ def test_bf16_has_no_loss_scale_by_default_and_state_dict_round_trips_the_scale(
     assert float(other.loss_scale) == 1024.0 and int(other._growth_tracker) == 7
 
 
-def _poisoned_steps(min_scale: float, patience: int, poisoned: int, clean: int):
+def _poisoned_steps(min_scale: float, patience: int, poisoned: int, clean: int, **config):
     """fp16 training where the first ``poisoned`` steps overflow (an inf in the data), then ``clean`` ones."""
     model = make_model(0)
     opt = ShardedAdamW(param_groups(model), lr=LR, param_dtype=torch.float16,
-                       loss_scale=LossScaleConfig(init_scale=2.0 ** 16, min_scale=min_scale,
+                       loss_scale=LossScaleConfig(**{"init_scale": 2.0 ** 16, **config}, min_scale=min_scale,
                                                   max_overflows_at_min_scale=patience))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     scales, norms = [], []
@@ -119,7 +119,21 @@ def test_overflowing_at_the_floor_stops_the_run_loudly():
     (dict(min_scale=2.0 ** 20), r"min_scale \(1048576.0\) must be <= init_scale"),
     (dict(max_overflows_at_min_scale=0), "max_overflows_at_min_scale must be an int >= 1"),
     (dict(backoff_factor=float("nan")), "backoff_factor must be a finite number > 0"),
+    # inverted factors, as GradScaler refuses them: until session 49 backoff_factor=2 grew the scale at every
+    # overflow, so every step was skipped while the floor's check never fired
+    (dict(backoff_factor=2.0), r"backoff_factor must be <= 1 \(the scale backs off after an overflow\), got 2.0"),
+    (dict(growth_factor=0.5), r"growth_factor must be >= 1 \(the scale grows after clean steps\), got 0.5"),
 ])
 def test_bad_loss_scale_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossScaleConfig(**kwargs)
+
+
+def test_a_static_loss_scale_skips_overflowing_steps_and_stays():
+    """growth_factor = backoff_factor = 1, which the bounds above leave in: a constant scale (Megatron's static loss
+    scale). Overflowing steps are skipped and the scale stays, after clean steps too (growth_interval 1)."""
+    opt, scales, norms = _poisoned_steps(1.0, patience=100, poisoned=3, clean=3, init_scale=2.0 ** 10,
+                                         growth_factor=1.0, backoff_factor=1.0, growth_interval=1)
+    assert scales == [2.0 ** 10] * 6, scales
+    assert int(opt.skipped_steps) == 3 and all(float(b.step) == 3 for b in opt.buckets)
+    assert all(n > 1e-3 for n in norms[3:]), norms

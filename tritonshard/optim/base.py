@@ -164,6 +164,15 @@ class LossScaleConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ValueError(f"LossScaleConfig.{name} must be a finite number > 0, got {value!r}")
+        # (GradScaler refuses both as well: a backoff factor above 1 grew the scale at every overflow, so every
+        # step was skipped, silently, and the floor's check never fired; a growth factor below 1 shrank it on clean
+        # steps. 1 for both is a static scale, Megatron's constant loss scale)
+        if not self.growth_factor >= 1:
+            raise ValueError(f"LossScaleConfig.growth_factor must be >= 1 (the scale grows after clean steps), got "
+                             f"{self.growth_factor!r}")
+        if not self.backoff_factor <= 1:
+            raise ValueError(f"LossScaleConfig.backoff_factor must be <= 1 (the scale backs off after an overflow), "
+                             f"got {self.backoff_factor!r}")
         if not self.min_scale <= self.init_scale:
             raise ValueError(f"LossScaleConfig.min_scale ({self.min_scale}) must be <= init_scale ({self.init_scale})")
         for name in ("growth_interval", "max_overflows_at_min_scale"):
