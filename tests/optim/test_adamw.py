@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.optim.training import LR, Reference, loss_fn, make_model, param_groups, schedule, train_step
+import tritonshard
 from tritonshard import ShardedAdamW, ShardedSGD
 from tritonshard.optim.model_sync import ShardedGrad
 
@@ -186,6 +187,22 @@ def _params():
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
+
+
+@pytest.mark.parametrize("cls", ["ShardedAdamW", "ShardedSGD", "ShardedLion", "ShardedMuon"])
+def test_params_that_are_not_an_iterable_of_parameters_get_torch_optims_error_from_every_optimizer(cls):
+    """ShardedSGD and ShardedMuon read the groups before ShardedOptimizer's checks: until session 49 they iterated a
+    tensor's rows ("can't optimize a non-leaf Tensor"; Muon: "only supports 2-D parameters ... is 1-D") and a
+    string's letters."""
+    cls = getattr(tritonshard, cls)
+    weight = torch.nn.Parameter(torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"should be an iterable of Tensors or dicts, but got a torch\.FloatTensor "
+                                        r"\(pass \[param\] for one parameter\)"):
+        cls(weight)
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts, but got a str"):
+        cls("weights")
+    with pytest.raises(TypeError, match=r"but got a dict \(pass \[group\] for one param group\)"):
+        cls({"params": [weight]})
 
 
 def test_a_tensor_lr_set_after_construction_is_checked_at_step():

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from tests.distributed import run_on_ranks
 from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
+import tritonshard
 from tritonshard import ShardedAdamW
 from tritonshard.comm import all_gather_single
 
@@ -178,15 +179,23 @@ def test_ranks_that_pass_the_parameters_in_another_order_get_a_clear_error():
     run_on_ranks(_order_disagrees, 2)
 
 
-def test_a_set_of_parameters_is_refused():
+@pytest.mark.parametrize("cls", [ShardedAdamW, tritonshard.ShardedSGD, tritonshard.ShardedLion,
+                                 tritonshard.ShardedMuon])
+def test_a_set_of_parameters_is_refused(cls):
     """A set's order is its elements' addresses: another order on every rank and in every run. torch.optim refuses
     one inside a param group (but ours listed it before torch.optim looked) and takes one as params; for sharded
-    buffers both are an error."""
-    model = torch.nn.Linear(3, 2)
+    buffers both are an error, for every optimizer (until session 49 ShardedSGD and ShardedMuon listed ``params``
+    before the check, and took a set)."""
+    model = torch.nn.Linear(3, 2, bias=False)
+    other = torch.nn.Linear(3, 2, bias=False)
     with pytest.raises(TypeError, match="params is a set: a set's order differs between processes"):
-        ShardedAdamW(set(model.parameters()), lr=LR)
+        cls({model.weight, other.weight}, lr=LR)
     with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\] is a set"):
-        ShardedAdamW([{"params": [model.weight]}, {"params": {model.bias}}], lr=LR)
+        cls([{"params": [model.weight]}, {"params": {other.weight}}], lr=LR)
+
+
+def test_a_set_of_parameters_added_later_is_refused():
+    model = torch.nn.Linear(3, 2)
     opt = ShardedAdamW([model.weight], lr=LR)
     with pytest.raises(TypeError, match="ordering of tensors in sets will change"):  # torch.optim's own error
         opt.add_param_group({"params": {model.bias}})

@@ -198,15 +198,39 @@ _UNORDERED = ("a set's order differs between processes, and the order lays out t
               "sorted by name)")
 
 
+def param_list(params) -> list:
+    """``params`` as every ShardedOptimizer's constructor takes it (parameters, (name, parameter) pairs or param
+    groups), as a list, with torch.optim's checks made before anything iterates it (a subclass that reads the
+    groups before ShardedOptimizer does calls this first: until session 49 ShardedSGD and ShardedMuon iterated a
+    tensor's rows, a string's letters, and took a set, whose order differs between processes)."""
+    if isinstance(params, torch.Tensor):  # (list() would iterate its rows, and fail as "non-leaf" tensors)
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                        f"got a {torch.typename(params)} (pass [param] for one parameter)")
+    if isinstance(params, (str, bytes, dict)):  # (list() would iterate its letters, or a dict's keys)
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                        f"got a {type(params).__name__}" + (" (pass [group] for one param group)"
+                                                             if isinstance(params, dict) else ""))
+    if isinstance(params, (set, frozenset)):  # (torch.optim takes one here and orders it per process)
+        raise TypeError(f"params is a set: {_UNORDERED}")
+    return list(params)
+
+
+def group_param_list(params, gi: int) -> list:
+    """A param group's ``params`` as a list (a tensor: a list of it), a set refused as in :func:`param_list`."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)):  # (torch.optim refuses one too, but after a list() made it a list)
+        raise TypeError(f"param_groups[{gi}]['params'] is a set: {_UNORDERED}")
+    return list(params)
+
+
 def _reject_duplicates(params: list) -> None:
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
     for gi, group in enumerate(groups):  # as torch.optim does, in place: a generator ({"params":
         # model.parameters()}) becomes a list once, here, before anything reads it (reading it here first left
         # torch.optim an empty group)
         if isinstance(group, dict) and "params" in group and not isinstance(group["params"], torch.Tensor):
-            if isinstance(group["params"], (set, frozenset)):  # (torch.optim refuses one too, but after this list())
-                raise TypeError(f"param_groups[{gi}]['params'] is a set: {_UNORDERED}")
-            group["params"] = list(group["params"])
+            group["params"] = group_param_list(group["params"], gi)
     seen = set()
     for gi, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
@@ -528,16 +552,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
                 or not math.isfinite(bucket_cap_mb)):
             raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}")
-        if isinstance(params, torch.Tensor):  # (list() would iterate its rows, and fail as "non-leaf" tensors)
-            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
-                            f"got a {torch.typename(params)} (pass [param] for one parameter)")
-        if isinstance(params, (str, bytes, dict)):  # (list() would iterate its letters, or a dict's keys)
-            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
-                            f"got a {type(params).__name__}" + (" (pass [group] for one param group)"
-                                                                 if isinstance(params, dict) else ""))
-        if isinstance(params, (set, frozenset)):  # (torch.optim takes one here and orders it per process)
-            raise TypeError(f"params is a set: {_UNORDERED}")
-        params = list(params)
+        params = param_list(params)
         _reject_duplicates(params)  # before torch.optim, which only warns about duplicates
         super().__init__(params, defaults)
         if not _EAGERLY:

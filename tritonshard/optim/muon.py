@@ -34,7 +34,7 @@ from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
 from ._hparams import check_lr, check_min, require
 from .adamw import adamw_update, adamw_update_slice, check_adamw_group
-from .base import ShardedOptimizer, kernels, param_name
+from .base import ShardedOptimizer, group_param_list, kernels, param_list, param_name
 from .bucket import _Bucket, split_into_buckets
 
 __all__ = ["ShardedMuon"]
@@ -106,14 +106,13 @@ class ShardedMuon(ShardedOptimizer):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  process_group: Optional[dist.ProcessGroup] = None, **pipeline):
-        params = list(params)
+        params = param_list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         if groups is params:
             params = groups = [_with_adamw_defaults(g) for g in groups]
         # before any buffer exists: a failed construction must leave the model untouched
         for gi, g in enumerate(groups):
-            ps = g["params"]
-            g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            g["params"] = group_param_list(g["params"], gi)
             _check_matrices(g, gi)
         self._ns_loads: Optional[list] = None  # NS FLOPs per rank so far, while the buckets are laid out
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,

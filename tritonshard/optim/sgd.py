@@ -13,7 +13,7 @@ from ..kernels.sgd import SEGMENTS as SGD_SEGMENTS
 from ..kernels.sgd import launch_spec as sgd_launch_spec
 from ..kernels.sgd import sgd_coefficients
 from ._hparams import check_betas, check_lr, check_min, check_number, require
-from .base import ShardedOptimizer, kernels
+from .base import ShardedOptimizer, kernels, param_list
 from .bucket import _Bucket
 
 __all__ = ["ShardedSGD", "ShardedLion"]
@@ -30,7 +30,7 @@ class ShardedSGD(ShardedOptimizer):
                  maximize=False, **pipeline):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize))
-        params = list(params)
+        params = param_list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self._state_names = ("momentum_buffer",) if any(g.get("momentum", momentum) != 0 for g in groups) else ()
         super().__init__(params, defaults, **pipeline)
