@@ -145,6 +145,9 @@ def test_bf16_momentum_rounds_like_the_other_states():
     (lambda g, b, u: muon_update_(b, u, lr=-1.0), "lr must be"),
     (lambda g, b, u: muon_update_(b, u, lr=0.1, lr_ratio=torch.ones(())), "lr_ratio must be a Python number"),
     (lambda g, b, u: muon_update_(b.bfloat16(), u, lr=0.1), "param must be torch.float32"),
+    # one tensor in two roles (until session 49 the pass wrote over what it read)
+    (lambda g, b, u: muon_momentum_(g, b, g, momentum=0.9), "grad and update_out share memory|update_out and grad"),
+    (lambda g, b, u: muon_update_(b, u, lr=0.1, param_out=u), "update and param_out share memory|param_out and up"),
 ])
 def test_bad_arguments(call, match):
     g, b, u = randn(7, 1, torch.bfloat16), randn(7, 2), torch.empty(7, dtype=torch.bfloat16, device=DEVICE)

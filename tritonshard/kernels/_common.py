@@ -71,8 +71,20 @@ def validate_update(param: torch.Tensor, grad: torch.Tensor, states: Sequence[tu
             raise ValueError(f"{name} must be contiguous")
         if t.device != param.device:
             raise ValueError(f"{name} is on {t.device} but param is on {param.device}")
+    check_disjoint(named)
     check_found_inf(found_inf, param.device, "param")
     check_scalar("grad_scale", grad_scale, param.device, -math.inf)
+
+
+def check_disjoint(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """The contiguous tensors of one update share no memory: the kernel reads each element of every input and
+    writes the outputs in the same pass, so ``exp_avg`` given as ``param`` (or any two sharing bytes) would leave
+    values that are no update's, silently (until session 49 nothing said so)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in named
+                   if t.numel())
+    for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(f"{a} and {b} share memory: an update's tensors must be distinct")
 
 
 def check_found_inf(found_inf, device, beside: str) -> None:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_found_inf, check_no_tensor, check_rounding, check_scalar, host_seed,
+from ._common import (check_disjoint, check_found_inf, check_no_tensor, check_rounding, check_scalar, host_seed,
                       keep_old_where_found_inf, master_view, pack_coefficients, seed_tensor)
 from ._launch import cdiv
 from ._dispatch import Backend, select_backend, traced
@@ -111,6 +111,7 @@ def _check_flat(named, device_of: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous")
         if t.device != device_of.device:
             raise ValueError(f"{name} is on {t.device} but {named[0][0]} is on {device_of.device}")
+    check_disjoint([(name, t) for name, t, _ in named])
 
 
 # ---------------------------------------------------------------------------------------------- momentum pass
@@ -189,6 +190,7 @@ def muon_update_(param: torch.Tensor, update: torch.Tensor, *, lr, weight_decay:
         _check_flat([("param", param, (param.dtype,)),
                      ("param_out", param_out, (torch.bfloat16,) if remainders else (torch.bfloat16, torch.float16))],
                     param)
+        check_disjoint([("update", update), ("param_out", param_out)])
     check_found_inf(found_inf, param.device, "param")
     check_no_tensor(weight_decay=weight_decay, lr_ratio=lr_ratio)
     check_scalar("lr", lr, param.device, 0.0)
