@@ -903,6 +903,51 @@ def test_other_uses_of_param_grad_are_errors_that_say_where_the_gradient_is():
     # (torch.amp.GradScaler's unscale_ on them was an error too; it is supported now: tests/optim/test_grad_scaler.py)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_part_of_a_gradient_changed_in_a_hook_on_the_parameter_trains_as_torch_optim(overlap):
+    """Rows of an embedding's gradient masked (only new tokens train) and one layer's gradient scaled: written on
+    ``param.grad`` after the backward these are errors (the placeholder holds no values, and a multiply of some
+    parameters only cannot be folded into the update), whose messages name the way that works, a hook on the
+    parameter, which runs before the optimizer takes the gradient. That way trains as torch.optim with the same
+    hooks: SGD without momentum, so the weights move by lr x the changed gradient; the masked rows not at all."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    twin = copy.deepcopy(model)  # (bf16 too: its gradients are ours, before the optimizer sees them)
+    masters = [p.detach().float() for p in twin.parameters()]
+    mask = torch.ones(10, 1, dtype=torch.bfloat16)
+    mask[:6] = 0
+    for m in (model, twin):
+        m[0].weight.register_hook(lambda g: g * mask)
+        m[1].weight.register_hook(lambda g: g * 0.5)
+    opt = ShardedSGD(model.parameters(), lr=0.5, overlap_comm=overlap)
+    opt.attach(model)
+    start = model[0].weight.detach().clone()
+    ids = torch.arange(10)
+    for _ in range(3):
+        for m in (model, twin):
+            m(ids).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for q, w in zip(twin.parameters(), masters):
+                w -= 0.5 * q.grad.float()
+                q.copy_(w)
+                q.grad = None
+    assert torch.equal(model[0].weight[:6], start[:6]), "the masked rows train"
+    assert not torch.equal(model[0].weight[6:], start[6:]), "the other rows do not train"
+    for p, w in zip(model.parameters(), masters):
+        want = w.to(torch.bfloat16).float()
+        assert ((p.detach().float() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()  # (one bf16 ulp: fp32 op
+        #                                                                                   order at a boundary)
+    model(ids).float().square().sum().backward()
+    with pytest.raises(RuntimeError, match=r"__setitem__\(\) on the gradient of '0\.weight'.*in a hook on the "
+                                           r"parameter.*p\.register_hook\(lambda g: g \* mask\)"):
+        model[0].weight.grad[:6] = 0
+    model[1].weight.grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"multiplied .* for 1 of the 3 parameters.*p\.register_hook"):
+        opt.step()
+
+
 def _clipped_through(how: str) -> torch.Tensor:
     """The weights after one ShardedSGD step (no momentum: the weights move by lr x the clipped gradient) of a bf16
     MLP whose gradients were clipped ``how``: "none"; "foreach" (torch's clip on a GPU multiplies with

@@ -670,7 +670,9 @@ def _unsupported(placeholder: Optional[ShardedGrad], what: str, below_python: bo
     return RuntimeError(
         where + " It supports the norms and the multiply of torch.nn.utils.clip_grad_norm_, a division by a "
         "number (p.grad /= n, the same n for every parameter), the clamps of clip_grad_value_, and zero_(); for "
-        "anything else read opt.grad_norm(), or clip with opt.clip_grad_norm_(max_norm).")
+        "anything else read opt.grad_norm(), or clip with opt.clip_grad_norm_(max_norm). To change a gradient (rows "
+        "masked, a layer's gradient scaled), do it in a hook on the parameter, which runs before the optimizer "
+        "takes the gradient: p.register_hook(lambda g: g * mask).")
 
 
 # ---------------------------------------------------------------------------------------------- the model

@@ -488,7 +488,9 @@ class ModelViewMixin:
                 f"param.grad was multiplied (e.g. by torch.nn.utils.clip_grad_norm_) for {scaled} of the "
                 f"{len(set(with_grad))} parameters of this optimizer that have a gradient, or by different "
                 "coefficients: tritonshard folds one coefficient into the whole update. Clip all of the optimizer's "
-                "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm). (A gradient set by "
+                "parameters at once (model.parameters()), or use opt.clip_grad_norm_(max_norm); to scale or mask "
+                "some parameters' gradients, do it in a hook on each, which runs before the optimizer takes the "
+                "gradient (p.register_hook(lambda g: g * mask)). (A gradient set by "
                 "hand is a plain tensor until the first multiply of a tritonshard gradient reduces them all, and a "
                 "multiply before that is its own: set it after multiplying, or multiply it before setting.)")
         return self._folded_product(self._grad_multipliers[with_grad[-1]])
