@@ -76,3 +76,32 @@ def test_torch_sgd_state_dict_loads():
 def test_bad_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))])
+
+
+def test_momentum_set_on_an_sgd_built_without_any_is_a_clear_error_before_anything_changes():
+    """torch.optim.SGD makes a buffer at the first step with momentum; ShardedSGD lays its buffers out when it is
+    built, for every group where any group has momentum then. Built without, a momentum set later (by hand, by a
+    scheduler that cycles it, by add_param_group) failed inside step() until session 49 ("momentum_buffer must be a
+    torch.Tensor, got NoneType"); now a ValueError naming the way out, before any weight changes. With momentum in
+    some group at construction, a group turned from 0 to momentum later trains (its buffers exist)."""
+    model = torch.nn.Linear(4, 3)
+    opt = ShardedSGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match=r"momentum=0\.9, but this ShardedSGD was built with momentum 0 in every "
+                                         r"param group.*build it with momentum > 0.*\(param_groups\[0\], at step\(\)\)"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.param_groups[0]["momentum"] = 0.0
+    opt.step()  # (as built: plain SGD)
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match=r"built with momentum 0 in every param group.*\(param_groups\[1\]"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "momentum": 0.5})
+    model = torch.nn.Linear(4, 3)
+    opt = ShardedSGD([{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias]}], lr=0.1)
+    opt.param_groups[1]["momentum"] = 0.9
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    bias = model.bias.detach().clone()
+    opt.step()
+    assert not torch.equal(bias, model.bias)

@@ -38,6 +38,14 @@ class ShardedSGD(ShardedOptimizer):
     def _check_group(self, g: dict, where: str) -> None:
         check_lr(g["lr"], where)
         check_min("momentum", g["momentum"], where)
+        # (torch.optim.SGD makes a parameter's buffer at its first step with momentum; here the buffers are laid out
+        # with the rest of the state at construction, for every group where any group had momentum then. Until
+        # session 49 a momentum set later on an optimizer built without any, by hand or by a scheduler that cycles
+        # it, failed inside step(): "momentum_buffer must be a torch.Tensor, got NoneType")
+        require(g["momentum"] == 0 or bool(self._state_names),
+                f"momentum={g['momentum']!r}, but this ShardedSGD was built with momentum 0 in every param group, "
+                "so it holds no momentum buffers (they are laid out with the optimizer's state when it is built): "
+                "build it with momentum > 0 (e.g. the momentum a scheduler starts from)", where)
         check_number("dampening", g["dampening"], where)
         check_min("weight_decay", g["weight_decay"], where)
         require(not g["nesterov"] or (g["momentum"] > 0 and g["dampening"] == 0),
