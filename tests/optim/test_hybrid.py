@@ -1,6 +1,7 @@
 """Hybrid sharding on 4 gloo ranks as 2 replicas x 2 shards, from a DeviceMesh or two process groups."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -66,3 +67,14 @@ def test_hybrid_2x2_matches_plain_data_parallelism_and_its_checkpoint_loads_with
 def test_device_mesh_and_groups_are_exclusive():
     with pytest.raises(ValueError, match="either device_mesh"):
         ShardedAdamW([torch.nn.Parameter(torch.ones(3))], device_mesh=object(), replica_group=object())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(process_group="gloo"), "process_group must be a torch.distributed.ProcessGroup or None, got str"),
+    (dict(replica_group=2), "replica_group must be a torch.distributed.ProcessGroup or None, got int"),
+    (dict(device_mesh=(2, 2)), "device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got tuple"),
+])
+def test_groups_of_another_type_are_named(kwargs, match):
+    # (until session 49 an AttributeError on .size() or .ndim)
+    with pytest.raises(TypeError, match=re.escape(match)):
+        ShardedAdamW([torch.nn.Parameter(torch.ones(3))], **kwargs)

@@ -534,6 +534,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             if not isinstance(flag, bool):  # (until session 49 overlap_comm and store_param_remainders took any
                 # value's truth: the string "False" of a config file switched overlap_comm on)
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if device_mesh is not None and (process_group is not None or replica_group is not None):
+            raise ValueError("pass either device_mesh or process_group/replica_group, not both")
+        for name, group in (("process_group", process_group), ("replica_group", replica_group)):
+            if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):  # (until
+                # session 49 an AttributeError on .size())
+                raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+        if device_mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+            if not isinstance(device_mesh, DeviceMesh):
+                raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got "
+                                f"{type(device_mesh).__name__}")
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be torch.bfloat16 or torch.float16, got {param_dtype}")
         if store_param_remainders and param_dtype != torch.bfloat16:
@@ -574,8 +585,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         self._check_params()
 
         if device_mesh is not None:
-            if process_group is not None or replica_group is not None:
-                raise ValueError("pass either device_mesh or process_group/replica_group, not both")
             if device_mesh.ndim != 2:
                 raise ValueError(f"device_mesh must be 2-D (replicate, shard), got {device_mesh.ndim} dims")
             replica_group, process_group = device_mesh.get_group(0), device_mesh.get_group(1)
