@@ -165,6 +165,14 @@ def _params():
     # torch.optim.AdamW's own arguments that change what is computed: named, not "unexpected keyword argument"
     (lambda: ShardedAdamW(_params(), 1e-3, (0.9, 0.999), 1e-8, 1e-2, True), ValueError, "amsgrad=True"),
     (lambda: ShardedAdamW(_params(), differentiable=True), ValueError, "differentiable=True"),
+    # only lr may be a tensor (torch.optim's fused and capturable paths take tensor betas): named, where the message
+    # said "must be in [0, 1), got tensor(0.9000)" until session 49
+    (lambda: ShardedAdamW(_params(), betas=(torch.tensor(0.9), 0.999)), TypeError,
+     r"betas\[0\] must be a Python number, got a tensor \(tensor\(0\.9000\)\): only lr may be a tensor"),
+    (lambda: ShardedAdamW(_params(), weight_decay=torch.tensor(0.1)), TypeError,
+     r"weight_decay must be a Python number, got a tensor .*\(param_groups\[0\]\)"),
+    (lambda: ShardedSGD(_params(), momentum=0.9, dampening=torch.tensor(0.1)), TypeError,
+     "dampening must be a Python number, got a tensor"),
     # the switches take bools only: until session 49 overlap_comm and store_param_remainders took any value's
     # truth, so the string "False" of a config file switched overlap_comm on
     (lambda: ShardedAdamW(_params(), overlap_comm="False"), TypeError, "overlap_comm must be a bool, got str"),

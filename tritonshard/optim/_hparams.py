@@ -40,19 +40,32 @@ def check_lr(lr, where: str) -> None:
         raise ValueError(f"lr must be >= 0 and finite, got {lr}{where}")
 
 
+def _no_tensor(name: str, value, where: str) -> None:
+    """Only lr may be a tensor (read on the device at every step); the other hyper-parameters are numbers the
+    launches are built from, as torch.optim's (whose fused and capturable paths take tensor betas: named here,
+    where "must be in [0, 1), got tensor(0.9000)" said nothing of why)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number, got a tensor ({value!r}): only lr may be a tensor here; "
+                        f"pass float(...){where}")
+
+
 def check_betas(betas, where: str) -> None:
     # (each step checks every group: the messages are formatted only for a value that fails)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}{where}")
     for i, b in enumerate(betas):
         if not (_is_number(b) and 0.0 <= b < 1.0):
+            _no_tensor(f"betas[{i}]", b, where)
             raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}{where}")
 
 
 def check_min(name: str, value, where: str, lo: float = 0.0, strict: bool = False) -> None:
     if not (_is_number(value) and (value > lo if strict else value >= lo) and value < math.inf):
+        _no_tensor(name, value, where)
         raise ValueError(f"{name} must be {'>' if strict else '>='} {lo:g} and finite, got {value!r}{where}")
 
 
 def check_number(name: str, value, where: str) -> None:
-    require(_is_number(value), f"{name} must be a number, got {value!r}", where)
+    if not _is_number(value):
+        _no_tensor(name, value, where)
+        raise ValueError(f"{name} must be a number, got {value!r}{where}")
