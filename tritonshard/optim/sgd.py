@@ -42,10 +42,11 @@ class ShardedSGD(ShardedOptimizer):
         # with the rest of the state at construction, for every group where any group had momentum then. Until
         # session 49 a momentum set later on an optimizer built without any, by hand or by a scheduler that cycles
         # it, failed inside step(): "momentum_buffer must be a torch.Tensor, got NoneType")
-        require(g["momentum"] == 0 or bool(self._state_names),
-                f"momentum={g['momentum']!r}, but this ShardedSGD was built with momentum 0 in every param group, "
-                "so it holds no momentum buffers (they are laid out with the optimizer's state when it is built): "
-                "build it with momentum > 0 (e.g. the momentum a scheduler starts from)", where)
+        if g["momentum"] != 0 and not self._state_names:  # (the message formatted only on failure: every step)
+            raise ValueError(
+                f"momentum={g['momentum']!r}, but this ShardedSGD was built with momentum 0 in every param group, so "
+                "it holds no momentum buffers (they are laid out with the optimizer's state when it is built): build "
+                f"it with momentum > 0 (e.g. the momentum a scheduler starts from){where}")
         check_number("dampening", g["dampening"], where)
         check_min("weight_decay", g["weight_decay"], where)
         require(not g["nesterov"] or (g["momentum"] > 0 and g["dampening"] == 0),
