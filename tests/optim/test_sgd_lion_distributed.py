@@ -89,14 +89,14 @@ def test_momentum_set_on_an_sgd_built_without_any_is_a_clear_error_before_anythi
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
     opt.param_groups[0]["momentum"] = 0.9
-    with pytest.raises(ValueError, match=r"momentum=0\.9, but this ShardedSGD was built with momentum 0 in every "
+    with pytest.raises(ValueError, match=r"momentum=0\.9, but this ShardedSGD was built without momentum in any "
                                          r"param group.*build it with momentum > 0.*\(param_groups\[0\], at step\(\)\)"):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     opt.param_groups[0]["momentum"] = 0.0
     opt.step()  # (as built: plain SGD)
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    with pytest.raises(ValueError, match=r"built with momentum 0 in every param group.*\(param_groups\[1\]"):
+    with pytest.raises(ValueError, match=r"built without momentum in any param group.*\(param_groups\[1\]"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "momentum": 0.5})
     model = torch.nn.Linear(4, 3)
     opt = ShardedSGD([{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias]}], lr=0.1)

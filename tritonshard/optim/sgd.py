@@ -41,21 +41,18 @@ class ShardedSGD(ShardedOptimizer):
         # (torch.optim.SGD makes a parameter's buffer at its first step with momentum; here the buffers are laid out
         # with the rest of the state at construction, for every group where any group had momentum then. Until
         # session 49 a momentum set later on an optimizer built without any, by hand or by a scheduler that cycles
-        # it, failed inside step(): "momentum_buffer must be a torch.Tensor, got NoneType")
-        if g["momentum"] != 0 and not self._state_names:  # (the message formatted only on failure: every step)
+        # it, failed inside step(): "momentum_buffer must be a torch.Tensor, got NoneType"; add_param_group checked)
+        if g["momentum"] != 0 and not self._state_names:  # (the message formatted only on failure: every step;
+            # at add_param_group too, which said so before)
             raise ValueError(
-                f"momentum={g['momentum']!r}, but this ShardedSGD was built with momentum 0 in every param group, so "
+                f"momentum={g['momentum']!r}, but this ShardedSGD was built without momentum in any param group, so "
                 "it holds no momentum buffers (they are laid out with the optimizer's state when it is built): build "
-                f"it with momentum > 0 (e.g. the momentum a scheduler starts from){where}")
+                "it with momentum > 0 in some group, which gives every group buffers (e.g. the momentum a scheduler "
+                f"starts from){where}")
         check_number("dampening", g["dampening"], where)
         check_min("weight_decay", g["weight_decay"], where)
         require(not g["nesterov"] or (g["momentum"] > 0 and g["dampening"] == 0),
                 "nesterov=True requires momentum > 0 and dampening == 0", where)
-
-    def _check_new_group(self, group: dict, where: str) -> None:
-        require(group["momentum"] == 0 or bool(self._state_names),
-                "a group with momentum cannot be added to a ShardedSGD built without momentum in any group (it keeps "
-                "no momentum buffers); build it with momentum > 0 in some group, which gives every group buffers", where)
 
     def _update(self, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor) -> None:
         _launch_one(bucket, *self._launch(bucket, group, grad_scale, found_inf))
