@@ -658,7 +658,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                              "(the replicas' all-reduce would still add in the ring's order); use at most 2 replicas")
         self._scratch: list = []
         self._scratch_user: list = [None, None]  # the bucket whose all-to-all output a scratch holds
-        self.overlap_comm = bool(overlap_comm)
+        self.overlap_comm = overlap_comm  # (a bool: checked first thing)
         self._launch_order: list[int] = []  # (filled by _index_buckets, which says how)
         self._next_launch = 0  # _launch_order[:_next_launch] have their reduce-scatter launched this step
         self._defer_gathers = False  # attach() with overlap_comm: all-gathers are waited for in the next forward
