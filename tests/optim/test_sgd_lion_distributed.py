@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.distributed import run_on_ranks
+from tests.helpers import assert_close_rel
 from tests.optim.training import PaperLion, Reference, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedLion, ShardedSGD
 
@@ -105,3 +106,97 @@ def test_momentum_set_on_an_sgd_built_without_any_is_a_clear_error_before_anythi
     bias = model.bias.detach().clone()
     opt.step()
     assert not torch.equal(bias, model.bias)
+
+
+# Momentum per step for group 0 (group 1 keeps SGD_SWITCH's 0.9 throughout): none at first (a group built with
+# momentum=0 beside one with momentum), turned on at step 2, off at 4, on again at 6 (a scheduler that cycles it)
+MOMENTUM_AT = [0.0, 0.0, 0.9, 0.8, 0.0, 0.0, 0.7, 0.9]
+SGD_SWITCH = dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01)
+
+
+def _grads(step, shapes, unused):
+    """The same bf16 gradients on every rank (so the reduced average is them, exactly); None where ``unused``."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [None if (step, i) in unused else torch.randn(shape, generator=gen).bfloat16()
+            for i, shape in enumerate(shapes)]
+
+
+def _momentum_switch(rank, world_size, unused, bucket_cap_mb):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in [(5, 3), (7,), (2, 11), (13,)]]
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]  # the masters' start, exactly
+    split = lambda ps: [{"params": ps[:2], "momentum": 0.0}, {"params": ps[2:]}]  # noqa: E731
+    opt = ShardedSGD(split(params), bucket_cap_mb=bucket_cap_mb, **SGD_SWITCH)
+    torch_opt = torch.optim.SGD(split(ref), foreach=False, **SGD_SWITCH)
+    for step, momentum in enumerate(MOMENTUM_AT):
+        opt.param_groups[0]["momentum"] = torch_opt.param_groups[0]["momentum"] = momentum
+        for p, q, g in zip(params, ref, _grads(step, [p.shape for p in params], unused)):
+            p.grad, q.grad = g, None if g is None else g.float()
+        opt.step()
+        torch_opt.step()
+        # fp32 on both sides from the same gradients; the kernel's op order (fused multiply-adds) against torch's
+        # separate ops: a few fp32 ulps per step, 8 steps (a wrong first buffer is off by dampening * lr * |g|,
+        # 0.05 * ~1)
+        state = opt.state_dict()["state"]
+        for i, q in enumerate(ref):
+            assert_close_rel(state[i]["master"], q.detach(), 1e-6, f"step {step}: master of parameter {i}")
+            assert ("momentum_buffer" in state[i]) == ("momentum_buffer" in torch_opt.state[q]), \
+                f"step {step}: parameter {i} has a momentum buffer in one state dict only"
+            if "momentum_buffer" in state[i]:
+                assert_close_rel(state[i]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"], 1e-6,
+                                 f"step {step}: momentum buffer of parameter {i}")
+
+
+@pytest.mark.parametrize("unused", [
+    frozenset(),
+    # parameter 0 without a gradient at the step its group's momentum is turned on (its buffer is made a step
+    # later than parameter 1's: a count of its own), parameter 1 at a step without momentum
+    frozenset({(2, 0), (5, 1)}),
+])
+@pytest.mark.parametrize("bucket_cap_mb", [25, 8 * 2 / 2 ** 20])  # (one bucket per group; 8 bf16 elements each)
+def test_momentum_turned_on_later_starts_its_buffer_from_the_gradient_as_torch(unused, bucket_cap_mb):
+    """torch.optim.SGD makes a parameter's momentum buffer at its first step with momentum (buf = g, no dampening)
+    and leaves it alone in steps without. Until session 50, ShardedSGD decided "first" by the count of all steps, so
+    a group whose momentum was 0 at first (laid out with buffers because another group had momentum) started at
+    buf = (1 - dampening) * g: off by dampening * lr * |g| from its first step with momentum, silently."""
+    _momentum_switch(0, 1, unused, bucket_cap_mb)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_momentum_turned_on_later_on_ranks(world_size):
+    run_on_ranks(_momentum_switch, world_size, frozenset({(2, 0), (5, 1)}), 8 * 2 / 2 ** 20)
+
+
+def test_state_dict_without_a_buffer_where_torch_has_none_and_it_loads_into_torch_sgd():
+    """A parameter that has not stepped with momentum has no buffer in torch.optim.SGD's state; ShardedSGD's dict
+    leaves its (laid out, zero) buffer out too: torch.optim.SGD would take a zero buffer as made and start at
+    (1 - dampening) * g. Both ways round, the run goes on as one that never stopped."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in [(5, 3), (7,), (2, 11)]]
+    split = lambda ps: [{"params": ps[:2], "momentum": 0.0}, {"params": ps[2:]}]  # noqa: E731
+    opt = ShardedSGD(split(params), **SGD_SWITCH)
+    for step in range(2):
+        for p, g in zip(params, _grads(step, [p.shape for p in params], ())):
+            p.grad = g
+        opt.step()
+    saved = opt.state_dict()
+    assert [sorted(saved["state"][i]) for i in range(3)] == [["master", "step"], ["master", "step"],
+                                                              ["master", "momentum_buffer", "step"]]
+    assert [float(saved["state"][i]["step"]) for i in range(3)] == [0.0, 0.0, 2.0]
+    ref = [torch.nn.Parameter(saved["state"][i]["master"].clone()) for i in range(3)]
+    torch_opt = torch.optim.SGD(split(ref), foreach=False, **SGD_SWITCH)
+    torch_opt.load_state_dict(saved)
+    again = ShardedSGD(split([torch.nn.Parameter(p.detach().clone()) for p in params]), lr=1.0, momentum=0.5)
+    again.load_state_dict(saved)
+    for step in range(2, 4):
+        for o in (opt, torch_opt, again):
+            o.param_groups[0]["momentum"] = 0.9
+        grads = _grads(step, [p.shape for p in params], ())
+        for p, q, r, g in zip(params, ref, again.param_groups[0]["params"] + again.param_groups[1]["params"], grads):
+            p.grad, q.grad, r.grad = g, g.float(), g
+        for o in (opt, torch_opt, again):
+            o.step()
+    ours, resumed = opt.state_dict()["state"], again.state_dict()["state"]
+    for i, q in enumerate(ref):
+        assert torch.equal(ours[i]["master"], resumed[i]["master"]), "a resumed run is the run, bit for bit"
+        assert_close_rel(ours[i]["master"], q.detach(), 1e-6, f"master of parameter {i} (see above: fp32 op order)")

@@ -649,6 +649,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # (_adopt_unfrozen). _step_units lists the buckets of each counter (_set_gather_order)
         self._own_steps: dict = {}  # ... and one per parameter whose count left its bucket's (param_steps.py)
         self._own_plan: list = []
+        # what the step-flags launch advances where no counter counts the step (a table needs an address)
+        self._idle_counter = torch.zeros((), dtype=torch.float32, device=self.device)
         self._step_cache: dict = {}  # per-step values shared by a group's buckets; cleared by _reset_step_state
         # fp64 [sum_sq, non-finite]: all-reduced in fp64, so the per-rank sums' grouping (the layout) cannot show
         self._norm_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -3294,11 +3296,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     def _launch_step_flags(self, found_inf: torch.Tensor) -> tuple:
         """The usual step's scalars in one launch, bound (kernels/scalars.py): ``_found_inf_buf`` = ``found_inf``,
-        ``_not_skipped_buf`` = 1 - it, every counter of :attr:`_step_units` advanced by that, ``skipped_steps`` and
-        ``last_step_skipped``, and after a clip ``_grad_scale_buf`` = coef * average: 8 small torch ops before (the
-        counters one each). Returns ``(grad_scale, found_inf)`` for the updates: the buffer, or the average as a
-        number where the loop did not clip."""
-        counters = tuple(buckets[0].step for _, buckets in self._step_units)
+        ``_not_skipped_buf`` = 1 - it, every counter of :attr:`_step_units` that counts the step
+        (:meth:`_counts_step`) advanced by that, ``skipped_steps`` and ``last_step_skipped``, and after a clip
+        ``_grad_scale_buf`` = coef * average: 8 small torch ops before (the counters one each). Returns
+        ``(grad_scale, found_inf)`` for the updates: the buffer, or the average as a number where the loop did not
+        clip."""
+        counts, of_bucket = self._counts_step, self._group_of_bucket  # (ShardedSGD: the groups with momentum)
+        counters = tuple(buckets[0].step for _, buckets in self._step_units
+                         if counts(of_bucket[buckets[0].index])) or (self._idle_counter,)
         cached = self._counter_table
         if cached is None or len(cached[0]) != len(counters) or not all(map(operator.is_, cached[0], counters)):
             # (kept with the counters it points to, so their storage lives as long as the table)

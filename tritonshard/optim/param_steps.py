@@ -44,6 +44,13 @@ class ParamStepsMixin:
         again with it, by :meth:`_update_slice`)."""
         return True
 
+    def _counts_step(self, group: dict) -> bool:
+        """Whether a step advances the counts of ``group``'s parameters. torch.optim counts every step it takes
+        (AdamW's ``state[p]["step"]``); SGD keeps no count, only whether a parameter has a momentum buffer yet,
+        which its first step with momentum makes from the gradient: ShardedSGD counts the steps with momentum
+        (then a group whose momentum is turned on after steps without starts its buffers as torch does)."""
+        return True
+
     def _update_slice(self, bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
                       found_inf: torch.Tensor) -> None:
         """The update of elements ``sl`` of ``bucket``'s shards with step count ``step`` (the checked kernel
@@ -71,6 +78,8 @@ class ParamStepsMixin:
         (through :attr:`_step_units`) and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its
         placeholder grad)."""
         idle, kept = set(), []
+        counting = {buckets[0].counter_index for _, buckets in self._step_units
+                    if self._counts_step(self._group_of_bucket[buckets[0].index])}
         if skipped:  # (eager only; the work is per skipped parameter and per bucket, not per parameter)
             by_unit: dict = {}
             for p in skipped:
@@ -84,6 +93,8 @@ class ParamStepsMixin:
                     idle.update(b.index for b in buckets)
                     continue
                 kept += left_out
+                if buckets[0].counter_index not in counting:  # (the others do not count either: no count apart)
+                    continue
                 for p in left_out:
                     if p not in self._own_steps:
                         self._set_own_step(p, self._bucket_of[p][0].step.clone(), replan=False)
@@ -91,16 +102,17 @@ class ParamStepsMixin:
             if added:
                 self._plan_own_steps()
         for _, buckets in self._step_units:  # skipped steps do not count
-            if buckets[0].index not in idle:
+            if buckets[0].index not in idle and buckets[0].counter_index in counting:
                 buckets[0].step.add_(not_skipped)
         redo: dict = {}
         if self._own_plan:
             left_ids = {id(p) for p in skipped}
-            for param_id, b_index, sl, own, reads in self._own_plan:
-                if param_id in left_ids:
+            for param_id, b_index, sl, own in self._own_plan:
+                group = self._group_of_bucket[b_index]
+                if param_id in left_ids or not self._counts_step(group):
                     continue
                 own.add_(not_skipped)
-                if reads and sl is not None:
+                if sl is not None and self._reads_step(group):  # (read now: the group's settings may change)
                     redo.setdefault(b_index, []).append((sl, own, self._piece_copies(self.buckets[b_index], sl)))
         return redo, frozenset(idle), kept
 
@@ -132,15 +144,15 @@ class ParamStepsMixin:
 
     def _plan_own_steps(self) -> None:
         """:attr:`_own_plan`, what a step reads of the parameters with their own count: (id of the parameter,
-        bucket index, the slice of this rank's piece of it or None, its count, whether its group's update reads
-        the count), in the order they got their count."""
+        bucket index, the slice of this rank's piece of it or None, its count), in the order they got their count.
+        (Whether the group's update reads the count, or counts the step, is asked at each step: _count_steps.)"""
         self._own_plan = []
         for p, own in self._own_steps.items():
             b = self._bucket_of[p][0]
             pieces = [piece for piece in b.param_buffer.shard_pieces()
                       if b.params[piece.tensor_index] is p and piece.numel]  # (at most one per rank and bucket)
             sl = slice(pieces[0].shard_start, pieces[0].shard_end) if pieces else None
-            self._own_plan.append((id(p), b.index, sl, own, self._reads_step(self._group_of_bucket[b.index])))
+            self._own_plan.append((id(p), b.index, sl, own))
 
     def _load_steps(self, steps: dict) -> None:
         """Every bucketed parameter's step count from a checkpoint (``steps``: parameter -> number): first the

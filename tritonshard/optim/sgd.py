@@ -35,6 +35,8 @@ class ShardedSGD(ShardedOptimizer):
         self._state_names = ("momentum_buffer",) if any(g.get("momentum", momentum) != 0 for g in groups) else ()
         super().__init__(params, defaults, **pipeline)
 
+    _MADE_BY_FIRST_STEP = ("momentum_buffer",)  # (state_io.py)
+
     def _check_group(self, g: dict, where: str) -> None:
         check_lr(g["lr"], where)
         check_min("momentum", g["momentum"], where)
@@ -59,6 +61,13 @@ class ShardedSGD(ShardedOptimizer):
 
     def _reads_step(self, group: dict) -> bool:
         return group["momentum"] != 0  # the first step sets the momentum buffer to the gradient (no dampening)
+
+    def _counts_step(self, group: dict) -> bool:
+        # torch.optim.SGD makes a parameter's buffer at its first step with momentum (buf = g) and leaves it alone
+        # in steps without: the count is of the steps with momentum, so that a group whose momentum is turned on
+        # later (by hand, a scheduler, a group built with momentum=0 beside others) starts as torch's does, not at
+        # buf = (1 - dampening) * g; turned off and on again, the buffer goes on from where it was, as torch's
+        return group["momentum"] != 0
 
     def _update_slice(self, bucket: _Bucket, group: dict, sl: slice, step: torch.Tensor, seed, grad_scale,
                       found_inf: torch.Tensor) -> None:

@@ -21,6 +21,12 @@ __all__ = ["StateDictMixin"]
 class StateDictMixin:
     """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` that (de)serialize its state."""
 
+    #: state that torch.optim makes at a parameter's first counted step, where "missing" and "zeros" differ:
+    #: ShardedSGD's ``momentum_buffer`` (torch's first step with momentum sets it to the gradient, any later one
+    #: to momentum * buffer + (1 - dampening) * gradient). Laid out here from construction, it is left out of
+    #: state_dict() for a parameter whose count is 0, as torch.optim would have none yet, and a dict without it
+    #: loads as such a count (torch.optim.SGD given a zero buffer would take it as made)
+    _MADE_BY_FIRST_STEP: tuple = ()
 
     def _indexed_params(self) -> list[tuple[int, int, torch.Tensor]]:
         """(global index, group index, param) in torch.optim's numbering: param_groups order, frozen included."""
@@ -79,13 +85,21 @@ class StateDictMixin:
         self.sync_from_model()
         self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
+        counts: dict = {}  # id(counter) -> its value, read once per counter (a host sync each)
         for b in self.buckets:
             gathered = {name: self._gather_full(b, t) for name, t in (("master", b.saved_master()), *b.state.items())}
             keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
-                entry = {"step": self._param_step(p).detach().clone()} if keeps_step else {}
+                step = self._param_step(p)
+                entry = {"step": step.detach().clone()} if keeps_step else {}
                 for name in (*b.state, "master"):
                     entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
+                if self._MADE_BY_FIRST_STEP:
+                    if id(step) not in counts:
+                        counts[id(step)] = float(step)
+                    if counts[id(step)] == 0:
+                        for name in self._MADE_BY_FIRST_STEP:
+                            entry.pop(name, None)
                 full[p] = entry
         state = {i: full[p] for i, _, p in self._indexed_params() if p in full}
         return {"state": state,
@@ -195,7 +209,7 @@ class StateDictMixin:
                 raise ValueError(f"the state dict has state for parameter {key}, which is in no param group")
             p = by_index[id_map[key]]
             for name in (*self._bucket_of[p][0].state, "master"):
-                if name == "master" and name not in entry:
+                if (name == "master" or name in self._MADE_BY_FIRST_STEP) and name not in entry:
                     continue
                 if name not in entry:
                     raise ValueError(f"state of parameter {key} has no '{name}'")
@@ -206,8 +220,14 @@ class StateDictMixin:
         with torch.no_grad():
             # a step count per parameter (param_steps.py): torch.optim.SGD keeps no step, so a saved momentum
             # buffer means at least one step was taken; a parameter without state never took one (torch.optim
-            # makes its state at its first step)
-            steps = {p: float(entries[p].get("step", 1.0)) if p in entries else 0.0 for p in self._bucket_of}
+            # makes its state at its first step), nor one without the state its first step makes
+            def count(p) -> float:
+                entry = entries.get(p)
+                if entry is None or any(name not in entry for name in self._MADE_BY_FIRST_STEP
+                                        if name in self._bucket_of[p][0].state):
+                    return 0.0
+                return float(entry.get("step", 1.0))
+            steps = {p: count(p) for p in self._bucket_of}
             for b in self.buckets:
                 master = b.master_fp32().clone()
                 for piece in b.param_buffer.shard_pieces():
