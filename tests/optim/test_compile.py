@@ -766,3 +766,31 @@ def test_a_step_replaced_by_its_compiled_self_gives_the_eager_weights(how):
     # compiled step; a scheduler built before wraps the original (dynamo compiles our step as a frame of its own)
     for a, b in zip(_patched_step_run(how, False), _patched_step_run(how, True)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{how}: compiled != eager"
+
+
+def test_a_compiled_sgd_step_counts_only_the_steps_with_momentum_as_an_eager_one():
+    """ShardedSGD counts the steps with momentum (its first one makes the buffer from the gradient, as
+    torch.optim.SGD's; tests/optim/test_sgd_lion_distributed.py); a compiled step, which counts through other code
+    than an eager one (param_steps._count_steps, not the step-flags launch), must count the same: group 1 without
+    momentum for two steps, then with it, dampening 0.5 (a first step counted as a later one is off by half the
+    gradient's share); the same bits as eager steps, and the same counts."""
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = make_model(0)
+        groups = param_groups(model)
+        groups[1]["momentum"] = 0.0
+        opt = ShardedSGD(groups, lr=0.05, momentum=0.9, dampening=0.5)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for k in range(4):
+            if k == 2:
+                opt.param_groups[1]["momentum"] = 0.9
+            (loss_fn(model, batch(0, k, 0)) + 0 * model.unused.sum()).backward()
+            step()
+            opt.zero_grad()
+        state = opt.state_dict()["state"]
+        counts = {i: float(e["step"]) for i, e in state.items()}
+        assert counts == {i: 4.0 if i < 3 else 2.0 for i in range(7)}, f"compiled={compiled}: {counts}"
+        results.append([b.param_buffer.get_data().clone() for b in opt.buckets])
+    for a, b in zip(*results):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "compiled step != eager step"
