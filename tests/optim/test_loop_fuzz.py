@@ -84,7 +84,7 @@ UPDATES = {"mul_": lambda p: p.mul_(1 - 1e-4), "clamp_": lambda p: p.clamp_(min=
 HPARAM_CHOICES = {
     torch.optim.AdamW: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9))),
                         ("eps", (1e-8, 1e-6))],
-    torch.optim.SGD: [("weight_decay", (0.0, 0.1, 0.3)), ("momentum", (0.9, 0.5)), ("dampening", (0.1, 0.0))],
+    torch.optim.SGD: [("weight_decay", (0.0, 0.1, 0.3)), ("momentum", (0.9, 0.5, 0.0)), ("dampening", (0.1, 0.0))],
     PaperLion: [("weight_decay", (0.0, 0.1, 0.3)), ("betas", ((0.9, 0.99), (0.95, 0.98), (0.8, 0.9)))],
 }
 #: ShardedMuon's reference (MuonReference, below): group 0 Muon, group 1 AdamW
@@ -944,9 +944,12 @@ class OverlappedGraphedTrainingLoop(GraphedTrainingLoop):
 
 class SGDTrainingLoop(TrainingLoop):
     """ShardedSGD with momentum, dampening and weight decay against torch.optim.SGD (the momentum buffer starts at
-    a parameter's first gradient; a step that skips it leaves it)."""
+    a parameter's first gradient; a step that skips it leaves it). The biases' group (and the extra head's) starts
+    without momentum, which set_hparam may turn on (until session 50 its first step with momentum started the
+    buffer at (1 - dampening) * g) and off again, as in the matrices' group."""
     OURS, THEIRS = ShardedSGD, torch.optim.SGD
     HPARAMS = dict(momentum=0.9, dampening=0.1, foreach=False)
+    GROUP_OPTIONS = dict(momentum=0.0)
 
 
 class LionTrainingLoop(TrainingLoop):
@@ -1028,6 +1031,7 @@ class MuonTrainingLoop(TrainingLoop):
 class SGDGraphedTrainingLoop(GraphedTrainingLoop):
     """GraphedTrainingLoop with ShardedSGD (its captured update reads -lr from a tensor of its own)."""
     OURS, THEIRS, HPARAMS = SGDTrainingLoop.OURS, SGDTrainingLoop.THEIRS, SGDTrainingLoop.HPARAMS
+    GROUP_OPTIONS = SGDTrainingLoop.GROUP_OPTIONS
 
 
 class LionGraphedTrainingLoop(GraphedTrainingLoop):
