@@ -563,7 +563,9 @@ class TrainingLoop(RuleBasedStateMachine):
         for g in (*self.opt.param_groups, *self.ropt.param_groups):
             g["lr"] = lr
 
-    @rule(group=st.sampled_from([0, 1]), setting=st.integers(0, 2 ** 16))
+    # (setting: which hyper-parameter, setting % their number, and its value, setting // 8 % its number; at most
+    # 95, where every pair comes up: hypothesis favours the ends of a range, and over 0..2^16 drew mostly 0 and 2^16)
+    @rule(group=st.sampled_from([0, 1]), setting=st.integers(0, 95))
     def set_hparam(self, group, setting):
         """Another hyper-parameter in one group (a scheduler's betas or momentum, weight decay switched): the
         launches built for the old values must not be reused."""
@@ -945,8 +947,10 @@ class OverlappedGraphedTrainingLoop(GraphedTrainingLoop):
 class SGDTrainingLoop(TrainingLoop):
     """ShardedSGD with momentum, dampening and weight decay against torch.optim.SGD (the momentum buffer starts at
     a parameter's first gradient; a step that skips it leaves it). The biases' group (and the extra head's) starts
-    without momentum, which set_hparam may turn on (until session 50 its first step with momentum started the
-    buffer at (1 - dampening) * g) and off again, as in the matrices' group."""
+    without momentum, which set_hparam may turn on and off again, as in the matrices' group. (Until session 50 a
+    first step with momentum after steps without started the buffer at (1 - dampening) * g; the loops reach that
+    seldom, a step after set_hparam on group 1 after a step: 150 random loops of loop_fuzz_long did not find it,
+    tests/optim/test_sgd_lion_distributed.py tests it directly.)"""
     OURS, THEIRS = ShardedSGD, torch.optim.SGD
     HPARAMS = dict(momentum=0.9, dampening=0.1, foreach=False)
     GROUP_OPTIONS = dict(momentum=0.0)
