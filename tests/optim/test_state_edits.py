@@ -157,3 +157,59 @@ def test_a_reset_of_muon_state_acts_as_in_torch_optim_muon(how):
         assert float((state[i]["master"] - q.detach()).abs().max()) <= 1e-6 * scale + 2e-4 * 0.02, (how, i)
         buf = topt.state[q]["momentum_buffer"]
         assert float((state[i]["momentum_buffer"] - buf).abs().max()) <= 1e-6 * float(buf.abs().max()), (how, i)
+
+
+
+def test_a_momentum_buffer_set_after_steps_without_momentum_is_taken_as_made_as_torch_sgd_takes_it():
+    """torch.optim.SGD takes a momentum buffer it finds in the state (buf = momentum * buf + (1 - dampening) * g),
+    one set by hand where it had none too; it makes one from the gradient only where there is none. ShardedSGD
+    shows a buffer (zeros) from the first step on also in a group without momentum, and a buffer set there at count
+    0 counts as made (until session 50 the first step with momentum overwrote it with the gradient, silently). A
+    1-D parameter on one rank, whose piece has the parameter's shape, as code written for torch.optim sets it."""
+    model = _model()
+    twin = copy.deepcopy(model).float()
+    kw = dict(lr=1e-1, momentum=0.9, dampening=0.3)
+    groups = lambda m: [{"params": [m[0].bias], "momentum": 0.0},  # noqa: E731
+                        {"params": [m[0].weight, m[2].weight, m[2].bias]}]
+    opt = ShardedSGD(groups(model), bucket_cap_mb=1e-4, **kw)
+    topt = torch.optim.SGD(groups(twin), foreach=False, **kw)
+    start = torch.linspace(-1, 1, model[0].bias.numel())
+    for step in range(4):
+        _set_grads(list(model.parameters()), step)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            q.grad = p.grad.float()
+        if step == 2:  # after two steps without momentum: a buffer set, and momentum turned on
+            opt.state[model[0].bias]["momentum_buffer"] = start.clone()
+            topt.state[twin[0].bias]["momentum_buffer"] = start.clone()
+            opt.param_groups[0]["momentum"] = topt.param_groups[0]["momentum"] = 0.9
+        opt.step()
+        topt.step()
+    ours, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
+    for i, q in enumerate([twin[0].bias, twin[0].weight, twin[2].weight, twin[2].bias]):  # (torch.optim's order)
+        # (fp32 against torch's op order, as _against_torch)
+        torch.testing.assert_close(ours[i]["momentum_buffer"], theirs[i]["momentum_buffer"], rtol=0, atol=1e-6,
+                                   msg=f"momentum buffer {i}")
+        torch.testing.assert_close(ours[i]["master"], q.detach(), rtol=0, atol=1e-6, msg=f"master {i}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_state_given_before_the_first_step_is_an_error_before_anything_changes(kind):
+    """Before its first step a parameter has no state in opt.state (as in torch.optim); state code gives it there
+    (a momentum buffer torch.optim.SGD would take; AdamW's moments, where torch.optim.AdamW would fail on the missing
+    step) went unseen until session 50, and the first step overwrote it. Now a RuntimeError naming the parameter and
+    the way to load state, before any weight changes."""
+    model = _model()
+    opt = MAKE[kind][0](list(model.parameters()))
+    key = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    opt.state[model[0].bias][key] = torch.ones(model[0].bias.shape)
+    _set_grads(list(model.parameters()), 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    name = r"param_groups\[0\]\['params'\]\[1\] \(shape \(13,\)\)"
+    with pytest.raises(RuntimeError, match=rf"opt.state\[{name}\] was given \['{key}'\] before the parameter's "
+                                           r"first step.*opt.load_state_dict"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    del opt.state[model[0].bias]  # (what a logger's read leaves, an empty entry, is no edit)
+    assert opt.state[model[0].weight] == {}
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -69,7 +69,9 @@ class _StateDict(collections.defaultdict):
         self._edits = edits if edits is not None else _Edits()
 
     def __missing__(self, key):
-        value = self.default_factory()
+        # (an entry that flags writes too: state set before a parameter's first step, which torch.optim would take,
+        # must not be dropped unseen: _follow_state_edits)
+        value = _StateEntry((), self._edits)
         dict.__setitem__(self, key, value)
         return value
 
@@ -152,14 +154,25 @@ class StateViewMixin:
           takes that step's gradient, as without state). The master weights stay (they are the weights);
         * ``opt.state[p]["step"] = n``: ``p`` counts on from ``n`` (its bias corrections follow);
         * a state tensor replaced by another of the same shape (``torch.zeros_like(opt.state[p]["exp_avg"])``):
-          its values are copied into the piece, which stays shown;
+          its values are copied into the piece, which stays shown; ShardedSGD's ``momentum_buffer`` set on a
+          parameter that has not stepped with momentum counts as made (count 1), as torch.optim.SGD takes a buffer
+          it finds;
         * an entry replaced by a dict of other contents, a key deleted, a tensor of another shape: a RuntimeError
           naming it (write into the shown views in place, or use ``load_state_dict``).
 
-        Entries of parameters without state here (frozen ones, read by a logger) are kept as they are. Each rank
-        edits its own pieces: code that edits the state on one rank only diverges, as under DDP."""
-        state, fresh, counts, copies = self.state, [], {}, []
+        Entries of parameters without state here (frozen ones, read by a logger) are kept as they are. State given
+        to a laid-out parameter before its first step, which torch.optim would take, is a RuntimeError: the pieces
+        are shown from the first step on (before, ``opt.state`` is empty, as torch.optim's). Each rank edits its
+        own pieces: code that edits the state on one rank only diverges, as under DDP."""
+        state, fresh, counts, copies, made = self.state, [], {}, [], []
         read = (lambda key: dict.get(state, key)) if isinstance(state, dict) else state.get
+        for p, entry in (state.items() if hasattr(state, "items") else ()):
+            if p in self._bucket_of and p not in self._shown and isinstance(entry, dict) and entry:
+                raise RuntimeError(
+                    f"opt.state[{self._param_names[p]}] was given {sorted(map(str, entry))} before the parameter's "
+                    "first step: torch.optim would take that state at the step, but tritonshard keeps the state in "
+                    "its buffers and shows this rank's pieces of it in opt.state from the first step on. Load state "
+                    "with opt.load_state_dict(...), or write into what opt.state shows after a step")
         for p, (entry, shown) in self._shown.items():  # (first every check, then every change)
             name = self._param_names[p]
             now = read(p)
@@ -191,6 +204,8 @@ class StateViewMixin:
                             "state kept in tritonshard's buffers, so a new value must be a tensor of the piece's "
                             f"shape {tuple(was.shape)} (or write into it in place)")
                     copies.append((was, value))  # (also from another device: Lightning's teardown moves the state)
+                    if key in self._MADE_BY_FIRST_STEP:
+                        made.append(p)
                 elif value != was:
                     raise RuntimeError(f"opt.state[{name}][{key!r}] was changed to {value!r}: it says which part of "
                                        f"the parameter this rank's pieces cover, {was!r}")
@@ -203,6 +218,9 @@ class StateViewMixin:
                     for t in b.state.values():
                         t[piece.shard_start:piece.shard_end].zero_()
             counts[p] = 0.0
+        for p in made:  # a buffer set at count 0 is made, as torch's (ShardedSGD: state_io._MADE_BY_FIRST_STEP)
+            if p not in counts and float(self._param_step(p)) == 0:
+                counts[p] = 1.0
         if counts:
             read_counts: dict = {}  # one host read per counter (most parameters share their group's)
             for p in self._bucket_of:
