@@ -180,6 +180,14 @@ def _params():
     (lambda: ShardedAdamW(_params(), store_param_remainders=None), TypeError,
      "store_param_remainders must be a bool, got NoneType"),
     (lambda: ShardedAdamW(_params(), check_collectives="yes"), TypeError, "check_collectives must be a bool"),
+    # maximize and SGD's nesterov are True or False: until session 50 they took any value's truth, as torch.optim
+    # does, so maximize="False" trained uphill; a group given amsgrad=True trained without it
+    (lambda: ShardedAdamW(_params(), maximize="False"), TypeError, "maximize must be True or False, got 'False'"),
+    (lambda: ShardedSGD(_params(), maximize=0), TypeError, r"maximize must be True or False, got 0 \(param_groups"),
+    (lambda: ShardedSGD(_params(), momentum=0.9, nesterov="no"), TypeError, "nesterov must be True or False"),
+    (lambda: tritonshard.ShardedLion(_params(), maximize=None), TypeError, "maximize must be True or False"),
+    (lambda: ShardedAdamW([{"params": _params()[:1]}, {"params": _params()[1:], "amsgrad": True}]), ValueError,
+     r"amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant.*\(param_groups\[1\]\)"),
     # what is not a parameter, in torch.optim's words (until session 49 a str, or a value given twice, raised an
     # AttributeError about .shape; a dict, one group without its list, named its key as a non-tensor)
     (lambda: ShardedAdamW("weights"), TypeError, "should be an iterable of Tensors or dicts, but got a str"),
@@ -341,3 +349,29 @@ def test_a_torch_optim_call_site_runs_unchanged_and_its_switches_change_no_bit()
     for other in runs[1:]:
         assert torch.equal(other, runs[0])
     assert "fused" not in opt.param_groups[0]  # (not a hyper-parameter here: state dicts carry none)
+
+
+@pytest.mark.parametrize("cls, key, value, match", [
+    ("ShardedAdamW", "maximize", "False", "maximize must be True or False"),
+    ("ShardedAdamW", "amsgrad", True, "amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant"),
+    ("ShardedAdamW", "decoupled_weight_decay", False, "decoupled_weight_decay must be True"),
+    ("ShardedSGD", "nesterov", "False", "nesterov must be True or False"),
+    ("ShardedLion", "maximize", 1, "maximize must be True or False"),
+])
+def test_a_switch_set_in_a_group_later_is_checked_at_step_before_anything_changes(cls, key, value, match):
+    """What a loop or a config sets in a param group between steps is checked as at construction (a string
+    "False" is true, so it trained uphill or with Nesterov, silently; amsgrad and Adam's coupled decay were
+    ignored), at step() and before any weight changes."""
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    opt = getattr(tritonshard, cls)(model.parameters(), lr=0.1, **({"momentum": 0.9} if cls == "ShardedSGD" else {}))
+    for _ in range(2):
+        model(torch.randn(2, 5, dtype=torch.bfloat16)).float().sum().backward()
+        if _ == 1:
+            opt.param_groups[0][key] = value
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises((TypeError, ValueError), match=rf"{match}.*\(param_groups\[0\], at step\(\)\)"):
+                opt.step()
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        else:
+            opt.step()
+            opt.zero_grad()

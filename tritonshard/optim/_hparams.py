@@ -65,6 +65,13 @@ def check_min(name: str, value, where: str, lo: float = 0.0, strict: bool = Fals
         raise ValueError(f"{name} must be {'>' if strict else '>='} {lo:g} and finite, got {value!r}{where}")
 
 
+def check_flag(name: str, value, where: str) -> None:
+    """True or False, as ShardedMuon's ``nesterov`` (until session 50 ``maximize`` and SGD's ``nesterov`` took any
+    value's truth, as torch.optim does: ``maximize="False"`` from a config file trained uphill, silently)."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be True or False, got {value!r}{where}")
+
+
 def check_number(name: str, value, where: str) -> None:
     if not _is_number(value):
         _no_tensor(name, value, where)

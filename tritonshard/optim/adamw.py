@@ -12,7 +12,7 @@ from ..kernels._dispatch import triton_kernels_run
 from ..kernels.adamw import adamw_coefficients, adamw_coefficients_into, adamw_coefficients_launch
 from ..kernels.adamw import SEGMENTS as ADAMW_SEGMENTS
 from ..kernels.adamw import launch_spec as adamw_launch_spec
-from ._hparams import check_betas, check_lr, check_min
+from ._hparams import check_betas, check_flag, check_lr, check_min, require
 from .base import ShardedOptimizer, kernels
 from .bucket import _Bucket
 
@@ -48,7 +48,7 @@ class ShardedAdamW(ShardedOptimizer):
             raise ValueError("amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant (the running "
                              "maximum of exp_avg_sq that torch.optim.AdamW(amsgrad=True) keeps)")
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
-                        weight_decay=weight_decay, maximize=bool(maximize))
+                        weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, process_group=process_group, param_dtype=param_dtype,
                          grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, **pipeline)
 
@@ -74,6 +74,13 @@ def check_adamw_group(g: dict, where: str) -> None:
     check_betas(g["betas"], where)
     check_min("eps", g["eps"], where, strict=True)
     check_min("weight_decay", g["weight_decay"], where)
+    check_flag("maximize", g.get("maximize", False), where)
+    # (refused at construction; a group given it, or a loop setting it later, would train without it, silently)
+    require(not g.get("amsgrad", False), "amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant (the "
+            "running maximum of exp_avg_sq that torch.optim.AdamW(amsgrad=True) keeps)", where)
+    require(g.get("decoupled_weight_decay", True) is True, "decoupled_weight_decay must be True: ShardedAdamW decays the "
+            "weights as AdamW (torch.optim.Adam's L2 penalty in the gradient, decoupled_weight_decay=False, it does "
+            "not implement)", where)
 
 
 def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor,

@@ -137,10 +137,10 @@ class ShardedMuon(ShardedOptimizer):
         require(isinstance(g.get("use_muon"), bool), f"use_muon must be True or False, got {g.get('use_muon')!r}",
                 where)
         if not g["use_muon"]:
-            check_adamw_group(g, where)
-            for key in ("amsgrad", "maximize"):
+            for key in ("amsgrad", "maximize"):  # (first: check_adamw_group would name ShardedAdamW's reasons)
                 require(not g.get(key, False), f"{key}=True is not supported in the AdamW groups of ShardedMuon",
                         where)
+            check_adamw_group(g, where)
             return
         check_lr(g["lr"], where)
         check_min("weight_decay", g["weight_decay"], where)

@@ -12,7 +12,7 @@ from ..kernels.lion import lion_coefficients
 from ..kernels.sgd import SEGMENTS as SGD_SEGMENTS
 from ..kernels.sgd import launch_spec as sgd_launch_spec
 from ..kernels.sgd import sgd_coefficients
-from ._hparams import check_betas, check_lr, check_min, check_number, require
+from ._hparams import check_betas, check_flag, check_lr, check_min, check_number, require
 from .base import ShardedOptimizer, kernels, param_list
 from .bucket import _Bucket
 
@@ -29,7 +29,7 @@ class ShardedSGD(ShardedOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, **pipeline):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=bool(nesterov), maximize=bool(maximize))
+                        nesterov=nesterov, maximize=maximize)
         params = param_list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self._state_names = ("momentum_buffer",) if any(g.get("momentum", momentum) != 0 for g in groups) else ()
@@ -53,6 +53,8 @@ class ShardedSGD(ShardedOptimizer):
                 f"starts from){where}")
         check_number("dampening", g["dampening"], where)
         check_min("weight_decay", g["weight_decay"], where)
+        check_flag("nesterov", g["nesterov"], where)
+        check_flag("maximize", g["maximize"], where)
         require(not g["nesterov"] or (g["momentum"] > 0 and g["dampening"] == 0),
                 "nesterov=True requires momentum > 0 and dampening == 0", where)
 
@@ -123,13 +125,14 @@ class ShardedLion(ShardedOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **pipeline):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
-                        weight_decay=weight_decay, maximize=bool(maximize))
+                        weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **pipeline)
 
     def _check_group(self, g: dict, where: str) -> None:
         check_lr(g["lr"], where)
         check_betas(g["betas"], where)
         check_min("weight_decay", g["weight_decay"], where)
+        check_flag("maximize", g["maximize"], where)
 
     def _reads_step(self, group: dict) -> bool:
         return False  # (Lion's update has no step count in it)
