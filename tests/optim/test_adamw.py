@@ -354,7 +354,7 @@ def test_a_torch_optim_call_site_runs_unchanged_and_its_switches_change_no_bit()
 @pytest.mark.parametrize("cls, key, value, match", [
     ("ShardedAdamW", "maximize", "False", "maximize must be True or False"),
     ("ShardedAdamW", "amsgrad", True, "amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant"),
-    ("ShardedAdamW", "decoupled_weight_decay", False, "decoupled_weight_decay must be True"),
+    ("ShardedAdamW", "decoupled_weight_decay", False, r"weight_decay with decoupled_weight_decay=False \(torch"),
     ("ShardedSGD", "nesterov", "False", "nesterov must be True or False"),
     ("ShardedLion", "maximize", 1, "maximize must be True or False"),
 ])
@@ -375,3 +375,30 @@ def test_a_switch_set_in_a_group_later_is_checked_at_step_before_anything_change
         else:
             opt.step()
             opt.zero_grad()
+
+
+
+def test_torch_adams_state_dict_loads_where_it_has_no_weight_decay_and_is_named_where_it_has():
+    """torch.optim.Adam is AdamW where weight_decay=0: its state dict loads and trains on (a run moved from
+    torch.optim.Adam). With weight decay, Adam's is an L2 penalty in the gradient (its groups hold
+    decoupled_weight_decay=False), which ShardedAdamW does not have: until session 50 the load took it as AdamW's
+    decoupled decay, silently; now a ValueError naming it, before anything is loaded."""
+    for wd in (0.0, 0.01):
+        model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+        twin = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+        adam = torch.optim.Adam(twin, lr=0.1, weight_decay=wd)
+        for p in twin:
+            p.grad = torch.randn(p.shape)
+        adam.step()
+        opt = ShardedAdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+        if wd:
+            with pytest.raises(ValueError, match=r"param_groups\[0\] was saved with weight_decay=0\.01 as an L2 "
+                                                 r"penalty in the gradient \(decoupled_weight_decay=False"):
+                opt.load_state_dict(adam.state_dict())
+            assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["weight_decay"] == 0.0
+            continue
+        opt.load_state_dict(adam.state_dict())
+        model(torch.randn(2, 5, dtype=torch.bfloat16)).float().sum().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

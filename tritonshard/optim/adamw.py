@@ -78,9 +78,11 @@ def check_adamw_group(g: dict, where: str) -> None:
     # (refused at construction; a group given it, or a loop setting it later, would train without it, silently)
     require(not g.get("amsgrad", False), "amsgrad=True: ShardedAdamW implements AdamW without the AMSGrad variant (the "
             "running maximum of exp_avg_sq that torch.optim.AdamW(amsgrad=True) keeps)", where)
-    require(g.get("decoupled_weight_decay", True) is True, "decoupled_weight_decay must be True: ShardedAdamW decays "
-            "the weights as AdamW (torch.optim.Adam's L2 penalty in the gradient, decoupled_weight_decay=False, it "
-            "does not implement)", where)
+    # (torch.optim.Adam's groups hold decoupled_weight_decay=False: its state dict loads, and trains the same, where
+    # it has no weight decay)
+    require(g.get("decoupled_weight_decay", True) is not False or g["weight_decay"] == 0,
+            "weight_decay with decoupled_weight_decay=False (torch.optim.Adam's L2 penalty in the gradient): "
+            "ShardedAdamW decays the weights as AdamW; set decoupled_weight_decay=True or weight_decay=0", where)
 
 
 def adamw_update(opt: ShardedOptimizer, bucket: _Bucket, group: dict, grad_scale, found_inf: torch.Tensor,

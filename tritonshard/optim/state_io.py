@@ -198,6 +198,12 @@ class StateDictMixin:
                                  f"{len(g['params'])} in the optimizer")
             if sg.get("amsgrad", False):
                 raise ValueError(f"param_groups[{gi}] was saved with amsgrad=True, which ShardedAdamW does not have")
+            if sg.get("decoupled_weight_decay") is False and sg.get("weight_decay", 0) != 0:  # (torch.optim.Adam's)
+                raise ValueError(
+                    f"param_groups[{gi}] was saved with weight_decay={sg['weight_decay']!r} as an L2 penalty in the "
+                    "gradient (decoupled_weight_decay=False: torch.optim.Adam's), which ShardedAdamW does not have: "
+                    "it decays the weights as AdamW. Set the saved groups' weight_decay to the decoupled decay to "
+                    "train with (0 for none) before loading")
         indexed = self._indexed_params()
         saved_ids = [i for sg in saved_groups for i in sg["params"]]
         id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
