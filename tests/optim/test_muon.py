@@ -104,6 +104,8 @@ def test_adamw_group_rejects_what_it_does_not_have():
     m = Mlp()
     with pytest.raises(ValueError, match=r"amsgrad=True is not supported.*param_groups\[1\]"):
         ShardedMuon([{"params": [m.up.weight]}, {"params": [m.up.bias], "use_muon": False, "amsgrad": True}])
+    with pytest.raises(TypeError, match=r"maximize must be True or False, got 'False' \(param_groups\[1\]\)"):
+        ShardedMuon([{"params": [m.up.weight]}, {"params": [m.up.bias], "use_muon": False, "maximize": "False"}])
 
 
 def test_plan_for_gpt2_small_at_8_ranks():

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..buffer import DEFAULT_ALIGN
 from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
-from ._hparams import check_lr, check_min, require
+from ._hparams import check_flag, check_lr, check_min, require
 from .adamw import adamw_update, adamw_update_slice, check_adamw_group
 from .base import ShardedOptimizer, group_param_list, kernels, param_list, param_name
 from .bucket import _Bucket, split_into_buckets
@@ -137,6 +137,7 @@ class ShardedMuon(ShardedOptimizer):
         require(isinstance(g.get("use_muon"), bool), f"use_muon must be True or False, got {g.get('use_muon')!r}",
                 where)
         if not g["use_muon"]:
+            check_flag("maximize", g.get("maximize", False), where)  # ("False" is no maximize=True)
             for key in ("amsgrad", "maximize"):  # (first: check_adamw_group would name ShardedAdamW's reasons)
                 require(not g.get(key, False), f"{key}=True is not supported in the AdamW groups of ShardedMuon",
                         where)
