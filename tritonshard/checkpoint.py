@@ -288,10 +288,8 @@ def save_sharded(opt, path: str, *, extra: Optional[dict] = None) -> None:
             # write); meta.pt carries these, and meta.pt's own digest sits beside it (checked on load before
             # anything is used)
             checksums = {name: _digest(os.path.join(partial, name)) for name in sorted(os.listdir(partial))}
-            # one host read per counter (most parameters share their group's)
-            counters = (*(b.step for _, (b, *_) in opt._step_units), *opt._own_steps.values())
-            counts = {id(t): float(t) for t in counters}
-            steps = {index_of[p]: counts[id(opt._param_step(p))] for b in opt.buckets for p in b.params}
+            counts = opt._counts_now()
+            steps = {index_of[p]: counts[p] for b in opt.buckets for p in b.params}
             groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             meta = {"format": _FORMAT, "world_size": opt.world_size, "params": _param_signature(opt),
                     "param_groups": groups, "steps": steps, "skipped_steps": int(opt.skipped_steps),

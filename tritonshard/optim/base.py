@@ -3301,9 +3301,8 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         ``_grad_scale_buf`` = coef * average: 8 small torch ops before (the counters one each). Returns
         ``(grad_scale, found_inf)`` for the updates: the buffer, or the average as a number where the loop did not
         clip."""
-        counts, of_bucket = self._counts_step, self._group_of_bucket  # (ShardedSGD: the groups with momentum)
-        counters = tuple(buckets[0].step for _, buckets in self._step_units
-                         if counts(of_bucket[buckets[0].index])) or (self._idle_counter,)
+        # (ShardedSGD: the groups with momentum)
+        counters = tuple(buckets[0].step for buckets in self._counting_units()) or (self._idle_counter,)
         cached = self._counter_table
         if cached is None or len(cached[0]) != len(counters) or not all(map(operator.is_, cached[0], counters)):
             # (kept with the counters it points to, so their storage lives as long as the table)

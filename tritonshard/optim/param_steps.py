@@ -58,6 +58,23 @@ class ParamStepsMixin:
         raise NotImplementedError(f"{type(self).__name__} reads the step count in its update but cannot update a "
                                   "slice with another one (_update_slice)")
 
+    def _counting_units(self) -> list:
+        """The buckets of each counter of :attr:`_step_units` whose group counts this step (:meth:`_counts_step`)."""
+        return [buckets for _, buckets in self._step_units
+                if self._counts_step(self._group_of_bucket[buckets[0].index])]
+
+    def _counts_now(self) -> dict:
+        """Every bucketed parameter's step count as a number, one host read per counter (most parameters share
+        their group's): for the state dict, a sharded save, an edit of ``opt.state``."""
+        read: dict = {}
+        counts = {}
+        for p in self._bucket_of:
+            counter = self._param_step(p)
+            if id(counter) not in read:
+                read[id(counter)] = float(counter)
+            counts[p] = read[id(counter)]
+        return counts
+
     def _param_step(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s step count: its own, or its bucket's."""
         own = self._own_steps.get(p)
@@ -78,8 +95,7 @@ class ParamStepsMixin:
         (through :attr:`_step_units`) and :attr:`_own_plan`, which holds no parameter (dynamo would inspect its
         placeholder grad)."""
         idle, kept = set(), []
-        counting = {buckets[0].counter_index for _, buckets in self._step_units
-                    if self._counts_step(self._group_of_bucket[buckets[0].index])}
+        counting = {buckets[0].counter_index for buckets in self._counting_units()}
         if skipped:  # (eager only; the work is per skipped parameter and per bucket, not per parameter)
             by_unit: dict = {}
             for p in skipped:

@@ -85,21 +85,17 @@ class StateDictMixin:
         self.sync_from_model()
         self.wait_for_params()
         full: dict[torch.Tensor, dict] = {}
-        counts: dict = {}  # id(counter) -> its value, read once per counter (a host sync each)
+        counts = self._counts_now() if self._MADE_BY_FIRST_STEP else {}
         for b in self.buckets:
             gathered = {name: self._gather_full(b, t) for name, t in (("master", b.saved_master()), *b.state.items())}
             keeps_step = self._group_keeps_step(self.param_groups[b.group_index])
             for p, off, n in zip(b.params, b.param_buffer.offsets, b.param_buffer.numels):
-                step = self._param_step(p)
-                entry = {"step": step.detach().clone()} if keeps_step else {}
+                entry = {"step": self._param_step(p).detach().clone()} if keeps_step else {}
                 for name in (*b.state, "master"):
                     entry[name] = gathered[name][off:off + n].view(p.shape).float()  # torch.optim's fp32 state
-                if self._MADE_BY_FIRST_STEP:
-                    if id(step) not in counts:
-                        counts[id(step)] = float(step)
-                    if counts[id(step)] == 0:
-                        for name in self._MADE_BY_FIRST_STEP:
-                            entry.pop(name, None)
+                if counts and counts[p] == 0:
+                    for name in self._MADE_BY_FIRST_STEP:
+                        entry.pop(name, None)
                 full[p] = entry
         state = {i: full[p] for i, _, p in self._indexed_params() if p in full}
         return {"state": state,

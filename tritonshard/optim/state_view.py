@@ -218,18 +218,12 @@ class StateViewMixin:
                     for t in b.state.values():
                         t[piece.shard_start:piece.shard_end].zero_()
             counts[p] = 0.0
+        now = self._counts_now() if made or counts else {}
         for p in made:  # a buffer set at count 0 is made, as torch's (ShardedSGD: state_io._MADE_BY_FIRST_STEP)
-            if p not in counts and float(self._param_step(p)) == 0:
+            if p not in counts and now[p] == 0:
                 counts[p] = 1.0
         if counts:
-            read_counts: dict = {}  # one host read per counter (most parameters share their group's)
-            for p in self._bucket_of:
-                if p not in counts:
-                    counter = self._param_step(p)
-                    if id(counter) not in read_counts:
-                        read_counts[id(counter)] = float(counter)
-                    counts[p] = read_counts[id(counter)]
-            self._load_steps(counts)
+            self._load_steps({**now, **counts})
         kept = {p: v for p, v in (state.items() if hasattr(state, "items") else ()) if p not in self._shown}
         self.state = _StateDict(dict, kept, edits=self._state_edits)
         shown, self._shown = set(self._shown), {}
