@@ -47,24 +47,39 @@ def _run_kernels() -> dict[str, torch.Tensor]:
 def test_kernels_give_the_same_bits_with_and_without_the_shortcut():
     from triton.runtime import interpreter
 
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+
     counted = {"with": 0, "without": 0}
-    patch_builtin = interpreter._patch_builtin
+    asserts = {"with": 0, "without": 0}  # the overflow checks' device_assert calls (no kernel of ours calls one)
+    inits = {}  # whose block_type.__init__ runs
+    patch_builtin, device_assert = interpreter._patch_builtin, TritonSemantic.device_assert
     mode = "with"
 
     def counting(*args, **kwargs):
         counted[mode] += 1
         return patch_builtin(*args, **kwargs)
 
-    interpreter._patch_builtin = counting
+    def counting_asserts(*args, **kwargs):
+        asserts[mode] += 1
+        return device_assert(*args, **kwargs)
+
+    interpreter._patch_builtin, TritonSemantic.device_assert = counting, counting_asserts
     try:
+        inits[mode] = tl.core.block_type.__init__.__module__
         fast = _run_kernels()
         mode = "without"
         with interpreter_speed.disabled():
+            inits[mode] = tl.core.block_type.__init__.__module__
             slow = _run_kernels()
     finally:
-        interpreter._patch_builtin = patch_builtin
+        interpreter._patch_builtin, TritonSemantic.device_assert = patch_builtin, device_assert
     assert fast.keys() == slow.keys()
     for name in fast:
         assert_bitwise_equal(fast[name], slow[name], name)
-    # and the shortcut is on: no patching at all once installed, where Triton patches at every launch and helper call
+    # and the shortcuts are on: no patching at all once installed, where Triton patches at every launch and helper
+    # call; no overflow check computed for an assert that drops it; block types described once. And off inside
+    # disabled(): the other side is Triton's interpreter as it comes.
     assert counted["with"] == 0 and counted["without"] > 0, counted
+    assert asserts["with"] == 0 and asserts["without"] > 0, asserts
+    assert inits == {"with": "tests.interpreter_speed", "without": "triton.language.core"}, inits
