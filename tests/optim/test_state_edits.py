@@ -213,3 +213,37 @@ def test_state_given_before_the_first_step_is_an_error_before_anything_changes(k
     assert opt.state[model[0].weight] == {}
     opt.step()
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_state_given_to_a_parameter_held_frozen_is_an_error_at_its_first_step(kind):
+    """A parameter frozen when the optimizer was built has no state until it trains. State code gives it while it
+    is frozen stays there, as in torch.optim (which would take it at the parameter's first step); until session 51
+    the step that laid the parameter out after it was unfrozen showed its own state over it, unseen. Now that step
+    is the RuntimeError of state given before a first step, before any weight changes."""
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    opt = MAKE[kind][0](list(model.parameters()))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    _set_grads(trained, 0)
+    opt.step()
+    key = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    opt.state[model[0].bias][key] = torch.ones(model[0].bias.shape)
+    _set_grads(trained, 1)
+    opt.step()  # (still frozen: the entry is kept, as torch.optim keeps it)
+    assert torch.equal(opt.state[model[0].bias][key], torch.ones(13))
+    model[0].bias.requires_grad_(True)
+    opt.zero_grad()
+    loss = model(torch.randn(4, 9, dtype=torch.bfloat16)).float().square().sum()
+    loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    name = r"param_groups\[0\]\['params'\]\[1\] \(shape \(13,\)\)"
+    with pytest.raises(RuntimeError, match=rf"opt.state\[{name}\] was given \['{key}'\] before the parameter's "
+                                           r"first step.*opt.load_state_dict"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    del opt.state[model[0].bias]
+    opt.step()
+    assert not torch.equal(before[1], model[0].bias)
+    assert sorted(opt.state[model[0].bias]) == sorted(["step", key, "master", "shard_range"]
+                                                       + (["exp_avg_sq"] if kind == "adamw" else []))

@@ -1035,6 +1035,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 "grad_norm) without it; unfreeze it (or set its gradient) before that reduction, or clear every "
                 "gradient first (opt.zero_grad())")
         self._lay_out_frozen(unfrozen, "is trainable now (or holds a gradient)")
+        self._see_state_given_while_frozen(unfrozen)
 
     def _adopt_marked(self) -> None:
         """Frozen parameters that hold another optimizer's gradient marker (the optimizer this one took them over
@@ -1048,6 +1049,17 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         marked = [p for p in self._frozen_at_build if isinstance(p.grad, ShardedGrad)]
         if marked:
             self._lay_out_frozen(marked, "holds a gradient marker of the optimizer it was taken over from")
+            self._see_state_given_while_frozen(marked)
+
+    def _see_state_given_while_frozen(self, params: list) -> None:
+        """State code gave ``params`` in ``opt.state`` while they were held frozen (kept there, as torch.optim keeps
+        it, unflagged once a step had passed it by) is state given before their first step now that they are laid
+        out: flagged, so that the next step's :meth:`_follow_state_edits` raises on it before anything changes,
+        where their first exposure would have shown their own state over it unseen (until session 51)."""
+        state = self.__dict__["state"]
+        if isinstance(state, dict) and any(isinstance(dict.get(state, p), dict) and dict.get(state, p)
+                                           for p in params):
+            self._state_edits.seen = True
 
     def _lay_out_frozen(self, unfrozen: list, why: str) -> None:
         """Parameters frozen when the optimizer was built, laid out now in new buckets of their groups (see
