@@ -66,11 +66,11 @@ def test_kernels_give_the_same_bits_with_and_without_the_shortcut():
 
     interpreter._patch_builtin, TritonSemantic.device_assert = counting, counting_asserts
     try:
-        inits[mode] = tl.core.block_type.__init__.__module__
+        inits[mode] = {tl.core.block_type.__init__.__module__, tl.core.tensor.__init__.__module__}
         fast = _run_kernels()
         mode = "without"
         with interpreter_speed.disabled():
-            inits[mode] = tl.core.block_type.__init__.__module__
+            inits[mode] = {tl.core.block_type.__init__.__module__, tl.core.tensor.__init__.__module__}
             slow = _run_kernels()
     finally:
         interpreter._patch_builtin, TritonSemantic.device_assert = patch_builtin, device_assert
@@ -78,8 +78,9 @@ def test_kernels_give_the_same_bits_with_and_without_the_shortcut():
     for name in fast:
         assert_bitwise_equal(fast[name], slow[name], name)
     # and the shortcuts are on: no patching at all once installed, where Triton patches at every launch and helper
-    # call; no overflow check computed for an assert that drops it; block types described once. And off inside
+    # call; no overflow check computed for an assert that drops it; block types and blocks' shapes described
+    # once. And off inside
     # disabled(): the other side is Triton's interpreter as it comes.
     assert counted["with"] == 0 and counted["without"] > 0, counted
     assert asserts["with"] == 0 and asserts["without"] > 0, asserts
-    assert inits == {"with": "tests.interpreter_speed", "without": "triton.language.core"}, inits
+    assert inits == {"with": {"tests.interpreter_speed"}, "without": {"triton.language.core"}}, inits
