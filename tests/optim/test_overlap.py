@@ -390,3 +390,30 @@ def test_a_backward_after_launched_gradients_were_cleared_still_launches_its_buc
     before = [p.detach().clone() for p in (a.weight, b.weight)]
     opt.step()
     assert not any(torch.equal(p0, p.detach()) for p0, p in zip(before, (a.weight, b.weight)))
+
+
+def test_wait_for_params_takes_buckets_or_parameters_and_names_anything_else():
+    """``opt.wait_for_params(...)`` took bucket objects only: the parameters a user holds (the natural thing to
+    wait for) failed on an attribute of the tensor. Now parameters wait for their own buckets, and anything else is
+    named before any wait (session 51)."""
+    model = make_model(0)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=1e-9, overlap_comm=True)
+    opt.attach(model)
+    loss_fn(model, torch.randn(6, 13).to(torch.bfloat16)).backward()
+    opt.step()
+    in_flight = [b for b in opt.buckets if b.ag_work is not None]
+    assert len(in_flight) > 2, "all-gathers are still in flight after step()"
+    first, second = in_flight[0], in_flight[1]
+    with pytest.raises(TypeError, match=r"buckets\[1\] must be a bucket of this optimizer \(opt.buckets\) or a "
+                                        r"parameter, got str"):
+        opt.wait_for_params([first.params[0], "weight"])
+    with pytest.raises(ValueError, match=r"buckets\[0\] is a tensor of shape \(2, 3\) that no bucket of this "
+                                         r"optimizer holds"):
+        opt.wait_for_params([torch.zeros(2, 3), first.params[0]])
+    assert first.ag_work is not None, "a call that raised waited for nothing"
+    opt.wait_for_params(first.params[0])  # (one parameter: its bucket)
+    assert first.ag_work is None and second.ag_work is not None
+    opt.wait_for_params([second])  # (buckets, as before)
+    assert second.ag_work is None and all(b.ag_work is not None for b in in_flight[2:])
+    opt.wait_for_params()
+    assert all(b.ag_work is None for b in opt.buckets)

@@ -2492,8 +2492,28 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
 
     # ------------------------------------------------------------------ parameter all-gathers
     def wait_for_params(self, buckets=None) -> None:
-        """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters."""
-        for b in self.buckets if buckets is None else buckets:
+        """Wait until the all-gather of every bucket in ``buckets`` (default: all) has landed in the parameters.
+        ``buckets``: the optimizer's buckets (``opt.buckets``), or parameters (the buckets that hold them), or both;
+        anything else is a TypeError, a parameter this optimizer does not hold a ValueError, before any wait."""
+        if buckets is None:
+            chosen = self.buckets
+        else:
+            if isinstance(buckets, (torch.Tensor, _Bucket)):
+                buckets = [buckets]
+            chosen = []
+            for i, item in enumerate(buckets):
+                if isinstance(item, _Bucket):
+                    chosen.append(item)
+                elif isinstance(item, torch.Tensor):
+                    b = self._bucket_by_id.get(id(item))
+                    if b is None:
+                        raise ValueError(f"wait_for_params: buckets[{i}] is a tensor of shape {tuple(item.shape)} "
+                                         "that no bucket of this optimizer holds (frozen, or another optimizer's)")
+                    chosen.append(b)
+                else:
+                    raise TypeError(f"wait_for_params: buckets[{i}] must be a bucket of this optimizer (opt.buckets) "
+                                    f"or a parameter, got {type(item).__name__}")
+        for b in chosen:
             if b.ag_work is not None:
                 b.wait_gather()
 
