@@ -378,6 +378,64 @@ def test_a_switch_set_in_a_group_later_is_checked_at_step_before_anything_change
 
 
 
+_KINDS = {
+    "ShardedAdamW": lambda ps: ShardedAdamW(ps, lr=0.1),
+    "ShardedSGD": lambda ps: ShardedSGD(ps, lr=0.1, momentum=0.9),
+    "ShardedLion": lambda ps: tritonshard.ShardedLion(ps, lr=0.1),
+    "ShardedMuon": lambda ps: tritonshard.ShardedMuon(ps, lr=0.1),
+    "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+    "torch.optim.SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "torch.optim.RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1),
+}
+_OTHER_KIND = [  # (saved by, loaded into, what the error names)
+    ("ShardedAdamW", "ShardedSGD", r"param_groups\[0\] of the state dict has no 'momentum', 'dampening', "
+                                   r"'nesterov', which every ShardedSGD group has \(lr, momentum, dampening, "
+                                   r"weight_decay, nesterov\): the state dict of another kind of optimizer\?"),
+    ("torch.optim.AdamW", "ShardedSGD", r"has no 'momentum', 'dampening', 'nesterov'"),
+    ("ShardedSGD", "ShardedAdamW", r"has no 'betas', 'eps', which every ShardedAdamW group has"),
+    ("torch.optim.SGD", "ShardedAdamW", r"has no 'betas', 'eps', which every ShardedAdamW group has"),
+    ("ShardedLion", "ShardedAdamW", r"has no 'eps', which every ShardedAdamW group has"),
+    ("ShardedAdamW", "ShardedLion", r"state of parameter 0 in the state dict has 'exp_avg_sq', which ShardedLion "
+                                    r"does not keep \(its state: exp_avg, step, master\)"),
+    ("torch.optim.AdamW", "ShardedLion", r"has 'exp_avg_sq', which ShardedLion does not keep"),
+    ("ShardedAdamW", "ShardedMuon", r"has no 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', which every "
+                                    r"ShardedMuon group has"),
+    ("torch.optim.RMSprop", "ShardedSGD", r"has no 'dampening', 'nesterov'"),
+]
+
+
+@pytest.mark.parametrize("saved_by,loaded_into,match", _OTHER_KIND, ids=[f"{a} into {b}" for a, b, _ in _OTHER_KIND])
+def test_a_state_dict_of_another_kind_of_optimizer_is_named_before_anything_is_loaded(saved_by, loaded_into, match):
+    """A resumed run whose --optimizer changed loads the other optimizer's dict. Until session 51 that loaded
+    silently: the saved groups' hyper-parameters replaced this optimizer's (a ShardedSGD trained on with AdamW's lr
+    and weight decay, its momentum kept from its own groups), and a state tensor both kinds name was taken (AdamW's
+    exp_avg as ShardedLion's momentum). torch.optim fails at the next step on such a group (KeyError: 'momentum');
+    here a ValueError naming what does not fit, and nothing is loaded."""
+    torch.manual_seed(0)
+    saved_model = torch.nn.Linear(6, 4, bias=False)
+    if saved_by.startswith("Sharded"):
+        saved_model.to(torch.bfloat16)
+    saved = _KINDS[saved_by](saved_model.parameters())
+    saved_model(torch.randn(3, 6, dtype=saved_model.weight.dtype)).float().square().sum().backward()
+    saved.step()
+    model = torch.nn.Linear(6, 4, bias=False).to(torch.bfloat16)
+    opt = _KINDS[loaded_into](model.parameters())
+    model(torch.randn(3, 6, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = opt.state_dict()
+    weights = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved.state_dict())
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"] and torch.equal(model.weight, weights)
+    for key, entry in before["state"].items():
+        assert all(torch.equal(entry[k], after["state"][key][k]) for k in entry), key
+    # the same kind loads, also from torch.optim (the error is about the kind, not the source)
+    same = _KINDS[loaded_into](torch.nn.Linear(6, 4, bias=False).to(torch.bfloat16).parameters())
+    opt.load_state_dict(same.state_dict())
+
+
 def test_torch_adams_state_dict_loads_where_it_has_no_weight_decay_and_is_named_where_it_has():
     """torch.optim.Adam is AdamW where weight_decay=0: its state dict loads and trains on (a run moved from
     torch.optim.Adam). With weight decay, Adam's is an L2 penalty in the gradient (its groups hold

@@ -40,6 +40,7 @@ class ShardedAdamW(ShardedOptimizer):
     """
 
     _state_names = ("exp_avg", "exp_avg_sq")
+    _CORE_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")  # (state_io.py)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, process_group: Optional[dist.ProcessGroup] = None, param_dtype=torch.bfloat16,

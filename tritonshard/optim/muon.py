@@ -33,7 +33,7 @@ from ..buffer import DEFAULT_ALIGN
 from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
 from ._hparams import check_flag, check_lr, check_min, require
-from .adamw import adamw_update, adamw_update_slice, check_adamw_group
+from .adamw import ShardedAdamW, adamw_update, adamw_update_slice, check_adamw_group
 from .base import ShardedOptimizer, group_param_list, kernels, param_list, param_name
 from .bucket import _Bucket, split_into_buckets
 
@@ -162,6 +162,11 @@ class ShardedMuon(ShardedOptimizer):
     # ------------------------------------------------------------------ layout (hooks of ShardedOptimizer)
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
         return MUON_STATE if group["use_muon"] else ADAMW_STATE
+
+    def _core_group_keys(self, saved_group: dict, group: dict) -> tuple:  # (state_io.py)
+        if saved_group.get("use_muon", group["use_muon"]):
+            return ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps")
+        return ShardedAdamW._CORE_GROUP_KEYS
 
     def _group_bucket_cap(self, group: dict, cap_elems: int) -> int:
         return cap_elems * self.world_size if group["use_muon"] else cap_elems

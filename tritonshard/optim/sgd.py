@@ -36,6 +36,7 @@ class ShardedSGD(ShardedOptimizer):
         super().__init__(params, defaults, **pipeline)
 
     _MADE_BY_FIRST_STEP = ("momentum_buffer",)  # (state_io.py)
+    _CORE_GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")  # (state_io.py)
 
     def _check_group(self, g: dict, where: str) -> None:
         check_lr(g["lr"], where)
@@ -121,6 +122,7 @@ class ShardedLion(ShardedOptimizer):
     ``maximize``: see :class:`ShardedOptimizer`."""
 
     _state_names = ("exp_avg",)
+    _CORE_GROUP_KEYS = ("lr", "betas", "weight_decay")  # (state_io.py)
     _segments = (LION_SEGMENTS, "lion_step_")
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **pipeline):

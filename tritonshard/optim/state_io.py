@@ -27,6 +27,41 @@ class StateDictMixin:
     #: state_dict() for a parameter whose count is 0, as torch.optim would have none yet, and a dict without it
     #: loads as such a count (torch.optim.SGD given a zero buffer would take it as made)
     _MADE_BY_FIRST_STEP: tuple = ()
+    #: the hyper-parameters every group of this optimizer has, as the torch.optim optimizer it follows (whose step
+    #: fails on a group without one): a loaded group without one is another optimizer's (:meth:`_load_state_dict`)
+    _CORE_GROUP_KEYS: tuple = ()
+
+    def _core_group_keys(self, saved_group: dict, group: dict) -> tuple:
+        """:attr:`_CORE_GROUP_KEYS` of a loaded group ``saved_group`` over this optimizer's ``group``."""
+        return self._CORE_GROUP_KEYS
+
+    def _check_same_kind(self, saved_groups: list, saved_state: dict) -> None:
+        """A state dict of another kind of optimizer (an AdamW's loaded into a ShardedSGD, after a change of
+        ``--optimizer`` in a resumed run) is a ValueError naming what does not fit, before anything is loaded. Until
+        session 51 it loaded silently: the saved groups' hyper-parameters replaced this optimizer's (an SGD trained
+        with AdamW's lr and its decay), and a state tensor both kinds name (AdamW's ``exp_avg`` in ShardedLion) was
+        taken. torch.optim fails at the next step on such a group (KeyError 'momentum'); a state tensor this
+        optimizer does not keep, which torch.optim would carry along unused, is refused here too, as a sign of the
+        same mistake. Groups may hold keys of their own (a scheduler's ``initial_lr``, the user's)."""
+        kind = type(self).__name__
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            core = self._core_group_keys(sg, g)
+            missing = [k for k in core if k not in sg]
+            if missing:
+                raise ValueError(
+                    f"param_groups[{gi}] of the state dict has no {', '.join(map(repr, missing))}, which every "
+                    f"{kind} group has ({', '.join(core)}): the state dict of another kind of optimizer? Loaded, its "
+                    "hyper-parameters would replace this optimizer's (torch.optim fails at the next step on such a "
+                    "group)")
+        keeps = tuple(dict.fromkeys((*self._state_names, *self._MADE_BY_FIRST_STEP)))
+        for key, entry in saved_state.items():
+            foreign = sorted(str(k) for k, v in (entry.items() if isinstance(entry, dict) else ())
+                             if k not in keeps and k not in ("step", "master") and isinstance(v, torch.Tensor))
+            if foreign:
+                raise ValueError(
+                    f"state of parameter {key} in the state dict has {', '.join(map(repr, foreign))}, which {kind} "
+                    f"does not keep (its state: {', '.join(keeps) or 'none'}, step, master): the state dict of "
+                    "another kind of optimizer?")
 
     def _indexed_params(self) -> list[tuple[int, int, torch.Tensor]]:
         """(global index, group index, param) in torch.optim's numbering: param_groups order, frozen included."""
@@ -157,7 +192,9 @@ class StateDictMixin:
         optimizer does not have.
 
         Raises:
-            ValueError: naming the mismatch (number of groups or parameters, a shape, a state entry for an
+            ValueError: naming the mismatch (number of groups or parameters, a shape, a state dict of another
+                kind of optimizer: a group without a hyper-parameter every group here has, a state tensor this
+                optimizer does not keep (:meth:`_check_same_kind`), a state entry for an
                 unknown parameter, or for one frozen at construction while a backward's gradients wait for their
                 step: outside that, such a parameter is laid out to take its state, ``_lay_out_frozen_with_state``).
             tritonshard.comm.SettingsMismatchError: (a ValueError) on every rank, naming each rank's, when the ranks
@@ -200,6 +237,7 @@ class StateDictMixin:
                     "gradient (decoupled_weight_decay=False: torch.optim.Adam's), which ShardedAdamW does not have: "
                     "it decays the weights as AdamW. Set the saved groups' weight_decay to the decoupled decay to "
                     "train with (0 for none) before loading")
+        self._check_same_kind(saved_groups, saved_state)
         indexed = self._indexed_params()
         saved_ids = [i for sg in saved_groups for i in sg["params"]]
         id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
