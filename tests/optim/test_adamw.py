@@ -386,6 +386,7 @@ _KINDS = {
     "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.1),
     "torch.optim.SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "torch.optim.RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1),
+    "torch.optim.Adam(weight_decay)": lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01),
 }
 _OTHER_KIND = [  # (saved by, loaded into, what the error names)
     ("ShardedAdamW", "ShardedSGD", r"param_groups\[0\] of the state dict has no 'momentum', 'dampening', "
@@ -401,6 +402,9 @@ _OTHER_KIND = [  # (saved by, loaded into, what the error names)
     ("ShardedAdamW", "ShardedMuon", r"has no 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', which every "
                                     r"ShardedMuon group has"),
     ("torch.optim.RMSprop", "ShardedSGD", r"has no 'dampening', 'nesterov'"),
+    # (named as another kind, not as the L2 decay of torch.optim.Adam that ShardedAdamW refuses)
+    ("torch.optim.Adam(weight_decay)", "ShardedSGD", r"has no 'momentum', 'dampening', 'nesterov', which every "
+                                                     r"ShardedSGD group has"),
 ]
 
 

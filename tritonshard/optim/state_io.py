@@ -225,6 +225,7 @@ class StateDictMixin:
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
                              f"{len(self.param_groups)}")
+        self._check_same_kind(saved_groups, saved_state)  # (first: the checks below name ShardedAdamW's keys)
         for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"param_groups[{gi}] has {len(sg['params'])} parameters in the state dict but "
@@ -237,7 +238,6 @@ class StateDictMixin:
                     "gradient (decoupled_weight_decay=False: torch.optim.Adam's), which ShardedAdamW does not have: "
                     "it decays the weights as AdamW. Set the saved groups' weight_decay to the decoupled decay to "
                     "train with (0 for none) before loading")
-        self._check_same_kind(saved_groups, saved_state)
         indexed = self._indexed_params()
         saved_ids = [i for sg in saved_groups for i in sg["params"]]
         id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
