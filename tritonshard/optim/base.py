@@ -2513,7 +2513,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 else:
                     raise TypeError(f"wait_for_params: buckets[{i}] must be a bucket of this optimizer (opt.buckets) "
                                     f"or a parameter, got {type(item).__name__}")
-        for b in chosen:
+        self._wait_buckets(chosen)
+
+    def _wait_buckets(self, buckets) -> None:
+        """:meth:`wait_for_params` over buckets of this optimizer, unchecked (the guards' read paths)."""
+        for b in buckets:
             if b.ag_work is not None:
                 b.wait_gather()
 

@@ -691,7 +691,7 @@ class _GuardedModule:
 
     def _tritonshard_wait(self) -> None:
         for opt, indices in self._tritonshard_guards():  # (indices None: every bucket)
-            opt.wait_for_params(None if indices is None else [opt.buckets[i] for i in indices])
+            opt._wait_buckets(opt.buckets if indices is None else [opt.buckets[i] for i in indices])
 
     def _tritonshard_guards(self) -> list:
         """(optimizer, its bucket indices or None) of every live optimizer guarding this module, oldest first (a
