@@ -192,6 +192,17 @@ def test_a_momentum_buffer_set_after_steps_without_momentum_is_taken_as_made_as_
         torch.testing.assert_close(ours[i]["master"], q.detach(), rtol=0, atol=1e-6, msg=f"master {i}")
 
 
+def _step_refuses_state_given_to_the_bias_before_its_first_step(opt, model, key) -> list:
+    """``opt.step()`` raises naming ``model[0].bias``'s state ``key`` and changes no weight; the weights."""
+    before = [p.detach().clone() for p in model.parameters()]
+    name = r"param_groups\[0\]\['params'\]\[1\] \(shape \(13,\)\)"
+    with pytest.raises(RuntimeError, match=rf"opt.state\[{name}\] was given \['{key}'\] before the parameter's "
+                                           r"first step.*opt.load_state_dict"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return before
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_state_given_before_the_first_step_is_an_error_before_anything_changes(kind):
     """Before its first step a parameter has no state in opt.state (as in torch.optim); state code gives it there
@@ -203,12 +214,7 @@ def test_state_given_before_the_first_step_is_an_error_before_anything_changes(k
     key = "momentum_buffer" if kind == "sgd" else "exp_avg"
     opt.state[model[0].bias][key] = torch.ones(model[0].bias.shape)
     _set_grads(list(model.parameters()), 0)
-    before = [p.detach().clone() for p in model.parameters()]
-    name = r"param_groups\[0\]\['params'\]\[1\] \(shape \(13,\)\)"
-    with pytest.raises(RuntimeError, match=rf"opt.state\[{name}\] was given \['{key}'\] before the parameter's "
-                                           r"first step.*opt.load_state_dict"):
-        opt.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    before = _step_refuses_state_given_to_the_bias_before_its_first_step(opt, model, key)
     del opt.state[model[0].bias]  # (what a logger's read leaves, an empty entry, is no edit)
     assert opt.state[model[0].weight] == {}
     opt.step()
@@ -236,12 +242,7 @@ def test_state_given_to_a_parameter_held_frozen_is_an_error_at_its_first_step(ki
     opt.zero_grad()
     loss = model(torch.randn(4, 9, dtype=torch.bfloat16)).float().square().sum()
     loss.backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    name = r"param_groups\[0\]\['params'\]\[1\] \(shape \(13,\)\)"
-    with pytest.raises(RuntimeError, match=rf"opt.state\[{name}\] was given \['{key}'\] before the parameter's "
-                                           r"first step.*opt.load_state_dict"):
-        opt.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    before = _step_refuses_state_given_to_the_bias_before_its_first_step(opt, model, key)
     del opt.state[model[0].bias]
     opt.step()
     assert not torch.equal(before[1], model[0].bias)
