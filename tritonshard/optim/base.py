@@ -1035,7 +1035,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
                 "grad_norm) without it; unfreeze it (or set its gradient) before that reduction, or clear every "
                 "gradient first (opt.zero_grad())")
         self._lay_out_frozen(unfrozen, "is trainable now (or holds a gradient)")
-        self._see_state_given_while_frozen(unfrozen)
 
     def _adopt_marked(self) -> None:
         """Frozen parameters that hold another optimizer's gradient marker (the optimizer this one took them over
@@ -1049,17 +1048,6 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         marked = [p for p in self._frozen_at_build if isinstance(p.grad, ShardedGrad)]
         if marked:
             self._lay_out_frozen(marked, "holds a gradient marker of the optimizer it was taken over from")
-            self._see_state_given_while_frozen(marked)
-
-    def _see_state_given_while_frozen(self, params: list) -> None:
-        """State code gave ``params`` in ``opt.state`` while they were held frozen (kept there, as torch.optim keeps
-        it, unflagged once a step had passed it by) is state given before their first step now that they are laid
-        out: flagged, so that the next step's :meth:`_follow_state_edits` raises on it before anything changes,
-        where their first exposure would have shown their own state over it unseen (until session 51)."""
-        state = self.__dict__["state"]
-        if isinstance(state, dict) and any(isinstance(dict.get(state, p), dict) and dict.get(state, p)
-                                           for p in params):
-            self._state_edits.seen = True
 
     def _lay_out_frozen(self, unfrozen: list, why: str) -> None:
         """Parameters frozen when the optimizer was built, laid out now in new buckets of their groups (see
@@ -1084,6 +1072,14 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
             by_group.setdefault(group_of[p], []).append(p)
         for gi, params in by_group.items():  # (their new buckets' counter, from 0, is not the group's: see above)
             self._add_buckets(gi, params, [])
+        # State code gave them in opt.state while they were held frozen (kept there, as torch.optim keeps it, and
+        # unflagged once a step had passed it by) is state given before their first step now: flagged, so that the
+        # next step's _follow_state_edits raises on it before anything changes, where their first exposure would
+        # have shown their own state over it unseen (until session 51). A load that lays them out shows the loaded
+        # state over it, as torch.optim's load replaces the state.
+        state = self.__dict__["state"]
+        if isinstance(state, dict) and any(isinstance(entry := dict.get(state, p), dict) and entry for p in unfrozen):
+            self._state_edits.seen = True
 
     def _index_buckets(self, new: list, groups) -> None:
         """Everything derived from ``self.buckets``, once buckets ``new`` are in it: every bucket at construction,
