@@ -131,11 +131,12 @@ def _apply(interpreter) -> None:
 
         def tensor_init(self, handle, type):
             dims = type.shape.values if type.__class__ is block_type else () if not type.is_block() else None
-            found = shapes.get(tuple(dims)) if dims is not None and all(d.__class__ is int for d in dims) else None
+            key = tuple(dims) if dims is not None and all(d.__class__ is int for d in dims) else None
+            found = None if key is None else shapes.get(key)
             if found is None:
                 original_tensor_init(self, handle, type)
-                if dims is not None and all(d.__class__ is int for d in dims):
-                    shapes[tuple(dims)] = (self.numel, self.shape)
+                if key is not None:
+                    shapes[key] = (self.numel, self.shape)
                 return
             numel, shape = found
             self.handle, self.type, self.dtype, self.numel = handle, type, type.scalar, numel
@@ -150,7 +151,8 @@ def _apply(interpreter) -> None:
 @contextlib.contextmanager
 def disabled():
     """Inside: Triton's interpreter as it comes (every shortcut undone: the language modules unpatched between
-    launches, its own ``_get_np_dtype``, its options and ``block_type``), the equivalence test's other side."""
+    launches, its own ``_get_np_dtype``, its options, ``block_type`` and ``tensor``), the equivalence test's other
+    side."""
     global _installed
     from triton.runtime import interpreter
     for undo in reversed(_installed):
