@@ -447,9 +447,23 @@ def _check_signature(opt, meta, laid_out: frozenset = frozenset()) -> None:
                         if key == "trainable" and b[key] else "")
                 raise CheckpointMismatchError(f"parameter {a['index']}: {what} is {b[key]} in the checkpoint but "
                                               f"{a[key]} in the optimizer{hint}")
-    if list(meta["state_names"]) != list(opt._state_names):
-        raise CheckpointMismatchError(f"the checkpoint holds state {meta['state_names']}, this optimizer needs "
-                                      f"{list(opt._state_names)}")
+    saved, ours = list(meta["state_names"]), list(opt._state_names)
+    if saved != ours and not _starts_at_first_step(opt, meta):
+        hint = (" (a ShardedSGD holds momentum buffers only when built with momentum in some group: build it with "
+                "the saved run's momentum)" if "momentum_buffer" in saved and "momentum_buffer" not in ours else "")
+        raise CheckpointMismatchError(f"the checkpoint holds state {saved}, this optimizer needs {ours}{hint}")
+
+
+def _starts_at_first_step(opt, meta) -> bool:
+    """The checkpoint lacks only state that a parameter's first counted step makes (ShardedSGD's momentum buffers:
+    a run built without momentum, loaded into one built with it), and no parameter has such a step yet: the
+    missing state starts where that first step starts it, as ``load_state_dict`` of the same run's dict does and
+    torch.optim.SGD would (buf = g at its first step with momentum). Until session 52 this was a
+    CheckpointMismatchError, where ``load_state_dict`` loaded."""
+    saved, ours = list(meta["state_names"]), list(opt._state_names)
+    missing = [name for name in ours if name not in saved]
+    return ([name for name in ours if name in saved] == saved and set(missing) <= set(opt._MADE_BY_FIRST_STEP)
+            and not any(meta["steps"].values()))
 
 
 def _identity(path: str, meta: dict, meta_digest: str) -> tuple[int, str]:
@@ -504,14 +518,17 @@ def load_sharded(opt, path: str) -> dict:
         # all or nothing: DCP reads into copies, which replace the live state only once every read succeeded (a
         # truncated .distcp used to fail after the moments had been overwritten, leaving them half loaded)
         masters = [b.master_fp32().clone() for b in opt.buckets]
-        states = [{name: t.clone() for name, t in b.state.items()} for b in opt.buckets]
+        saved = set(meta["state_names"])  # (state it lacks starts at its first step, as zeros: _starts_at_first_step)
+        states = [{name: t.clone() if name in saved else torch.zeros_like(t) for name, t in b.state.items()}
+                  for b in opt.buckets]
         targets = {}  # DCP key -> (offset of this rank's piece in the flattened parameter, where it goes)
         for b, master, state in zip(opt.buckets, masters, states):
             for piece in b.param_buffer.shard_pieces():
                 i = index_of[b.params[piece.tensor_index]]
                 sl = slice(piece.shard_start, piece.shard_end)
                 for name, shard in (("master", master), *state.items()):
-                    targets[_key(i, name)] = (piece.tensor_start, shard[sl])
+                    if name == "master" or name in saved:
+                        targets[_key(i, name)] = (piece.tensor_start, shard[sl])
         # each rank reads only the stored chunks that overlap its own pieces (DCP's resharding read plan)
         from . import _dcp
         with _single_process_ok():

@@ -7,6 +7,7 @@ from tests.distributed import run_on_ranks
 from tests.helpers import assert_close_rel
 from tests.optim.training import PaperLion, Reference, make_model, param_groups, schedule, train_step
 from tritonshard import ShardedLion, ShardedSGD
+from tritonshard.checkpoint import CheckpointMismatchError, load_sharded, save_sharded
 
 STEPS = 4
 SGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
@@ -200,3 +201,64 @@ def test_state_dict_without_a_buffer_where_torch_has_none_and_it_loads_into_torc
     for i, q in enumerate(ref):
         assert torch.equal(ours[i]["master"], resumed[i]["master"]), "a resumed run is the run, bit for bit"
         assert_close_rel(ours[i]["master"], q.detach(), 1e-6, f"master of parameter {i} (see above: fp32 op order)")
+
+
+def _resume_without_momentum(rank, world_size, path):
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 11)]
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
+    split = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.05}]  # noqa: E731
+    without = dict(lr=0.1, dampening=0.5, weight_decay=0.01)  # (momentum=0 in every group: no buffers held)
+    opt = ShardedSGD(split(params), bucket_cap_mb=8 * 2 / 2 ** 20, **without)
+    for step in range(2):
+        for p, g in zip(params, _grads(step, shapes, ())):
+            p.grad = g
+        opt.step()
+    save_sharded(opt, path)
+    saved = opt.state_dict()
+    # resumed by an optimizer built with momentum: from the sharded checkpoint, from the state dict, and torch's
+    # from the state dict (fp32 weights from the saved masters)
+    copies = lambda: [torch.nn.Parameter(p.detach().clone()) for p in params]  # noqa: E731
+    sharded, loaded = ShardedSGD(split(copies()), lr=1.0, momentum=0.5), ShardedSGD(split(copies()), momentum=0.5)
+    assert load_sharded(sharded, path) == {}
+    loaded.load_state_dict(saved)
+    ref = [torch.nn.Parameter(saved["state"][i]["master"].clone()) for i in range(len(shapes))]
+    torch_opt = torch.optim.SGD(split(ref), foreach=False, **without)
+    torch_opt.load_state_dict(saved)
+    for o in (sharded, loaded):  # the saved run's groups, as torch's load_state_dict gives them
+        assert [g["momentum"] for g in o.param_groups] == [0.0, 0.0] and o.param_groups[1]["lr"] == 0.05
+        assert all(sorted(s) == ["master", "step"] and float(s["step"]) == 0 for s in o.state_dict()["state"].values())
+    runs = [(o, [p for g in o.param_groups for p in g["params"]]) for o in (sharded, loaded, torch_opt)]
+    for step in range(2, 5):  # momentum turned on after the resume: every buffer starts at its first such step
+        grads = _grads(step, shapes, ())
+        for o, ps in runs:
+            for g in o.param_groups:
+                g["momentum"] = 0.9
+            for p, grad in zip(ps, grads):
+                p.grad = grad.float() if o is torch_opt else grad
+            o.step()
+    a, b = sharded.state_dict()["state"], loaded.state_dict()["state"]
+    for i, q in enumerate(ref):
+        for key in ("master", "momentum_buffer", "step"):
+            assert torch.equal(a[i][key], b[i][key]), f"parameter {i}: {key} differs between the two resumes"
+        # (fp32 op order against torch's: see _momentum_switch; a buffer started at (1 - dampening) * g instead of
+        # g is off by 0.5 * lr * |g| ~ 0.05)
+        assert_close_rel(a[i]["master"], q.detach(), 1e-6, f"master of parameter {i}")
+        assert_close_rel(a[i]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"], 1e-6,
+                         f"momentum buffer of parameter {i}")
+    # the other way round, a checkpoint with buffers into an optimizer without: it could not hold them
+    save_sharded(sharded, path + "-with")
+    with pytest.raises(CheckpointMismatchError, match=r"holds state \['momentum_buffer'\], this optimizer needs "
+                                                      r"\[\] \(a ShardedSGD holds momentum buffers only when built"):
+        load_sharded(ShardedSGD(split(copies()), **without), path + "-with")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_checkpoint_saved_without_momentum_resumes_in_an_optimizer_built_with_it(tmp_path, world_size):
+    """A run built without momentum (no buffers held), resumed by one built with it: ``load_state_dict`` loaded
+    (the buffers start at their first step with momentum, as torch.optim.SGD's), ``load_sharded`` of the same run
+    was a CheckpointMismatchError until session 52. Both load now, to the same bits."""
+    if world_size == 1:
+        _resume_without_momentum(0, 1, str(tmp_path / "ckpt"))
+    else:
+        run_on_ranks(_resume_without_momentum, world_size, str(tmp_path / "ckpt"))
