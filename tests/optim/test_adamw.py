@@ -378,6 +378,16 @@ def test_a_switch_set_in_a_group_later_is_checked_at_step_before_anything_change
 
 
 
+class _WithoutEps(ShardedAdamW):
+    """A dict whose groups hold every key ShardedLion's have and none that marks another kind."""
+
+    def state_dict(self):
+        saved = super().state_dict()
+        for g in saved["param_groups"]:
+            del g["eps"]
+        return saved
+
+
 _KINDS = {
     "ShardedAdamW": lambda ps: ShardedAdamW(ps, lr=0.1),
     "ShardedSGD": lambda ps: ShardedSGD(ps, lr=0.1, momentum=0.9),
@@ -387,6 +397,9 @@ _KINDS = {
     "torch.optim.SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "torch.optim.RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1),
     "torch.optim.Adam(weight_decay)": lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01),
+    "ShardedAdamW without eps": lambda ps: _WithoutEps(ps, lr=0.1),
+    "torch.optim.AdamW before any step": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+    "torch.optim.NAdam before any step": lambda ps: torch.optim.NAdam(ps, lr=0.1),
 }
 _OTHER_KIND = [  # (saved by, loaded into, what the error names)
     ("ShardedAdamW", "ShardedSGD", r"param_groups\[0\] of the state dict has no 'momentum', 'dampening', "
@@ -396,15 +409,22 @@ _OTHER_KIND = [  # (saved by, loaded into, what the error names)
     ("ShardedSGD", "ShardedAdamW", r"has no 'betas', 'eps', which every ShardedAdamW group has"),
     ("torch.optim.SGD", "ShardedAdamW", r"has no 'betas', 'eps', which every ShardedAdamW group has"),
     ("ShardedLion", "ShardedAdamW", r"has no 'eps', which every ShardedAdamW group has"),
-    ("ShardedAdamW", "ShardedLion", r"state of parameter 0 in the state dict has 'exp_avg_sq', which ShardedLion "
-                                    r"does not keep \(its state: exp_avg, step, master\)"),
-    ("torch.optim.AdamW", "ShardedLion", r"has 'exp_avg_sq', which ShardedLion does not keep"),
+    ("ShardedAdamW", "ShardedLion", r"param_groups\[0\] of the state dict has 'eps', which no ShardedLion group has"),
+    ("torch.optim.AdamW", "ShardedLion", r"has 'eps', which no ShardedLion group has"),
+    # (groups that fit, state that does not: named by the state)
+    ("ShardedAdamW without eps", "ShardedLion", r"state of parameter 0 in the state dict has 'exp_avg_sq', which "
+                                                r"ShardedLion does not keep \(its state: exp_avg, step, master\)"),
     ("ShardedAdamW", "ShardedMuon", r"has no 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', which every "
                                     r"ShardedMuon group has"),
     ("torch.optim.RMSprop", "ShardedSGD", r"has no 'dampening', 'nesterov'"),
     # (named as another kind, not as the L2 decay of torch.optim.Adam that ShardedAdamW refuses)
     ("torch.optim.Adam(weight_decay)", "ShardedSGD", r"has no 'momentum', 'dampening', 'nesterov', which every "
                                                      r"ShardedSGD group has"),
+    # (no state to tell them apart, and Lion's group keys are a subset of Adam's: the epsilon names the kind; until
+    # session 52 ShardedLion took AdamW's lr and decay)
+    ("torch.optim.AdamW before any step", "ShardedLion", r"param_groups\[0\] of the state dict has 'eps', which no "
+                                                          r"ShardedLion group has: the state dict of another kind"),
+    ("torch.optim.NAdam before any step", "ShardedLion", r"has 'eps', which no ShardedLion group has"),
 ]
 
 
@@ -421,7 +441,8 @@ def test_a_state_dict_of_another_kind_of_optimizer_is_named_before_anything_is_l
         saved_model.to(torch.bfloat16)
     saved = _KINDS[saved_by](saved_model.parameters())
     saved_model(torch.randn(3, 6, dtype=saved_model.weight.dtype)).float().square().sum().backward()
-    saved.step()
+    if not saved_by.endswith("before any step"):
+        saved.step()
     model = torch.nn.Linear(6, 4, bias=False).to(torch.bfloat16)
     opt = _KINDS[loaded_into](model.parameters())
     model(torch.randn(3, 6, dtype=torch.bfloat16)).float().square().sum().backward()
@@ -438,6 +459,20 @@ def test_a_state_dict_of_another_kind_of_optimizer_is_named_before_anything_is_l
     # the same kind loads, also from torch.optim (the error is about the kind, not the source)
     same = _KINDS[loaded_into](torch.nn.Linear(6, 4, bias=False).to(torch.bfloat16).parameters())
     opt.load_state_dict(same.state_dict())
+
+
+def test_a_key_of_the_users_own_that_another_kind_has_loads_where_this_optimizers_groups_hold_it():
+    """The key that names an Adam-family dict to ShardedLion (``eps``) is the user's own where the optimizer's own
+    groups hold it too (torch.optim keeps any key a group is given): such a dict loads, its values with it."""
+    model = torch.nn.Linear(6, 4).to(torch.bfloat16)
+    opt = tritonshard.ShardedLion([{"params": model.parameters(), "eps": 1e-8}], lr=0.1)
+    model(torch.randn(3, 6, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["eps"] = 1e-6
+    again = tritonshard.ShardedLion([{"params": model.parameters(), "eps": 1e-8}], lr=0.2)
+    again.load_state_dict(saved)
+    assert again.param_groups[0]["eps"] == 1e-6 and again.param_groups[0]["lr"] == 0.1
 
 
 def test_torch_adams_state_dict_loads_where_it_has_no_weight_decay_and_is_named_where_it_has():

@@ -123,6 +123,7 @@ class ShardedLion(ShardedOptimizer):
 
     _state_names = ("exp_avg",)
     _CORE_GROUP_KEYS = ("lr", "betas", "weight_decay")  # (state_io.py)
+    _OTHER_KINDS_GROUP_KEYS = ("eps",)  # (every torch Adam-family group has it; Lion has no epsilon)
     _segments = (LION_SEGMENTS, "lion_step_")
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **pipeline):

@@ -30,6 +30,9 @@ class StateDictMixin:
     #: the hyper-parameters every group of this optimizer has, as the torch.optim optimizer it follows (whose step
     #: fails on a group without one): a loaded group without one is another optimizer's (:meth:`_load_state_dict`)
     _CORE_GROUP_KEYS: tuple = ()
+    # hyper-parameters of other kinds that this kind's groups never have, where the core keys cannot tell the kinds
+    # apart (ShardedLion's are a subset of AdamW's: an Adam-family dict holds them all, and eps)
+    _OTHER_KINDS_GROUP_KEYS: tuple = ()
 
     def _core_group_keys(self, saved_group: dict, group: dict) -> tuple:
         """:attr:`_CORE_GROUP_KEYS` of a loaded group ``saved_group`` over this optimizer's ``group``."""
@@ -42,7 +45,9 @@ class StateDictMixin:
         with AdamW's lr and its decay), and a state tensor both kinds name (AdamW's ``exp_avg`` in ShardedLion) was
         taken. torch.optim fails at the next step on such a group (KeyError 'momentum'); a state tensor this
         optimizer does not keep, which torch.optim would carry along unused, is refused here too, as a sign of the
-        same mistake. Groups may hold keys of their own (a scheduler's ``initial_lr``, the user's)."""
+        same mistake, and so is a group key that marks another kind (:attr:`_OTHER_KINDS_GROUP_KEYS`: a torch AdamW
+        dict saved before any step, into ShardedLion, loaded AdamW's lr until session 52). Groups may hold keys of
+        their own (a scheduler's ``initial_lr``, the user's)."""
         kind = type(self).__name__
         for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             core = self._core_group_keys(sg, g)
@@ -53,6 +58,13 @@ class StateDictMixin:
                     f"{kind} group has ({', '.join(core)}): the state dict of another kind of optimizer? Loaded, its "
                     "hyper-parameters would replace this optimizer's (torch.optim fails at the next step on such a "
                     "group)")
+            # (unless this optimizer's group holds it too: a key of the user's own)
+            other = [k for k in self._OTHER_KINDS_GROUP_KEYS if k in sg and k not in g]
+            if other:
+                raise ValueError(
+                    f"param_groups[{gi}] of the state dict has {', '.join(map(repr, other))}, which no {kind} group "
+                    "has: the state dict of another kind of optimizer? Loaded, its hyper-parameters would replace "
+                    "this optimizer's")
         keeps = tuple(dict.fromkeys((*self._state_names, *self._MADE_BY_FIRST_STEP)))
         for key, entry in saved_state.items():
             foreign = sorted(str(k) for k, v in (entry.items() if isinstance(entry, dict) else ())
