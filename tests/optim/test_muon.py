@@ -86,18 +86,21 @@ def test_non_matrix_in_a_muon_group_is_rejected_before_anything_changes():
     assert m.up.weight.dtype == torch.float32, "a failed construction leaves the model alone"
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(momentum=1.0), r"momentum must be in \[0, 1\)"),
-    (dict(ns_steps=100), r"ns_steps must be an int in \[0, 100\)"),
-    (dict(adjust_lr_fn="rms"), "adjust_lr_fn must be"),
-    (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients must be three numbers"),
-    (dict(lr=-1.0), "lr must be >= 0"),
-    (dict(nesterov=1), "nesterov must be True or False"),
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
+    (dict(ns_steps=100), ValueError, r"ns_steps must be an int in \[0, 100\)"),
+    (dict(adjust_lr_fn="rms"), ValueError, "adjust_lr_fn must be"),
+    (dict(ns_coefficients=(1.0, 2.0)), ValueError, "ns_coefficients must be three numbers"),
+    (dict(lr=-1.0), ValueError, "lr must be >= 0"),
+    # (a TypeError, as every other optimizer's flags: ShardedSGD's nesterov, maximize; a ValueError until session 52)
+    (dict(nesterov=1), TypeError, "nesterov must be True or False, got 1"),
 ])
-def test_bad_hyper_parameters(kw, match):
+def test_bad_hyper_parameters(kw, error, match):
     m = Mlp()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         ShardedMuon([m.up.weight], **kw)
+    with pytest.raises(TypeError, match=r"use_muon must be True or False, got 'no' \(param_groups\[0\]\)"):
+        ShardedMuon([{"params": [m.up.weight], "use_muon": "no"}])
 
 
 def test_adamw_group_rejects_what_it_does_not_have():

@@ -134,8 +134,7 @@ class ShardedMuon(ShardedOptimizer):
 
     # ------------------------------------------------------------------ hyper-parameters
     def _check_group(self, g: dict, where: str) -> None:
-        require(isinstance(g.get("use_muon"), bool), f"use_muon must be True or False, got {g.get('use_muon')!r}",
-                where)
+        check_flag("use_muon", g.get("use_muon"), where)
         if not g["use_muon"]:
             check_flag("maximize", g.get("maximize", False), where)  # ("False" is no maximize=True)
             for key in ("amsgrad", "maximize"):  # (first: check_adamw_group would name ShardedAdamW's reasons)
@@ -148,7 +147,7 @@ class ShardedMuon(ShardedOptimizer):
         m = g["momentum"]
         require(isinstance(m, numbers.Real) and not isinstance(m, bool) and 0.0 <= m < 1.0,
                 f"momentum must be in [0, 1), got {m!r}", where)
-        require(isinstance(g["nesterov"], bool), f"nesterov must be True or False, got {g['nesterov']!r}", where)
+        check_flag("nesterov", g["nesterov"], where)
         c = g["ns_coefficients"]
         require(isinstance(c, (tuple, list)) and len(c) == 3 and all(isinstance(x, numbers.Real) for x in c),
                 f"ns_coefficients must be three numbers (a, b, c), got {c!r}", where)
