@@ -208,7 +208,10 @@ class StateDictMixin:
                 kind of optimizer: a group without a hyper-parameter every group here has, a state tensor this
                 optimizer does not keep (:meth:`_check_same_kind`), a state entry for an
                 unknown parameter, or for one frozen at construction while a backward's gradients wait for their
-                step: outside that, such a parameter is laid out to take its state, ``_lay_out_frozen_with_state``).
+                step: outside that, such a parameter is laid out to take its state, ``_lay_out_frozen_with_state``;
+                a state entry that is not a dict of tensors, an AdamW's without its ``step``); a saved group's
+                hyper-parameters that this optimizer would refuse at construction (a negative lr, amsgrad=True,
+                a momentum where this ShardedSGD holds no buffers), checked as there, before anything is loaded.
             tritonshard.comm.SettingsMismatchError: (a ValueError) on every rank, naming each rank's, when the ranks
                 were given different dicts (see :func:`_fingerprint`); nothing is loaded.
         """
@@ -242,29 +245,42 @@ class StateDictMixin:
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"param_groups[{gi}] has {len(sg['params'])} parameters in the state dict but "
                                  f"{len(g['params'])} in the optimizer")
-            if sg.get("amsgrad", False):
-                raise ValueError(f"param_groups[{gi}] was saved with amsgrad=True, which ShardedAdamW does not have")
-            if sg.get("decoupled_weight_decay") is False and sg.get("weight_decay", 0) != 0:  # (torch.optim.Adam's)
-                raise ValueError(
-                    f"param_groups[{gi}] was saved with weight_decay={sg['weight_decay']!r} as an L2 penalty in the "
-                    "gradient (decoupled_weight_decay=False: torch.optim.Adam's), which ShardedAdamW does not have: "
-                    "it decays the weights as AdamW. Set the saved groups' weight_decay to the decoupled decay to "
-                    "train with (0 for none) before loading")
+            # the hyper-parameters the load gives the group, checked as at construction and at step(), with the
+            # saved implementation switches (torch.optim.AdamW's amsgrad, torch.optim.Adam's coupled decay), which it
+            # does not keep: until session 52 a value the group cannot take (a momentum where this ShardedSGD holds
+            # no buffers, a negative lr) loaded, and every later step() refused it
+            self._check_group({**g, **{k: v for k, v in sg.items() if k != "params"}},
+                              f" (param_groups[{gi}] of the state dict)")
         indexed = self._indexed_params()
         saved_ids = [i for sg in saved_groups for i in sg["params"]]
         id_map = dict(zip(saved_ids, (i for i, _, _ in indexed)))  # saved index -> our index
         by_index = {i: p for i, _, p in indexed}
         self._lay_out_frozen_with_state([by_index[id_map[k]] for k in saved_state if k in id_map])
         entries: dict[torch.Tensor, dict] = {}
+        group_of = {i: gi for i, gi, _ in indexed}
         for key, entry in saved_state.items():
             if key not in id_map:
-                raise ValueError(f"the state dict has state for parameter {key}, which is in no param group")
+                hint = (" (its keys are strings, the param groups' indices are ints: a round trip through JSON? "
+                        "torch.optim numbers the parameters with ints)"
+                        if isinstance(key, str) and key.isdigit() and int(key) in id_map else "")
+                raise ValueError(f"the state dict has state for parameter {key!r}, which is in no param group{hint}")
             p = by_index[id_map[key]]
+            if not isinstance(entry, dict):
+                raise ValueError(f"the state of parameter {key!r} is a {type(entry).__name__}, not a dict")
+            # (torch.optim.SGD keeps no step, nor does a Lion; an AdamW's update reads it: one missing used to load
+            # as a count of 1, bias corrections and all, where torch.optim fails at the next step with a KeyError)
+            if ("step" not in entry and not self._MADE_BY_FIRST_STEP
+                    and self._reads_step(self.param_groups[group_of[id_map[key]]])):
+                raise ValueError(f"state of parameter {key!r} has no 'step', which {type(self).__name__}'s update "
+                                 "reads (its bias corrections)")
             for name in (*self._bucket_of[p][0].state, "master"):
                 if (name == "master" or name in self._MADE_BY_FIRST_STEP) and name not in entry:
                     continue
                 if name not in entry:
-                    raise ValueError(f"state of parameter {key} has no '{name}'")
+                    raise ValueError(f"state of parameter {key!r} has no '{name}'")
+                if not isinstance(entry[name], torch.Tensor):
+                    raise ValueError(f"state '{name}' of parameter {key!r} is a {type(entry[name]).__name__}, not a "
+                                     f"tensor of the parameter's shape {tuple(p.shape)}")
                 if tuple(entry[name].shape) != tuple(p.shape):
                     raise ValueError(f"state '{name}' of parameter {key} has shape {tuple(entry[name].shape)} but "
                                      f"the parameter has shape {tuple(p.shape)}")
