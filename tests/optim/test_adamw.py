@@ -583,6 +583,41 @@ def test_torch_sgds_state_dict_without_step_counts_loads_into_sharded_sgd():
         torch.testing.assert_close(state[i]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"])
 
 
+def test_an_empty_entry_in_a_torch_adamw_state_dict_is_a_parameter_without_state():
+    """torch.optim's state is a defaultdict: a logger's read of ``opt.state[p]`` before p's first step leaves an
+    empty entry in its state dict, and torch.optim starts p afresh at its step. Until session 52 such a dict was
+    refused ("state of parameter 1 has no 'exp_avg'")."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    twin = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    torch_opt = torch.optim.AdamW(twin, lr=0.1, foreach=False)
+    twin[0].grad = torch.randn(twin[0].shape)
+    torch_opt.step()
+    assert torch_opt.state[twin[1]] == {}  # (the read)
+    saved = torch_opt.state_dict()
+    assert saved["state"][1] == {}
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin):
+            p.copy_(q)
+    opt = ShardedAdamW(model.parameters(), lr=0.1)
+    opt.load_state_dict(saved)
+    start = [s["master"].clone() for s in opt.state_dict()["state"].values()]
+    twin_start = [q.detach().clone() for q in twin]
+    for p, q in zip(model.parameters(), twin):
+        g = torch.randn(p.shape).bfloat16()
+        p.grad, q.grad = g, g.float()
+    opt.step()
+    torch_opt.step()
+    state = opt.state_dict()["state"]
+    assert [float(state[i]["step"]) for i in range(2)] == [2.0, 1.0]
+    for i, q in enumerate(twin):
+        # the updates (the masters start apart by the bf16 rounding of torch's weights): Adam's first step moves
+        # each element by ~lr, its second by another bias correction; fp32 ulps of the weights (~3e-8) in these
+        torch.testing.assert_close(state[i]["master"] - start[i], q.detach() - twin_start[i], rtol=0, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[i][key], torch_opt.state[q][key])
+
+
 def test_torch_adams_state_dict_loads_where_it_has_no_weight_decay_and_is_named_where_it_has():
     """torch.optim.Adam is AdamW where weight_decay=0: its state dict loads and trains on (a run moved from
     torch.optim.Adam). With weight decay, Adam's is an L2 penalty in the gradient (its groups hold

@@ -237,6 +237,11 @@ class StateDictMixin:
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        # an empty entry is no state: torch.optim's state is a defaultdict, so a read of opt.state[p] (a logger's,
+        # before p's first step) leaves one in its dict, and torch.optim starts p afresh at its step. Until session
+        # 52 such a dict of torch.optim.AdamW's was refused here ("has no 'exp_avg'")
+        if isinstance(saved_state, dict):
+            saved_state = {k: v for k, v in saved_state.items() if not (isinstance(v, dict) and not v)}
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
                              f"{len(self.param_groups)}")
