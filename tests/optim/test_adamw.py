@@ -483,7 +483,7 @@ _MALFORMED = {  # (what is wrong: how the saved dict is changed, what the error 
     "a model's state dict": (lambda d, model: model.state_dict(), r"state_dict must be a dict with 'state' and "
                              r"'param_groups' \(torch.optim format\)"),
     "None": (lambda d, model: None, "state_dict must be a dict with 'state' and 'param_groups'"),
-    "a group missing a parameter": (lambda d, model: d["param_groups"][0].update(params=d["param_groups"][0]["params"][:3]),
+    "a group missing a parameter": (lambda d, model: d["param_groups"][0].update(params=[0, 1, 2]),
                                     r"param_groups\[0\] has 3 parameters in the state dict but 4 in the optimizer"),
     "state of an index in no group": (lambda d, model: d["state"].update({9: d["state"][0]}),
                                       "the state dict has state for parameter 9, which is in no param group"),
@@ -533,10 +533,11 @@ def test_a_malformed_state_dict_is_named_and_nothing_is_loaded(case):
         for key in ("exp_avg", "exp_avg_sq", "master"):
             entry[key] = entry[key] + 1.0
     change, match = _MALFORMED[case]
-    changed = change(saved, model)
+    replacement = change(saved, model)  # (None where the change edits ``saved`` in place, but for the case "None")
+    to_load = replacement if replacement is not None or case == "None" else saved
     before, weights = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=match):
-        opt.load_state_dict(saved if changed is None and case != "None" else changed)
+        opt.load_state_dict(to_load)
     after = opt.state_dict()
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters())), "the weights were changed"
     assert after["param_groups"] == before["param_groups"]
@@ -632,9 +633,9 @@ def test_torch_adams_state_dict_loads_where_it_has_no_weight_decay_and_is_named_
         adam.step()
         opt = ShardedAdamW(model.parameters(), lr=0.1, weight_decay=0.0)
         if wd:
-            with pytest.raises(ValueError, match=r"weight_decay with decoupled_weight_decay=False \(torch\.optim\.Adam's "
-                                                 r"L2 penalty in the gradient\).*\(param_groups\[0\] of the state "
-                                                 r"dict\)"):
+            with pytest.raises(ValueError, match=r"weight_decay with decoupled_weight_decay=False \(torch\.optim\."
+                                                 r"Adam's L2 penalty in the gradient\).*\(param_groups\[0\] of the "
+                                                 r"state dict\)"):
                 opt.load_state_dict(adam.state_dict())
             assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["weight_decay"] == 0.0
             continue
