@@ -584,6 +584,36 @@ def test_torch_sgds_state_dict_without_step_counts_loads_into_sharded_sgd():
         torch.testing.assert_close(state[i]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"])
 
 
+def test_a_momentum_buffer_of_none_from_an_older_torch_sgd_is_no_buffer_yet():
+    """torch.optim.SGD before 2.0 kept ``momentum_buffer: None`` for the parameters it stepped without momentum; a
+    torch.optim.SGD of today loads that dict and makes each buffer at its first step with momentum (buf = g). Until
+    session 52 ShardedSGD failed on it (an AttributeError on ``None.shape``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    twin = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    saved = {"state": {0: {"momentum_buffer": None}, 1: {"momentum_buffer": None}},
+             "param_groups": [{"lr": 0.1, "momentum": 0, "dampening": 0.5, "weight_decay": 0, "nesterov": False,
+                               "maximize": False, "foreach": None, "differentiable": False, "params": [0, 1]}]}
+    torch_opt = torch.optim.SGD(twin, lr=0.5, momentum=0.5, foreach=False)
+    torch_opt.load_state_dict(saved)
+    opt = ShardedSGD(model.parameters(), lr=0.5, momentum=0.5)
+    opt.load_state_dict(saved)
+    for step in range(2):
+        for o in (opt, torch_opt):
+            o.param_groups[0]["momentum"] = 0.9  # (the saved groups had none)
+        for p, q in zip(model.parameters(), twin):
+            g = torch.randn(p.shape).bfloat16()
+            p.grad, q.grad = g, g.float()
+        opt.step()
+        torch_opt.step()
+    state = opt.state_dict()["state"]
+    for i, q in enumerate(twin):
+        # the same fp32 start (bf16 weights); op order against torch's: fp32 ulps (see test_sgd_lion_distributed);
+        # a first buffer of (1 - dampening) * g instead of g is off by 0.5 * 0.1 * |g| ~ 0.05
+        torch.testing.assert_close(state[i]["master"], q.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state[i]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"])
+
+
 def test_an_empty_entry_in_a_torch_adamw_state_dict_is_a_parameter_without_state():
     """torch.optim's state is a defaultdict: a logger's read of ``opt.state[p]`` before p's first step leaves an
     empty entry in its state dict, and torch.optim starts p afresh at its step. Until session 52 such a dict was

@@ -239,8 +239,13 @@ class StateDictMixin:
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         # an empty entry is no state: torch.optim's state is a defaultdict, so a read of opt.state[p] (a logger's,
         # before p's first step) leaves one in its dict, and torch.optim starts p afresh at its step. Until session
-        # 52 such a dict of torch.optim.AdamW's was refused here ("has no 'exp_avg'")
+        # 52 such a dict of torch.optim.AdamW's was refused here ("has no 'exp_avg'"). Nor is a buffer a first step
+        # makes that is None (torch.optim.SGD before 2.0 kept momentum_buffer=None for a step without momentum,
+        # which torch.optim.SGD takes as no buffer yet; an AttributeError here until session 52)
         if isinstance(saved_state, dict):
+            made = self._MADE_BY_FIRST_STEP
+            saved_state = {k: {n: t for n, t in v.items() if not (t is None and n in made)}
+                           if isinstance(v, dict) and made else v for k, v in saved_state.items()}
             saved_state = {k: v for k, v in saved_state.items() if not (isinstance(v, dict) and not v)}
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
