@@ -514,6 +514,19 @@ _MALFORMED = {  # (what is wrong: how the saved dict is changed, what the error 
                       r"lr must be >= 0.*got -0\.1 \(param_groups\[0\] of the state dict\)"),
     "betas as a string": (lambda d, model: d["param_groups"][0].update(betas="0.9,0.999"),
                           r"betas.*\(param_groups\[0\] of the state dict\)"),
+    # (the structure and the counts: an AttributeError, a KeyError, a float() of two elements, or a NaN count that
+    # trained on silently, until session 52; found by tests/optim/test_state_dict_fuzz.py)
+    "state as a list": (lambda d, model: d.update(state=list(d["state"].values())),
+                        r"state_dict\['state'\] must be a dict of parameter index -> that parameter's state, got "
+                        r"a list"),
+    "a group without params": (lambda d, model: _drop(d["param_groups"][0], "params"),
+                               r"state_dict\['param_groups'\] must be a list of dicts, each with 'params'.*: "
+                               r"param_groups\[0\] is \{'lr'"),
+    "a step of two elements": (lambda d, model: d["state"][1].update(step=torch.zeros(2)),
+                               r"state 'step' of parameter 1 must be a step count >= 0 \(a number or a 1-element "
+                               r"tensor\), got tensor\(\[0., 0.\]\)"),
+    "a step of NaN": (lambda d, model: d["state"][0].update(step=torch.tensor(float("nan"))),
+                      r"state 'step' of parameter 0 must be a step count >= 0.*got tensor\(nan\)"),
 }
 
 

@@ -8,6 +8,8 @@ Sharded checkpoints, which write each rank's pieces only, are :mod:`tritonshard.
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 
 import torch
 
@@ -237,16 +239,27 @@ class StateDictMixin:
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups' (torch.optim format)")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        # (the structure, before anything reads it: an AttributeError or a KeyError deep in the load until session 52)
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"state_dict['state'] must be a dict of parameter index -> that parameter's state, got "
+                             f"a {type(saved_state).__name__}")
+        bad = next((gi for gi, sg in enumerate(saved_groups) if not isinstance(sg, dict)
+                    or not isinstance(sg.get("params"), (list, tuple))), None) \
+            if isinstance(saved_groups, (list, tuple)) else -1
+        if bad is not None:
+            what = (f"param_groups[{bad}] is {saved_groups[bad]!r:.80}" if bad >= 0
+                    else f"it is a {type(saved_groups).__name__}")
+            raise ValueError("state_dict['param_groups'] must be a list of dicts, each with 'params' (the indices of "
+                             f"its parameters) and its hyper-parameters: {what}")
         # an empty entry is no state: torch.optim's state is a defaultdict, so a read of opt.state[p] (a logger's,
         # before p's first step) leaves one in its dict, and torch.optim starts p afresh at its step. Until session
         # 52 such a dict of torch.optim.AdamW's was refused here ("has no 'exp_avg'"). Nor is a buffer a first step
         # makes that is None (torch.optim.SGD before 2.0 kept momentum_buffer=None for a step without momentum,
         # which torch.optim.SGD takes as no buffer yet; an AttributeError here until session 52)
-        if isinstance(saved_state, dict):
-            made = self._MADE_BY_FIRST_STEP
-            saved_state = {k: {n: t for n, t in v.items() if not (t is None and n in made)}
-                           if isinstance(v, dict) and made else v for k, v in saved_state.items()}
-            saved_state = {k: v for k, v in saved_state.items() if not (isinstance(v, dict) and not v)}
+        made = self._MADE_BY_FIRST_STEP
+        saved_state = {k: {n: t for n, t in v.items() if not (t is None and n in made)}
+                       if isinstance(v, dict) and made else v for k, v in saved_state.items()}
+        saved_state = {k: v for k, v in saved_state.items() if not (isinstance(v, dict) and not v)}
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
                              f"{len(self.param_groups)}")
@@ -283,6 +296,13 @@ class StateDictMixin:
                     and self._reads_step(self.param_groups[group_of[id_map[key]]])):
                 raise ValueError(f"state of parameter {key!r} has no 'step', which {type(self).__name__}'s update "
                                  "reads (its bias corrections)")
+            if "step" in entry:  # (a corrupt count trained on silently: a NaN bias correction, NaN weights)
+                step = entry["step"]
+                value = (float(step) if (isinstance(step, torch.Tensor) and step.numel() == 1)
+                         or (isinstance(step, numbers.Real) and not isinstance(step, bool)) else None)
+                if value is None or not 0 <= value < math.inf:
+                    raise ValueError(f"state 'step' of parameter {key!r} must be a step count >= 0 (a number or a "
+                                     f"1-element tensor), got {step!r:.80}")
             for name in (*self._bucket_of[p][0].state, "master"):
                 if (name == "master" or name in self._MADE_BY_FIRST_STEP) and name not in entry:
                     continue
