@@ -73,6 +73,8 @@ def check_flag(name: str, value, where: str) -> None:
 
 
 def check_number(name: str, value, where: str) -> None:
-    if not _is_number(value):
+    """A finite number, of any sign (SGD's dampening: torch.optim takes any; a NaN one made NaN buffers there, and
+    here failed in the kernel's launcher after the gradients were reduced, until session 52)."""
+    if not (_is_number(value) and -math.inf < value < math.inf):
         _no_tensor(name, value, where)
-        raise ValueError(f"{name} must be a number, got {value!r}{where}")
+        raise ValueError(f"{name} must be a finite number, got {value!r}{where}")

@@ -163,7 +163,8 @@ class ShardedMuon(ShardedOptimizer):
         return MUON_STATE if group["use_muon"] else ADAMW_STATE
 
     def _core_group_keys(self, saved_group: dict, group: dict) -> tuple:  # (state_io.py)
-        if saved_group.get("use_muon", group["use_muon"]):
+        use_muon = saved_group.get("use_muon", group["use_muon"])
+        if use_muon if type(use_muon) is bool else group["use_muon"]:  # (not a bool: _check_group names it next)
             return ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps")
         return ShardedAdamW._CORE_GROUP_KEYS
 
