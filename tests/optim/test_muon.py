@@ -90,7 +90,9 @@ def test_non_matrix_in_a_muon_group_is_rejected_before_anything_changes():
     (dict(momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
     (dict(ns_steps=100), ValueError, r"ns_steps must be an int in \[0, 100\)"),
     (dict(adjust_lr_fn="rms"), ValueError, "adjust_lr_fn must be"),
-    (dict(ns_coefficients=(1.0, 2.0)), ValueError, "ns_coefficients must be three numbers"),
+    (dict(ns_coefficients=(1.0, 2.0)), ValueError, "ns_coefficients must be three finite numbers"),
+    (dict(ns_coefficients=(3.4445, float("nan"), 2.0315)), ValueError, r"ns_coefficients must be three finite "
+                                                                        r"numbers \(a, b, c\), got \(3\.4445, nan"),
     (dict(lr=-1.0), ValueError, "lr must be >= 0"),
     # (a TypeError, as every other optimizer's flags: ShardedSGD's nesterov, maximize; a ValueError until session 52)
     (dict(nesterov=1), TypeError, "nesterov must be True or False, got 1"),

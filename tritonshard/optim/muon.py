@@ -23,6 +23,7 @@ orthogonalized update back: two extra bf16 copies per step, plus an all-to-all w
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Sequence
 
@@ -149,8 +150,10 @@ class ShardedMuon(ShardedOptimizer):
                 f"momentum must be in [0, 1), got {m!r}", where)
         check_flag("nesterov", g["nesterov"], where)
         c = g["ns_coefficients"]
-        require(isinstance(c, (tuple, list)) and len(c) == 3 and all(isinstance(x, numbers.Real) for x in c),
-                f"ns_coefficients must be three numbers (a, b, c), got {c!r}", where)
+        require(isinstance(c, (tuple, list)) and len(c) == 3
+                and all(isinstance(x, numbers.Real) and not isinstance(x, bool) and -math.inf < x < math.inf
+                        for x in c),  # (a NaN one orthogonalized every update to NaN, silently, until session 52)
+                f"ns_coefficients must be three finite numbers (a, b, c), got {c!r}", where)
         check_min("eps", g["eps"], where)
         s = g["ns_steps"]
         require(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 100,
