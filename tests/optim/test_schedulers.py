@@ -57,3 +57,30 @@ def test_momentum_cycling_schedulers_match_torch_optim(name, scheduler):
     for i, (p, q) in enumerate(zip(trainable, ref_params)):
         torch.testing.assert_close(state[i]["master"].reshape(q.shape), q.detach(), rtol=0, atol=2e-6,
                                    msg=lambda m: f"parameter {i}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # (stepped here on purpose)
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "lion", "muon"])
+def test_an_lr_decayed_below_fp32s_normal_range_steps_as_a_zero_lr(kind):
+    """ExponentialLR over a long run takes the lr below fp32's smallest normal number (2^-126): Triton gives such a
+    float argument an fp64 parameter, and ShardedSGD's launch failed there ("Cannot bitcast data-type of size 64")
+    until session 52, after the gradients were reduced. An fp32 step with such an lr moves no master of a normal
+    magnitude (torch.optim's fp32 step leaves them too): the step is the step with lr 0, bit for bit, masters,
+    moments and weights."""
+    from tests.optim.test_state_dict_fuzz import _step, _trained  # (the four optimizers, built and stepped twice)
+    model, opt, _ = _trained(kind)
+    twin, twin_opt, _ = _trained(kind)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=1e-20)
+    for _ in range(2):
+        sched.step()
+    assert all(0 < g["lr"] < 2.0 ** -126 for g in opt.param_groups), [g["lr"] for g in opt.param_groups]
+    for g in twin_opt.param_groups:
+        g["lr"] = 0.0
+    torch.manual_seed(1)
+    _step(model, opt)
+    torch.manual_seed(1)
+    _step(twin, twin_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    ours, zero = opt.state_dict()["state"], twin_opt.state_dict()["state"]
+    for key, entry in zero.items():
+        assert all(torch.equal(entry[name], ours[key][name]) for name in entry), key

@@ -96,6 +96,18 @@ def check_found_inf(found_inf, device, beside: str) -> None:
             raise ValueError(f"found_inf is on {found_inf.device} but {beside} is on {device}")
 
 
+#: the smallest normal fp32 number: Triton gives a Python float argument below it (or above fp32's largest) an fp64
+#: parameter, a specialization of its own in which the kernels' bf16 rounding (a bitcast of an fp32) does not hold
+FP32_TINY = 2.0 ** -126
+
+
+def _fp32_normal(value: float) -> float:
+    """``value`` as the kernels take a coefficient: a magnitude below fp32's normal range is 0 (an lr decayed there,
+    by ExponentialLR over a long run, moves no fp32 master of a normal magnitude: torch.optim's fp32 step leaves
+    them too). Until session 52 ShardedSGD's launch failed on one ("Cannot bitcast data-type of size 64")."""
+    return value if not 0.0 < abs(value) < FP32_TINY else 0.0 * value
+
+
 def pack_coefficients(parts: list, device: torch.device):
     """Per-call scalar coefficients, computed by the caller in float64 (Python floats or 0-d tensors).
 
@@ -103,7 +115,7 @@ def pack_coefficients(parts: list, device: torch.device):
     ``(fp32 device tensor, None)`` built with device ops only: no host sync, no H2D copy.
     """
     if not any(isinstance(p, torch.Tensor) for p in parts):
-        return None, tuple(float(p) for p in parts)
+        return None, tuple(_fp32_normal(float(p)) for p in parts)
     parts = [p.to(torch.float64).reshape(()) if isinstance(p, torch.Tensor)
              else torch.full((), p, dtype=torch.float64, device=device) for p in parts]
     return torch.stack(parts).to(torch.float32), None
