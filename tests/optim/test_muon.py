@@ -105,6 +105,27 @@ def test_bad_hyper_parameters(kw, error, match):
         ShardedMuon([{"params": [m.up.weight], "use_muon": "no"}])
 
 
+@pytest.mark.parametrize("group", [0, 1])
+def test_use_muon_switched_after_building_is_an_error_at_step_before_anything_changes(group):
+    """A group's buckets hold Muon's momentum or AdamW's moments, laid out when the optimizer is built: a use_muon
+    switched later (by hand, a config applied to the groups) failed inside the update with a KeyError
+    'momentum_buffer' after the gradients were reduced, until session 52 (found by a random probe of group
+    edits); switched back, the optimizer trains on."""
+    m = Mlp().to(torch.bfloat16)
+    opt = ShardedMuon(_groups(m), lr=0.02)
+    was = opt.param_groups[group]["use_muon"]
+    opt.param_groups[group]["use_muon"] = not was
+    m(torch.randn(3, 7, dtype=torch.bfloat16)).float().square().sum().backward()
+    weights = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=rf"use_muon={not was}, but this group was built with use_muon={was}: "
+                                         rf".*\(param_groups\[{group}\], at step\(\)\)"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, m.parameters()))
+    opt.param_groups[group]["use_muon"] = was
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(weights, m.parameters()))
+
+
 def test_adamw_group_rejects_what_it_does_not_have():
     m = Mlp()
     with pytest.raises(ValueError, match=r"amsgrad=True is not supported.*param_groups\[1\]"):

@@ -136,6 +136,13 @@ class ShardedMuon(ShardedOptimizer):
     # ------------------------------------------------------------------ hyper-parameters
     def _check_group(self, g: dict, where: str) -> None:
         check_flag("use_muon", g.get("use_muon"), where)
+        laid_out = self.__dict__.get("_laid_out_use_muon", {}).get(id(g))
+        # (a group's buckets hold Muon's state or AdamW's, laid out when it was built: a switch set later failed in
+        # the update with a KeyError 'momentum_buffer', after the gradients were reduced, until session 52)
+        if laid_out is not None and g["use_muon"] is not laid_out:
+            raise ValueError(f"use_muon={g['use_muon']}, but this group was built with use_muon={laid_out}: its "
+                             "buckets hold that kind's state (Muon's momentum or AdamW's moments), laid out then; put "
+                             f"the parameters in a group of the other kind when building the optimizer{where}")
         if not g["use_muon"]:
             check_flag("maximize", g.get("maximize", False), where)  # ("False" is no maximize=True)
             for key in ("amsgrad", "maximize"):  # (first: check_adamw_group would name ShardedAdamW's reasons)
@@ -185,8 +192,11 @@ class ShardedMuon(ShardedOptimizer):
         """The matrices of the Muon buckets ``new`` (all of them at construction, a group's added after it), once
         the layout is done (a group's matrices are balanced over the ranks among themselves)."""
         self._ns_loads = None
+        laid_out = self.__dict__.setdefault("_laid_out_use_muon", {})  # id(group) -> its use_muon at the layout
         for b in new:
-            if self._group_of_bucket[b.index]["use_muon"]:
+            group = self._group_of_bucket[b.index]
+            laid_out[id(group)] = group["use_muon"]
+            if group["use_muon"]:
                 self._plan_matrices(b)
 
     def _group_keeps_step(self, group: dict) -> bool:
