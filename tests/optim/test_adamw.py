@@ -177,6 +177,10 @@ def _params():
     # reduction, until session 52: found by tests/optim/test_state_dict_fuzz.py)
     (lambda: ShardedSGD(_params(), momentum=0.9, dampening=float("nan")), ValueError,
      r"dampening must be a finite number, got nan \(param_groups\[0\]\)"),
+    # (the kernels take the lr in fp32: a larger one failed in ShardedSGD's launch until session 52)
+    (lambda: ShardedSGD(_params(), lr=1e39), ValueError,
+     r"lr must be >= 0 and finite, got 1e\+39 \(the kernels take it in fp32, whose largest number is 3\.4e38\) "
+     r"\(param_groups\[0\]\)"),
     # the switches take bools only: until session 49 overlap_comm and store_param_remainders took any value's
     # truth, so the string "False" of a config file switched overlap_comm on
     (lambda: ShardedAdamW(_params(), overlap_comm="False"), TypeError, "overlap_comm must be a bool, got str"),

@@ -94,6 +94,7 @@ def test_non_matrix_in_a_muon_group_is_rejected_before_anything_changes():
     (dict(ns_coefficients=(3.4445, float("nan"), 2.0315)), ValueError, r"ns_coefficients must be three finite "
                                                                         r"numbers \(a, b, c\), got \(3\.4445, nan"),
     (dict(lr=-1.0), ValueError, "lr must be >= 0"),
+    (dict(eps=1e39), ValueError, "eps must be below fp32's largest number, got 1e\\+39"),
     # (a TypeError, as every other optimizer's flags: ShardedSGD's nesterov, maximize; a ValueError until session 52)
     (dict(nesterov=1), TypeError, "nesterov must be True or False, got 1"),
 ])

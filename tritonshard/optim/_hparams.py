@@ -17,6 +17,10 @@ def _is_number(x) -> bool:
 # which math.isfinite and f-strings break the graph, and comparisons become guards. NaN fails every comparison.)
 
 
+#: the largest fp32 number: a hyper-parameter the kernels take in fp32 stays below it
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def require(ok: bool, msg: str, where: str) -> None:
     if not ok:
         raise ValueError(msg + where)
@@ -36,8 +40,10 @@ def check_lr(lr, where: str) -> None:
         return
     if not _is_number(lr):
         raise TypeError(f"lr must be a number or a 1-element tensor, got {type(lr).__name__}{where}")
-    if not 0 <= lr < math.inf:
-        raise ValueError(f"lr must be >= 0 and finite, got {lr}{where}")
+    if not 0 <= lr < FP32_MAX:  # (the kernels take it in fp32: a larger one failed in ShardedSGD's launch)
+        raise ValueError(f"lr must be >= 0 and finite, got {lr}"
+                         f"{' (the kernels take it in fp32, whose largest number is 3.4e38)' if lr >= FP32_MAX else ''}"
+                         f"{where}")
 
 
 def _no_tensor(name: str, value, where: str) -> None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..buffer import DEFAULT_ALIGN
 from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
-from ._hparams import check_flag, check_lr, check_min, require
+from ._hparams import FP32_MAX, check_flag, check_lr, check_min, require
 from .adamw import ShardedAdamW, adamw_update, adamw_update_slice, check_adamw_group
 from .base import ShardedOptimizer, group_param_list, kernels, param_list, param_name
 from .bucket import _Bucket, split_into_buckets
@@ -162,6 +162,7 @@ class ShardedMuon(ShardedOptimizer):
                         for x in c),  # (a NaN one orthogonalized every update to NaN, silently, until session 52)
                 f"ns_coefficients must be three finite numbers (a, b, c), got {c!r}", where)
         check_min("eps", g["eps"], where)
+        require(g["eps"] < FP32_MAX, f"eps must be below fp32's largest number, got {g['eps']!r}", where)
         s = g["ns_steps"]
         require(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 100,
                 f"ns_steps must be an int in [0, 100), got {s!r}", where)
