@@ -566,6 +566,16 @@ def test_a_malformed_state_dict_is_named_and_nothing_is_loaded(case):
         assert all(torch.equal(entry[k], after["state"][key][k]) for k in entry), key
 
 
+def _step_with_torch(opt, model, torch_opt, twin) -> None:
+    """One step of ``opt`` over ``model`` and of ``torch_opt`` over its fp32 ``twin``, with the same fresh bf16
+    gradients."""
+    for p, q in zip(model.parameters(), twin):
+        g = torch.randn(p.shape).bfloat16()
+        p.grad, q.grad = g, g.float()
+    opt.step()
+    torch_opt.step()
+
+
 def test_torch_sgds_state_dict_without_step_counts_loads_into_sharded_sgd():
     """torch.optim.SGD keeps no step in its state (nor does a Lion): unlike an AdamW's, its dict loads without one,
     and trains on as torch.optim.SGD does from it."""
@@ -591,11 +601,7 @@ def test_torch_sgds_state_dict_without_step_counts_loads_into_sharded_sgd():
     opt.load_state_dict(saved)
     start = [s["master"].clone() for s in opt.state_dict()["state"].values()]  # (the bf16 weights: no master saved)
     twin_start = [q.detach().clone() for q in twin]
-    grads = [torch.randn(p.shape).bfloat16() for p in twin]
-    for p, q, g in zip(model.parameters(), twin, grads):
-        p.grad, q.grad = g, g.float()
-    opt.step()
-    torch_opt.step()
+    _step_with_torch(opt, model, torch_opt, twin)
     state = opt.state_dict()["state"]
     for i, q in enumerate(twin):
         # the step from the loaded buffer with the loaded lr 0.1 and momentum 0.9 (a buffer started afresh, or the
@@ -622,11 +628,7 @@ def test_a_momentum_buffer_of_none_from_an_older_torch_sgd_is_no_buffer_yet():
     for step in range(2):
         for o in (opt, torch_opt):
             o.param_groups[0]["momentum"] = 0.9  # (the saved groups had none)
-        for p, q in zip(model.parameters(), twin):
-            g = torch.randn(p.shape).bfloat16()
-            p.grad, q.grad = g, g.float()
-        opt.step()
-        torch_opt.step()
+        _step_with_torch(opt, model, torch_opt, twin)
     state = opt.state_dict()["state"]
     for i, q in enumerate(twin):
         # the same fp32 start (bf16 weights); op order against torch's: fp32 ulps (see test_sgd_lion_distributed);
@@ -655,11 +657,7 @@ def test_an_empty_entry_in_a_torch_adamw_state_dict_is_a_parameter_without_state
     opt.load_state_dict(saved)
     start = [s["master"].clone() for s in opt.state_dict()["state"].values()]
     twin_start = [q.detach().clone() for q in twin]
-    for p, q in zip(model.parameters(), twin):
-        g = torch.randn(p.shape).bfloat16()
-        p.grad, q.grad = g, g.float()
-    opt.step()
-    torch_opt.step()
+    _step_with_torch(opt, model, torch_opt, twin)
     state = opt.state_dict()["state"]
     assert [float(state[i]["step"]) for i in range(2)] == [2.0, 1.0]
     for i, q in enumerate(twin):
