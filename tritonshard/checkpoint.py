@@ -448,22 +448,21 @@ def _check_signature(opt, meta, laid_out: frozenset = frozenset()) -> None:
                 raise CheckpointMismatchError(f"parameter {a['index']}: {what} is {b[key]} in the checkpoint but "
                                               f"{a[key]} in the optimizer{hint}")
     saved, ours = list(meta["state_names"]), list(opt._state_names)
-    if saved != ours and not _starts_at_first_step(opt, meta):
+    if saved != ours and not _starts_at_first_step(opt, saved, ours, meta["steps"]):
         hint = (" (a ShardedSGD holds momentum buffers only when built with momentum in some group: build it with "
                 "the saved run's momentum)" if "momentum_buffer" in saved and "momentum_buffer" not in ours else "")
         raise CheckpointMismatchError(f"the checkpoint holds state {saved}, this optimizer needs {ours}{hint}")
 
 
-def _starts_at_first_step(opt, meta) -> bool:
+def _starts_at_first_step(opt, saved: list, ours: list, steps: dict) -> bool:
     """The checkpoint lacks only state that a parameter's first counted step makes (ShardedSGD's momentum buffers:
     a run built without momentum, loaded into one built with it), and no parameter has such a step yet: the
     missing state starts where that first step starts it, as ``load_state_dict`` of the same run's dict does and
     torch.optim.SGD would (buf = g at its first step with momentum). Until session 52 this was a
     CheckpointMismatchError, where ``load_state_dict`` loaded."""
-    saved, ours = list(meta["state_names"]), list(opt._state_names)
     missing = [name for name in ours if name not in saved]
     return ([name for name in ours if name in saved] == saved and set(missing) <= set(opt._MADE_BY_FIRST_STEP)
-            and not any(meta["steps"].values()))
+            and not any(steps.values()))
 
 
 def _identity(path: str, meta: dict, meta_digest: str) -> tuple[int, str]:

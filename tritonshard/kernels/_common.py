@@ -98,7 +98,7 @@ def check_found_inf(found_inf, device, beside: str) -> None:
 
 #: the smallest normal fp32 number: Triton gives a Python float argument below it (or above fp32's largest) an fp64
 #: parameter, a specialization of its own in which the kernels' bf16 rounding (a bitcast of an fp32) does not hold
-FP32_TINY = 2.0 ** -126
+FP32_TINY = float(torch.finfo(torch.float32).tiny)  # (2^-126)
 
 
 def _fp32_normal(value: float) -> float:

@@ -116,6 +116,7 @@ class ShardedMuon(ShardedOptimizer):
             g["params"] = group_param_list(g["params"], gi)
             _check_matrices(g, gi)
         self._ns_loads: Optional[list] = None  # NS FLOPs per rank so far, while the buckets are laid out
+        self._laid_out_use_muon: dict = {}  # id(group) -> its use_muon when its buckets were laid out
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
                         else ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, use_muon=True)
@@ -136,7 +137,7 @@ class ShardedMuon(ShardedOptimizer):
     # ------------------------------------------------------------------ hyper-parameters
     def _check_group(self, g: dict, where: str) -> None:
         check_flag("use_muon", g.get("use_muon"), where)
-        laid_out = self.__dict__.get("_laid_out_use_muon", {}).get(id(g))
+        laid_out = self._laid_out_use_muon.get(id(g))  # (None: no buckets yet, or a loaded group's merged copy)
         # (a group's buckets hold Muon's state or AdamW's, laid out when it was built: a switch set later failed in
         # the update with a KeyError 'momentum_buffer', after the gradients were reduced, until session 52)
         if laid_out is not None and g["use_muon"] is not laid_out:
@@ -193,10 +194,9 @@ class ShardedMuon(ShardedOptimizer):
         """The matrices of the Muon buckets ``new`` (all of them at construction, a group's added after it), once
         the layout is done (a group's matrices are balanced over the ranks among themselves)."""
         self._ns_loads = None
-        laid_out = self.__dict__.setdefault("_laid_out_use_muon", {})  # id(group) -> its use_muon at the layout
         for b in new:
             group = self._group_of_bucket[b.index]
-            laid_out[id(group)] = group["use_muon"]
+            self._laid_out_use_muon[id(group)] = group["use_muon"]
             if group["use_muon"]:
                 self._plan_matrices(b)
 

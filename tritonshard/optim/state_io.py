@@ -280,6 +280,7 @@ class StateDictMixin:
         by_index = {i: p for i, _, p in indexed}
         self._lay_out_frozen_with_state([by_index[id_map[k]] for k in saved_state if k in id_map])
         entries: dict[torch.Tensor, dict] = {}
+        saved_counts: dict[torch.Tensor, float] = {}  # (each saved step read on the host once: checked, then loaded)
         group_of = {i: gi for i, gi, _ in indexed}
         for key, entry in saved_state.items():
             if key not in id_map:
@@ -303,6 +304,7 @@ class StateDictMixin:
                 if value is None or not 0 <= value < math.inf:
                     raise ValueError(f"state 'step' of parameter {key!r} must be a step count >= 0 (a number or a "
                                      f"1-element tensor), got {step!r:.80}")
+                saved_counts[p] = value
             for name in (*self._bucket_of[p][0].state, "master"):
                 if (name == "master" or name in self._MADE_BY_FIRST_STEP) and name not in entry:
                     continue
@@ -324,7 +326,7 @@ class StateDictMixin:
                 if entry is None or any(name not in entry for name in self._MADE_BY_FIRST_STEP
                                         if name in self._bucket_of[p][0].state):
                     return 0.0
-                return float(entry.get("step", 1.0))
+                return saved_counts.get(p, 1.0)
             steps = {p: count(p) for p in self._bucket_of}
             for b in self.buckets:
                 master = b.master_fp32().clone()
