@@ -8,7 +8,7 @@ one step with the wrong beta or momentum moves them (~1e-4 here)."""
 import pytest
 import torch
 
-from tests.optim.training import make_model
+from tests.optim.training import make_model, small_step, small_trained
 from tritonshard import ShardedAdamW, ShardedSGD
 
 CASES = {
@@ -67,9 +67,8 @@ def test_an_lr_decayed_below_fp32s_normal_range_steps_as_a_zero_lr(kind):
     until session 52, after the gradients were reduced. An fp32 step with such an lr moves no master of a normal
     magnitude (torch.optim's fp32 step leaves them too): the step is the step with lr 0, bit for bit, masters,
     moments and weights."""
-    from tests.optim.test_state_dict_fuzz import _step, _trained  # (the four optimizers, built and stepped twice)
-    model, opt, _ = _trained(kind)
-    twin, twin_opt, _ = _trained(kind)
+    model, opt, _ = small_trained(kind)
+    twin, twin_opt, _ = small_trained(kind)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=1e-20)
     for _ in range(2):
         sched.step()
@@ -77,9 +76,9 @@ def test_an_lr_decayed_below_fp32s_normal_range_steps_as_a_zero_lr(kind):
     for g in twin_opt.param_groups:
         g["lr"] = 0.0
     torch.manual_seed(1)
-    _step(model, opt)
+    small_step(model, opt)
     torch.manual_seed(1)
-    _step(twin, twin_opt)
+    small_step(twin, twin_opt)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     ours, zero = opt.state_dict()["state"], twin_opt.state_dict()["state"]
     for key, entry in zero.items():

@@ -17,35 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
+from tests.optim.training import SMALL_KINDS, small_step, small_trained
 
 JUNK = [None, "x", "0.1", -1.0, float("nan"), [1, 2], (0.9,), True, 0, 3, torch.tensor(0.5), torch.zeros(2), {}, [],
         1e30]
-KINDS = {
-    "adamw": lambda params: ShardedAdamW(params, lr=0.1),
-    "sgd": lambda params: ShardedSGD(params, lr=0.1, momentum=0.9, dampening=0.1),
-    "lion": lambda params: ShardedLion(params, lr=0.1),
-    # (the matrices in Muon groups, the biases in AdamW groups: both kinds of group in one dict)
-    "muon": lambda params: ShardedMuon([{"params": [p for p in params if p.ndim == 2]},
-                                        {"params": [p for p in params if p.ndim < 2], "use_muon": False}], lr=0.1),
-}
-
-
-def _trained(kind):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
-    opt = KINDS[kind](list(model.parameters()))
-    _step(model, opt)
-    _step(model, opt)
-    return model, opt, opt.state_dict()
-
-
-def _step(model, opt):
-    model(torch.randn(2, 5, dtype=torch.bfloat16)).float().square().sum().backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def _well_formed(d) -> bool:
     return (isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
             and bool(d["param_groups"]) and isinstance(d["param_groups"][0], dict) and bool(d["param_groups"][0]))
@@ -102,9 +77,9 @@ def _damage(draw, d) -> str:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (an lr of 1e30 loads: a finite number)
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(SMALL_KINDS))
 def test_a_damaged_state_dict_loads_and_steps_or_is_an_error_that_changes_nothing(kind):
-    model, opt, good = _trained(kind)
+    model, opt, good = small_trained(kind)
 
     # (300 examples per optimizer, ~3 s each here: every kind of damage many times over; the search that found the
     # errors of session 52 ran 1,500 per run)
@@ -125,7 +100,7 @@ def test_a_damaged_state_dict_loads_and_steps_or_is_an_error_that_changes_nothin
             assert all(torch.equal(before["state"][k][n], after["state"][k][n])
                        for k in before["state"] for n in before["state"][k]), f"state changed: {done}"
             return
-        _step(model, opt)  # (any exception fails the example: a loaded dict must train)
+        small_step(model, opt)  # (any exception fails the example: a loaded dict must train)
         opt.load_state_dict(good)
 
     check()

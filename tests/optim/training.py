@@ -17,6 +17,8 @@ import copy
 import torch
 from torch import nn
 
+import tritonshard
+
 MICRO_BATCHES = 3
 MAX_NORM = 0.5
 LR = 2e-2
@@ -178,3 +180,33 @@ class Reference:
 
     def bf16_weights(self):
         return [q.detach() for q in self._bf16_params()]
+
+
+#: the four optimizers over a small bf16 model, for tests of what any of them must do (loads of damaged state
+#: dicts, tests/optim/test_state_dict_fuzz.py; an lr below fp32's range, tests/optim/test_schedulers.py)
+SMALL_KINDS = {
+    "adamw": lambda params: tritonshard.ShardedAdamW(params, lr=0.1),
+    "sgd": lambda params: tritonshard.ShardedSGD(params, lr=0.1, momentum=0.9, dampening=0.1),
+    "lion": lambda params: tritonshard.ShardedLion(params, lr=0.1),
+    # (the matrices in Muon groups, the biases in AdamW groups: both kinds of group in one dict)
+    "muon": lambda params: tritonshard.ShardedMuon([{"params": [p for p in params if p.ndim == 2]},
+                                                    {"params": [p for p in params if p.ndim < 2], "use_muon": False}],
+                                                   lr=0.1),
+}
+
+
+def small_trained(kind: str):
+    """(model, optimizer of ``SMALL_KINDS[kind]``, its state dict) after two steps from seed 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3)).to(torch.bfloat16)
+    opt = SMALL_KINDS[kind](list(model.parameters()))
+    small_step(model, opt)
+    small_step(model, opt)
+    return model, opt, opt.state_dict()
+
+
+def small_step(model, opt) -> None:
+    """A backward of a fresh random batch and a step of ``opt``."""
+    model(torch.randn(2, 5, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    opt.zero_grad()
