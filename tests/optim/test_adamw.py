@@ -183,11 +183,13 @@ def _params():
      r"\(param_groups\[0\]\)"),
     # the switches take bools only: until session 49 overlap_comm and store_param_remainders took any value's
     # truth, so the string "False" of a config file switched overlap_comm on
-    (lambda: ShardedAdamW(_params(), overlap_comm="False"), TypeError, "overlap_comm must be a bool, got str"),
-    (lambda: ShardedAdamW(_params(), ordered_reduce=1), TypeError, "ordered_reduce must be a bool, got int"),
+    (lambda: ShardedAdamW(_params(), overlap_comm="False"), TypeError,
+     "overlap_comm must be True or False, got 'False'"),
+    (lambda: ShardedAdamW(_params(), ordered_reduce=1), TypeError, "ordered_reduce must be True or False, got 1"),
     (lambda: ShardedAdamW(_params(), store_param_remainders=None), TypeError,
-     "store_param_remainders must be a bool, got NoneType"),
-    (lambda: ShardedAdamW(_params(), check_collectives="yes"), TypeError, "check_collectives must be a bool"),
+     "store_param_remainders must be True or False, got None"),
+    (lambda: ShardedAdamW(_params(), check_collectives="yes"), TypeError,
+     "check_collectives must be True or False, got 'yes'"),
     # maximize and SGD's nesterov are True or False: until session 50 they took any value's truth, as torch.optim
     # does, so maximize="False" trained uphill; a group given amsgrad=True trained without it
     (lambda: ShardedAdamW(_params(), maximize="False"), TypeError, "maximize must be True or False, got 'False'"),
@@ -211,6 +213,17 @@ def _params():
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
+
+
+@pytest.mark.parametrize("flag, value", [("cast_forward_inputs", "False"), ("broadcast_buffers", 0)])
+def test_attachs_switches_take_true_or_false_and_name_anything_else_before_hooking_the_model(flag, value):
+    """attach()'s switches say what the constructor's say (one check, _hparams.check_flag): a config file's string
+    "False" is truthy, so a switch that took any value's truth would turn on what the file turns off."""
+    model = torch.nn.Linear(3, 2).bfloat16()
+    opt = ShardedAdamW(model.parameters(), overlap_comm=True)
+    with pytest.raises(TypeError, match=f"{flag} must be True or False, got {value!r}"):
+        opt.attach(model, **{flag: value})
+    assert not model._forward_pre_hooks and opt._attached is None
 
 
 @pytest.mark.parametrize("cls", ["ShardedAdamW", "ShardedSGD", "ShardedLion", "ShardedMuon"])

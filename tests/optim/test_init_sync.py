@@ -74,7 +74,7 @@ def _added_group(rank, world_size):
     want = torch.nn.init.normal_(torch.empty_like(model.fc2.weight)).bfloat16()
     opt.add_param_group({"params": [model.fc2.weight]})
     assert_bitwise_equal(model.fc2.weight.detach(), want, "an added group's weights vs rank 0's")
-    with pytest.raises(TypeError, match="init_sync must be a bool"):
+    with pytest.raises(TypeError, match="init_sync must be True or False"):
         ShardedAdamW(Net().parameters(), init_sync=1)
 
 

@@ -122,6 +122,7 @@ from ..kernels._dispatch import compiled_path, triton_kernels_run
 from ..kernels.flatten import launch_unchecked as _flatten_unchecked
 from ..kernels.scale import (finalize_launch_spec, fold_rows_launch_spec, partials_launch_spec,
                              partials_multi_launch_spec, shared_sum_sq_workspace)
+from ._hparams import check_flag
 from . import graphs as _graphs
 from . import model_sync
 from .bucket import HELD_FROZEN, HOLDERS_GONE, POST_HOOKED, _Bucket, set_grad, split_into_buckets, trace as _trace
@@ -531,9 +532,9 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         for name, flag in (("overlap_comm", overlap_comm), ("ordered_reduce", ordered_reduce),
                            ("store_param_remainders", store_param_remainders), ("cuda_graph", cuda_graph),
                            ("check_collectives", check_collectives), ("init_sync", init_sync)):
-            if not isinstance(flag, bool):  # (until session 49 overlap_comm and store_param_remainders took any
-                # value's truth: the string "False" of a config file switched overlap_comm on)
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            # (until session 49 overlap_comm and store_param_remainders took any value's truth: the string "False"
+            # of a config file switched overlap_comm on)
+            check_flag(name, flag, "")
         if device_mesh is not None and (process_group is not None or replica_group is not None):
             raise ValueError("pass either device_mesh or process_group/replica_group, not both")
         for name, group in (("process_group", process_group), ("replica_group", replica_group)):
@@ -2574,8 +2575,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() takes the torch.nn.Module being trained, got {type(model).__name__}")
         for name, value in (("cast_forward_inputs", cast_forward_inputs), ("broadcast_buffers", broadcast_buffers)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+            check_flag(name, value, "")
         options = {"cast_forward_inputs": cast_forward_inputs, "broadcast_buffers": broadcast_buffers}
         if self._attached is not None and self._attached[0] is model:
             # attached already (the loop's attach and an integration's, or a DDP made since and attached too): the
