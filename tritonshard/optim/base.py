@@ -1412,6 +1412,11 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
     def _check_group(self, group: dict, where: str) -> None:
         """Validate one group's hyper-parameters (subclasses); ``where`` names the group in the message."""
 
+    def _check_group_at_step(self, gi: int, group: dict) -> None:
+        """:meth:`_check_group` of ``param_groups[gi]``, a trained group, at each step() before anything changes
+        (ShardedMuon also checks there that the group is still the kind its buckets were laid out for)."""
+        self._check_group(group, f" (param_groups[{gi}], at step())")
+
     # ------------------------------------------------------------------ gradients into the buffers
     def _queue_end_of_backward(self) -> None:
         """Flush every bucket once autograd has finished this backward. Queued by the first gradient hook, or
@@ -3144,7 +3149,7 @@ class ShardedOptimizer(ModelViewMixin, ParamStepsMixin, StateDictMixin, StateVie
         # every group's hyper-parameters (a scheduler or the user may have changed them) before anything changes:
         # a bad value in group 1 must not leave group 0 updated and the step counters advanced
         for gi, group in self._trained_groups:
-            self._check_group(group, f" (param_groups[{gi}], at step())")
+            self._check_group_at_step(gi, group)
         # (by a clip, a norm: sync_from_model ran then; or traced by torch.compile in a graph without this step,
         # which could not look at the model, and which _reduce_grads takes back: until session 36 that step did not
         # look either, so a weight written since was overwritten from the masters and an opt.state edit followed

@@ -116,7 +116,7 @@ class ShardedMuon(ShardedOptimizer):
             g["params"] = group_param_list(g["params"], gi)
             _check_matrices(g, gi)
         self._ns_loads: Optional[list] = None  # NS FLOPs per rank so far, while the buckets are laid out
-        self._laid_out_use_muon: dict = {}  # id(group) -> its use_muon when its buckets were laid out
+        self._laid_out_use_muon: dict = {}  # group index -> its use_muon when its buckets were laid out
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
                         else ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, use_muon=True)
@@ -135,15 +135,23 @@ class ShardedMuon(ShardedOptimizer):
         _check_matrices(group, len(self.param_groups) - 1)
 
     # ------------------------------------------------------------------ hyper-parameters
-    def _check_group(self, g: dict, where: str) -> None:
-        check_flag("use_muon", g.get("use_muon"), where)
-        laid_out = self._laid_out_use_muon.get(id(g))  # (None: no buckets yet, or a loaded group's merged copy)
-        # (a group's buckets hold Muon's state or AdamW's, laid out when it was built: a switch set later failed in
-        # the update with a KeyError 'momentum_buffer', after the gradients were reduced, until session 52)
-        if laid_out is not None and g["use_muon"] is not laid_out:
-            raise ValueError(f"use_muon={g['use_muon']}, but this group was built with use_muon={laid_out}: its "
+    def _check_group_at_step(self, gi: int, group: dict) -> None:
+        """A group's buckets hold Muon's state or AdamW's, laid out when it was built: a use_muon switched since
+        failed in the update with a KeyError 'momentum_buffer', after the gradients were reduced, until session 52.
+        Checked before the kind's own checks (a Muon group switched to AdamW has no betas to check). Keyed by the
+        group's index, not ``id(group)``: torch 2.11's dynamo cannot trace ``id()`` of a dict, and the compiled
+        step (fullgraph) broke on it."""
+        where = f" (param_groups[{gi}], at step())"
+        check_flag("use_muon", group.get("use_muon"), where)
+        laid_out = self._laid_out_use_muon.get(gi)  # (None: not laid out yet)
+        if laid_out is not None and group["use_muon"] is not laid_out:
+            raise ValueError(f"use_muon={group['use_muon']}, but this group was built with use_muon={laid_out}: its "
                              "buckets hold that kind's state (Muon's momentum or AdamW's moments), laid out then; put "
                              f"the parameters in a group of the other kind when building the optimizer{where}")
+        self._check_group(group, where)
+
+    def _check_group(self, g: dict, where: str) -> None:
+        check_flag("use_muon", g.get("use_muon"), where)
         if not g["use_muon"]:
             check_flag("maximize", g.get("maximize", False), where)  # ("False" is no maximize=True)
             for key in ("amsgrad", "maximize"):  # (first: check_adamw_group would name ShardedAdamW's reasons)
@@ -196,7 +204,7 @@ class ShardedMuon(ShardedOptimizer):
         self._ns_loads = None
         for b in new:
             group = self._group_of_bucket[b.index]
-            self._laid_out_use_muon[id(group)] = group["use_muon"]
+            self._laid_out_use_muon[b.group_index] = group["use_muon"]
             if group["use_muon"]:
                 self._plan_matrices(b)
 
