@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from tests.distributed import run_on_ranks
-from tests.optim.training import LR, Reference, make_model, param_groups, schedule, train_step
-from tritonshard import ShardedAdamW
+from tests.helpers import assert_bitwise_equal
+from tests.optim.training import LR, Reference, make_model, muon_groups, param_groups, schedule, train_step
+from tritonshard import ShardedAdamW, ShardedLion, ShardedMuon, ShardedSGD
 from tritonshard.checkpoint import (CheckpointMismatchError, atomic_save, latest_checkpoint, load_file,
                                     load_sharded, save_checkpoint, save_sharded)
 
@@ -120,6 +121,77 @@ def _exact_resume(rank, world_size, tmp):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_is_bit_exact_at_the_same_world_size(tmp_path, world_size):
     run_on_ranks(_exact_resume, world_size, str(tmp_path))
+
+
+#: every optimizer and state format a sharded checkpoint holds: its own state names, dtypes and counts
+RESHARD_KINDS = {
+    "sgd": lambda model, cap: ShardedSGD(param_groups(model), lr=0.05, momentum=0.9, nesterov=True,
+                                         bucket_cap_mb=cap),
+    "lion": lambda model, cap: ShardedLion(param_groups(model), lr=1e-3, weight_decay=0.1, bucket_cap_mb=cap),
+    "muon": lambda model, cap: ShardedMuon(muon_groups(model), lr=0.02, bucket_cap_mb=cap),
+    # (the fp32 master as the bf16 weight plus an int16 remainder; bf16 moments, rounded to nearest: stochastic
+    # rounding draws by bucket, so its bits depend on the layout, which a resharded run changes)
+    "adamw, remainders": lambda model, cap: ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=cap,
+                                                         store_param_remainders=True),
+    "adamw, bf16 states": lambda model, cap: ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=cap,
+                                                          state_dtype=torch.bfloat16, state_rounding="nearest"),
+}
+
+
+def _save_every_kind(rank, world_size, root):
+    for name, make in RESHARD_KINDS.items():
+        model = make_model(0)
+        opt = make(model, SMALL_BUCKETS)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(K):
+            train_step(model, opt, sched, rank, step)
+        save_sharded(opt, os.path.join(root, name), extra={"sched": sched.state_dict()})
+        full = opt.state_dict()  # (a collective)
+        if rank == 0:
+            torch.save({"opt": full, "sched": sched.state_dict(), "weights": list(model.parameters())},
+                       os.path.join(root, name + ".pt"))
+
+
+def _load_every_kind(rank, world_size, root):
+    for name, make in RESHARD_KINDS.items():
+        saved = torch.load(os.path.join(root, name + ".pt"))
+        runs = {}
+        for how in ("load_sharded", "load_state_dict"):
+            model = make_model(0)
+            opt = make(model, 25.0)  # (another bucket layout too)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+            if how == "load_sharded":
+                sched.load_state_dict(load_sharded(opt, os.path.join(root, name))["sched"])
+            else:
+                opt.load_state_dict(saved["opt"])
+                sched.load_state_dict(saved["sched"])
+            for p, want in zip(model.parameters(), saved["weights"]):
+                assert_bitwise_equal(p, want, f"{name}, {how}: a weight as saved")
+            loaded = opt.state_dict()
+            for i, entry in saved["opt"]["state"].items():
+                assert set(loaded["state"][i]) == set(entry), (name, how, i)
+                for key, value in entry.items():
+                    assert_bitwise_equal(loaded["state"][i][key], value, f"{name}, {how}: {key} of parameter {i}")
+            for step in range(K, 2 * K):
+                train_step(model, opt, sched, rank, step)
+            runs[how] = [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"]
+        (weights, state), (weights_too, state_too) = runs.values()
+        for a, b in zip(weights, weights_too):
+            assert_bitwise_equal(a, b, f"{name}: a weight trained on from the sharded checkpoint and the state dict")
+        for i, entry in state.items():
+            for key, value in entry.items():
+                assert_bitwise_equal(value, state_too[i][key], f"{name}: {key} of {i}, trained on from both")
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 3)])
+def test_every_optimizer_and_state_format_reshards_as_saved(tmp_path, before, after):
+    """A sharded checkpoint of each optimizer and state format (ShardedSGD's momentum, Lion's, Muon's matrices
+    owned by one rank each, AdamW's int16 remainders and bf16 moments), loaded at another world size and bucket
+    layout, holds every state tensor and weight bit for bit as the full state dict saved beside it had them, and
+    trains on as the same state loaded through load_state_dict does (test_reshard_and_continue_matches_reference
+    checks AdamW's fp32 states against the reference)."""
+    run_on_ranks(_save_every_kind, before, str(tmp_path))
+    run_on_ranks(_load_every_kind, after, str(tmp_path))
 
 
 def test_plain_torch_adamw_state_dict_loads():
