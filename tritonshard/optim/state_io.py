@@ -19,6 +19,16 @@ from .model_view import _names, _setting
 
 __all__ = ["StateDictMixin"]
 
+#: the key under which the first saved param group holds the optimizer-wide values too (``state_dict()
+#: ["tritonshard"]``, as numbers: ``skipped_steps``, the loss scaler's ``loss_scale``, ``growth_tracker`` and
+#: ``overflows_at_min_scale``, stochastic rounding's ``sr_steps``): torch.distributed.checkpoint's ``get_state_dict``
+#: (torchtitan's and Lightning's ModelParallelStrategy's checkpoints) keeps only "state" and "param_groups" of an
+#: optimizer's state dict, so until session 53 a resume through it restarted the loss scale at its initial value
+#: (overflows, skipped steps), the skipped-step count at 0 and stochastic rounding at another random stream (a
+#: resume not bit for bit), silently. A load takes the top-level dict where there is one; never a hyper-parameter
+#: (torch.optim, given such a group, keeps the key unused).
+CARRIED = "tritonshard"
+
 
 class StateDictMixin:
     """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` that (de)serialize its state."""
@@ -127,7 +137,9 @@ class StateDictMixin:
         for gi, g in enumerate(self.param_groups):
             ids = [i for i, gj, _ in indexed if gj == gi]
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-        return {"state": gathered["state"], "param_groups": groups, "tritonshard": gathered["tritonshard"]}
+        extras = gathered["tritonshard"]
+        groups[0][CARRIED] = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
+        return {"state": gathered["state"], "param_groups": groups, "tritonshard": extras}
 
     def _gather_state(self) -> dict:
         self._entry("state_dict")
@@ -256,10 +268,36 @@ class StateDictMixin:
         # 52 such a dict of torch.optim.AdamW's was refused here ("has no 'exp_avg'"). Nor is a buffer a first step
         # makes that is None (torch.optim.SGD before 2.0 kept momentum_buffer=None for a step without momentum,
         # which torch.optim.SGD takes as no buffer yet; an AttributeError here until session 52)
+        # torch.distributed.checkpoint's set_state_dict with flatten_optimizer_state_dict=True (torchtitan's way)
+        # rebuilds each entry from the keys opt.state[p] shows, and a key the checkpoint does not hold comes back as
+        # an empty dict ("shard_range"; "step" where the state dict keeps none, as torch.optim.Muon's): no state.
+        # Until session 53 such a "step" was refused ("must be a step count"), so a ShardedMuon could not resume so
         made = self._MADE_BY_FIRST_STEP
-        saved_state = {k: {n: t for n, t in v.items() if not (t is None and n in made)}
-                       if isinstance(v, dict) and made else v for k, v in saved_state.items()}
+        rebuilt = any(isinstance(t, dict) and not t for v in saved_state.values() if isinstance(v, dict)
+                      for t in v.values())
+        saved_state = {k: {n: t for n, t in v.items() if not ((t is None and n in made) or (isinstance(t, dict)
+                                                                                          and not t))}
+                       if isinstance(v, dict) and (made or rebuilt) else v for k, v in saved_state.items()}
+        extra = state_dict.get("tritonshard")
+        if not isinstance(extra, dict):  # (see CARRIED)
+            extra = saved_groups[0].get(CARRIED) if saved_groups else None
+            extra = extra if isinstance(extra, dict) else {}
         saved_state = {k: v for k, v in saved_state.items() if not (isinstance(v, dict) and not v)}
+        if rebuilt:  # what opt.state[p] does not show, DCP's rebuilt dict does not hold
+            lost = []
+            if self.store_param_remainders and any("master" not in v for v in saved_state.values()
+                                                   if isinstance(v, dict)):
+                lost.append("the fp32 master weights (with store_param_remainders=True there is no fp32 master to "
+                            "show in opt.state[p]: it is the bf16 weight plus an int16 remainder)")
+            if self._scale is not None and "loss_scale" not in extra:
+                lost.append("the loss scaler's scale and growth count (fp16 weights)")
+            if lost:
+                raise ValueError(
+                    "this state dict was rebuilt by torch.distributed.checkpoint's set_state_dict with "
+                    "flatten_optimizer_state_dict=True, which keeps of each parameter's state only the keys "
+                    f"opt.state[p] shows, and it lost {' and '.join(lost)}; loaded, the run would go on from other "
+                    "values than it saved. Save and load with flatten_optimizer_state_dict=False (the optimizer's own "
+                    "state dict, which holds them), or with tritonshard.checkpoint.save_sharded / load_sharded")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
                              f"{len(self.param_groups)}")
@@ -342,7 +380,6 @@ class StateDictMixin:
                 b.set_master(master)
             self._load_steps(steps)
             self._apply_hparams(saved_groups)
-            extra = state_dict.get("tritonshard", {})
             self.skipped_steps.fill_(int(extra.get("skipped_steps", 0)))
             self._load_scaler_state(extra)
             self._load_rounding_state(extra)
@@ -409,7 +446,7 @@ class StateDictMixin:
     #: torch.optim's implementation switches, in the groups of its state dicts: not hyper-parameters of this
     #: optimizer, so a torch.optim dict's values are not copied into its groups
     _TORCH_ONLY_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable", "amsgrad",
-                                  "decoupled_weight_decay"})
+                                  "decoupled_weight_decay", CARRIED})
 
     def _apply_hparams(self, saved_groups) -> None:
         """Every saved key of each group replaces the group's, as torch.optim's ``load_state_dict`` does (the
