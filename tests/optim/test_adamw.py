@@ -548,6 +548,18 @@ _MALFORMED = {  # (what is wrong: how the saved dict is changed, what the error 
                                r"tensor\), got tensor\(\[0., 0.\]\)"),
     "a step of NaN": (lambda d, model: d["state"][0].update(step=torch.tensor(float("nan"))),
                       r"state 'step' of parameter 0 must be a step count >= 0.*got tensor\(nan\)"),
+    # (the optimizer-wide values, read at the end of the load: an error there came after the state was replaced,
+    # until session 53)
+    "the optimizer-wide values as a list": (lambda d, model: d.update(tritonshard=[0]),
+                                            r"state_dict\['tritonshard'\] must be a dict of the optimizer-wide "
+                                            r"values.*got a list"),
+    "a skipped-step count of NaN": (lambda d, model: d["tritonshard"].update(skipped_steps=float("nan")),
+                                    r"state_dict\['tritonshard'\]\['skipped_steps'\] must be a count \(an "
+                                    r"integer >= 0\), got nan"),
+    # (DCP's get_state_dict keeps only the group's copy)
+    "the group's copy only, with a negative count": (
+        lambda d, model: (d.pop("tritonshard"), d["param_groups"][0]["tritonshard"].update(sr_steps=-1)) and None,
+        r"state_dict\['param_groups'\]\[0\]\['tritonshard'\]\['sr_steps'\] must be a count.*got -1"),
 }
 
 

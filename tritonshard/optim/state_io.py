@@ -278,10 +278,7 @@ class StateDictMixin:
         saved_state = {k: {n: t for n, t in v.items() if not ((t is None and n in made) or (isinstance(t, dict)
                                                                                           and not t))}
                        if isinstance(v, dict) and (made or rebuilt) else v for k, v in saved_state.items()}
-        extra = state_dict.get("tritonshard")
-        if not isinstance(extra, dict):  # (see CARRIED)
-            extra = saved_groups[0].get(CARRIED) if saved_groups else None
-            extra = extra if isinstance(extra, dict) else {}
+        extra = _checked_extras(state_dict, saved_groups)
         saved_state = {k: v for k, v in saved_state.items() if not (isinstance(v, dict) and not v)}
         if rebuilt:  # what opt.state[p] does not show, DCP's rebuilt dict does not hold
             lost = []
@@ -462,6 +459,40 @@ class StateDictMixin:
         """All-gather the param shards, which set_master() rounded from the master (what every step ends with)."""
         for b in self.buckets:
             b.param_buffer.all_gather()
+
+
+#: the optimizer-wide values a load reads (state_dict()["tritonshard"]), each a count but the loss scale
+_EXTRA_COUNTS = ("skipped_steps", "growth_tracker", "overflows_at_min_scale", "sr_steps")
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _checked_extras(state_dict: dict, saved_groups: list) -> dict:
+    """The optimizer-wide values of ``state_dict``: its ``tritonshard`` dict, else the first group's copy
+    (:data:`CARRIED`), else none (a torch.optim dict), checked before anything is loaded: a value that is not a
+    count (or a loss scale) raised from the middle of the load until session 53, the state already replaced."""
+    where = "state_dict['tritonshard']"
+    extra = state_dict.get("tritonshard")
+    if extra is None and saved_groups:
+        extra, where = saved_groups[0].get(CARRIED), f"state_dict['param_groups'][0][{CARRIED!r}]"
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where} must be a dict of the optimizer-wide values (skipped_steps, loss_scale...), got "
+                         f"a {type(extra).__name__}")
+    for key in (*_EXTRA_COUNTS, "loss_scale"):
+        if key not in extra:
+            continue
+        v = extra[key]
+        value = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1
+                 else v if isinstance(v, numbers.Real) and not isinstance(v, bool) else None)
+        if key == "loss_scale":
+            if value is None or not 0 < value <= _FP32_MAX:  # (the scale is an fp32 tensor)
+                raise ValueError(f"{where}['loss_scale'] must be a number > 0 that fp32 holds, got {v!r:.80}")
+            if "growth_tracker" not in extra:
+                raise ValueError(f"{where} has a loss_scale but no growth_tracker")
+        elif value is None or not 0 <= value < 2 ** 63 or value != int(value):  # (an int64 tensor)
+            raise ValueError(f"{where}[{key!r}] must be a count (an integer >= 0), got {v!r:.80}")
+    return extra
 
 
 _SAMPLES = 8  # values per state tensor in a state dict's fingerprint
