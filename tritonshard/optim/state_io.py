@@ -271,7 +271,7 @@ class StateDictMixin:
         # torch.distributed.checkpoint's set_state_dict with flatten_optimizer_state_dict=True (torchtitan's way)
         # rebuilds each entry from the keys opt.state[p] shows, and a key the checkpoint does not hold comes back as
         # an empty dict ("shard_range"; "step" where the state dict keeps none, as torch.optim.Muon's): no state.
-        # Until session 53 such a "step" was refused ("must be a step count"), so a ShardedMuon could not resume so
+        # Until session 53 such a "step" was refused ("must be a step count"): a ShardedMuon could not resume that way
         made = self._MADE_BY_FIRST_STEP
         rebuilt = any(isinstance(t, dict) and not t for v in saved_state.values() if isinstance(v, dict)
                       for t in v.values())
