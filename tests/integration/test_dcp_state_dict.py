@@ -7,7 +7,8 @@ continue bit for bit, on 2 gloo ranks."""
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedMuon
@@ -140,3 +141,32 @@ def test_every_state_format_resumes_through_get_and_set_state_dict_or_names_what
     show a step their state dict does not keep (refused until session 53), and what opt.state[p] does not show
     (the fp32 masters under store_param_remainders, the loss scale) is a ValueError naming the way that keeps it."""
     run_on_ranks(_every_kind, 2, str(tmp_path), flatten)
+
+
+def _full_from_rank0(rank, world_size):
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # (rank 0 alone gets the dicts)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+    opt = KINDS["bf16 states"](model)
+    _train_kind(model, opt, 3, 0, rank)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    assert bool(model_sd) == (rank == 0) and bool(optim_sd) == (rank == 0)
+    _train_kind(model, opt, 3, 3, rank)
+    truth = [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+    opt = KINDS["bf16 states"](model)
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_sd, options=load)
+    set_optimizer_state_dict(model, opt, optim_sd, options=load)
+    _train_kind(model, opt, 3, 3, rank)
+    for a, b in zip(model.parameters(), truth):
+        assert torch.equal(a.detach(), b), "resumed from rank 0's full state dicts"
+
+
+def test_full_state_dicts_on_rank_0_broadcast_to_every_rank_resume_bit_for_bit():
+    """torchtitan's and FSDP2's way to load a full checkpoint: rank 0 alone holds the dicts (full_state_dict with
+    cpu_offload), set_model_state_dict / set_optimizer_state_dict broadcast them (broadcast_from_rank0). Also with
+    stochastic rounding's position, which rides in the first param group (state_io.CARRIED)."""
+    run_on_ranks(_full_from_rank0, 2)
