@@ -148,7 +148,7 @@ def _save_every_kind(rank, world_size, root):
         save_sharded(opt, os.path.join(root, name), extra={"sched": sched.state_dict()})
         full = opt.state_dict()  # (a collective)
         if rank == 0:
-            torch.save({"opt": full, "sched": sched.state_dict(), "weights": list(model.parameters())},
+            torch.save({"opt": full, "sched": sched.state_dict(), "weights": [p.detach() for p in model.parameters()]},
                        os.path.join(root, name + ".pt"))
 
 
