@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from .. import comm
+from ._hparams import FP32_MAX
 from .bucket import UNHELD_PRECISE, _Bucket
 from .model_view import _names, _setting
 
@@ -334,8 +335,8 @@ class StateDictMixin:
                                  "reads (its bias corrections)")
             if "step" in entry:  # (a corrupt count trained on silently: a NaN bias correction, NaN weights)
                 step = entry["step"]
-                value = (float(step) if (isinstance(step, torch.Tensor) and step.numel() == 1)
-                         or (isinstance(step, numbers.Real) and not isinstance(step, bool)) else None)
+                value = _real(step)
+                value = None if value is None else float(value)
                 if value is None or not 0 <= value < math.inf:
                     raise ValueError(f"state 'step' of parameter {key!r} must be a step count >= 0 (a number or a "
                                      f"1-element tensor), got {step!r:.80}")
@@ -463,7 +464,14 @@ class StateDictMixin:
 
 #: the optimizer-wide values a load reads (state_dict()["tritonshard"]), each a count but the loss scale
 _EXTRA_COUNTS = ("skipped_steps", "growth_tracker", "overflows_at_min_scale", "sr_steps")
-_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _real(v):
+    """``v``'s value where it is a number (not a bool) or a 1-element tensor, else None: how a saved count or scale
+    may come."""
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else None
+    return v if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
 
 
 def _checked_extras(state_dict: dict, saved_groups: list) -> dict:
@@ -483,10 +491,9 @@ def _checked_extras(state_dict: dict, saved_groups: list) -> dict:
         if key not in extra:
             continue
         v = extra[key]
-        value = (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1
-                 else v if isinstance(v, numbers.Real) and not isinstance(v, bool) else None)
+        value = _real(v)
         if key == "loss_scale":
-            if value is None or not 0 < value <= _FP32_MAX:  # (the scale is an fp32 tensor)
+            if value is None or not 0 < value <= FP32_MAX:  # (the scale is an fp32 tensor)
                 raise ValueError(f"{where}['loss_scale'] must be a number > 0 that fp32 holds, got {v!r:.80}")
             if "growth_tracker" not in extra:
                 raise ValueError(f"{where} has a loss_scale but no growth_tracker")
