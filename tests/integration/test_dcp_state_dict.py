@@ -14,9 +14,13 @@ from tests.distributed import run_on_ranks
 from tritonshard import ShardedAdamW, ShardedMuon
 
 
-def _build(seed):
+def _model(seed):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+    return torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+
+
+def _build(seed):
+    model = _model(seed)
     opt = ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-9)
     opt.attach(model)
     return model, opt
@@ -92,8 +96,7 @@ def _train_kind(model, opt, steps, first, rank):
 def _every_kind(rank, world_size, root, flatten):
     options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     for name, make in KINDS.items():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+        model = _model(0)
         opt = make(model)
         _train_kind(model, opt, 3, 0, rank)
         if name == "fp16":
@@ -104,8 +107,7 @@ def _every_kind(rank, world_size, root, flatten):
         _train_kind(model, opt, 3, 3, rank)
         truth, truth_state = [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
-        torch.manual_seed(1)  # other weights: everything must come from the checkpoint
-        model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+        model = _model(1)  # other weights: everything must come from the checkpoint
         opt = make(model)
         model_sd, optim_sd = get_state_dict(model, opt, options=options)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/{name}")
@@ -145,8 +147,7 @@ def test_every_state_format_resumes_through_get_and_set_state_dict_or_names_what
 
 def _full_from_rank0(rank, world_size):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # (rank 0 alone gets the dicts)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+    model = _model(0)
     opt = KINDS["bf16 states"](model)
     _train_kind(model, opt, 3, 0, rank)
     model_sd, optim_sd = get_state_dict(model, opt, options=options)
@@ -154,8 +155,7 @@ def _full_from_rank0(rank, world_size):
     _train_kind(model, opt, 3, 3, rank)
     truth = [p.detach().clone() for p in model.parameters()]
 
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+    model = _model(1)
     opt = KINDS["bf16 states"](model)
     load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, model_sd, options=load)
