@@ -395,7 +395,7 @@ def test_with_overlap_buckets_that_launch_nothing_are_flushed_four_at_a_time():
     only at the end would keep every one). The last backward flushes each bucket as it completes, for its
     reduce-scatter (one rank runs this machinery in tests only, as many ranks do: until session 40 it flushed
     four at a time there too, where one rank ran the machinery for real before session 33)."""
-    from tritonshard.optim.base import FLUSH_TOGETHER
+    from tritonshard.optim.backward import FLUSH_TOGETHER
     from tritonshard.optim.model_sync import ShardedGrad
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(9)])

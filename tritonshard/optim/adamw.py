@@ -13,7 +13,8 @@ from ..kernels.adamw import adamw_coefficients, adamw_coefficients_into, adamw_c
 from ..kernels.adamw import SEGMENTS as ADAMW_SEGMENTS
 from ..kernels.adamw import launch_spec as adamw_launch_spec
 from ._hparams import check_betas, check_flag, check_lr, check_min, require
-from .base import ShardedOptimizer, kernels
+from ._compiled import kernels
+from .base import ShardedOptimizer
 from .bucket import _Bucket
 
 __all__ = ["ShardedAdamW", "adamw_update", "adamw_update_slice", "check_adamw_group"]

@@ -35,7 +35,8 @@ from ..kernels.muon import adjusted_lr_ratio, newton_schulz
 from ..layout import Layout, balance_owners, newton_schulz_flops
 from ._hparams import FP32_MAX, check_flag, check_lr, check_min, require
 from .adamw import ShardedAdamW, adamw_update, adamw_update_slice, check_adamw_group
-from .base import ShardedOptimizer, group_param_list, kernels, param_list, param_name
+from ._compiled import kernels
+from .base import ShardedOptimizer, group_param_list, param_list, param_name
 from .bucket import _Bucket, split_into_buckets
 
 __all__ = ["ShardedMuon"]

@@ -13,7 +13,8 @@ from ..kernels.sgd import SEGMENTS as SGD_SEGMENTS
 from ..kernels.sgd import launch_spec as sgd_launch_spec
 from ..kernels.sgd import sgd_coefficients
 from ._hparams import check_betas, check_flag, check_lr, check_min, check_number, require
-from .base import ShardedOptimizer, kernels, param_list
+from ._compiled import kernels
+from .base import ShardedOptimizer, param_list
 from .bucket import _Bucket
 
 __all__ = ["ShardedSGD", "ShardedLion"]
