@@ -40,6 +40,7 @@ __all__ = ["ReductionMixin"]
 class ReductionMixin:
     """Methods of :class:`~tritonshard.optim.base.ShardedOptimizer` that reduce the gradients."""
 
+    # ------------------------------------------------------------------ reduce-scatter launches
     def _launch_all(self) -> None:
         """Every bucket may be reduced now; launch all that are not yet in flight, in launch order."""
         for b in self.buckets:
