@@ -44,24 +44,64 @@ def _hybrid(rank, world_size, mode, tmp):
     # 4 bf16 contributions summed in another order than the reference (2 in the reduce-scatter, then 2 in the
     # all-reduce): the same bound as plain 4-rank sharding, 1e-3 (tests/optim/test_adamw_distributed.py)
     assert worst <= 1e-3 * scale, f"hybrid vs reference: {worst / scale:.2e}"
-    # a checkpoint from the hybrid layout loads into plain sharding over 2 (written once per shard)
+    # a checkpoint from the hybrid layout (written once per shard), and beside it what it must bring back: the
+    # full state dict (every rank's shards gathered) and the weights
     path = os.path.join(tmp, f"{mode}-ckpt")
-    save_sharded(opt, path)
+    _save_with_full_dict(opt, model, rank, path)
     data_files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
     assert len(data_files) == 2, f"one DCP data file per shard (2), not per rank: {data_files}"
 
 
-def _load_plain(rank, world_size, path):
+def _save_with_full_dict(opt, model, rank, path) -> None:
+    full = opt.state_dict()  # (a collective: every rank)
+    if rank == 0:
+        os.makedirs(path + "-full", exist_ok=True)
+        torch.save({"optimizer": full, "weights": [p.detach().clone() for p in model.parameters()]},
+                   os.path.join(path + "-full", "full.pt"))
+    save_sharded(opt, path)
+
+
+def _plain_ranks(rank, world_size, tmp):
+    """Plain sharding over 2 ranks, 3 steps, saved for a hybrid layout to load."""
     model = make_model(0)
-    opt = ShardedAdamW(param_groups(model), lr=LR)
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=200 * 2 / 2 ** 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(STEPS):
+        train_step(model, opt, sched, rank, step)
+    _save_with_full_dict(opt, model, rank, os.path.join(tmp, "plain-ckpt"))
+
+
+def _load_and_compare(rank, world_size, path, hybrid):
+    """Load the checkpoint at ``path`` into a model that started from other weights, on ``world_size`` plain ranks or
+    as 2 replicas x 2 shards, in another bucket layout: every weight, master and moment and the step count are the
+    ones saved, bit for bit, on every rank (a replica's ranks read the same shards as the other's)."""
+    model = make_model(1)
+    kw = dict(device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))) if hybrid else {}
+    opt = ShardedAdamW(param_groups(model), lr=LR, bucket_cap_mb=300 * 2 / 2 ** 20, **kw)
     load_sharded(opt, path)
+    saved = torch.load(os.path.join(path + "-full", "full.pt"), weights_only=True)
+    loaded = opt.state_dict()["state"]
+    for i, entry in saved["optimizer"]["state"].items():
+        assert sorted(loaded[i]) == sorted(entry), (i, sorted(loaded[i]), sorted(entry))
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(loaded[i][key]), torch.as_tensor(value)), f"state {i} {key!r}"
+    for i, (p, w) in enumerate(zip(model.parameters(), saved["weights"])):
+        if p.requires_grad:  # (a frozen parameter is not the optimizer's: no checkpoint of its holds it)
+            assert torch.equal(p.detach(), w), f"weight {i}"
     assert float(opt.buckets[0].step) == STEPS
 
 
 @pytest.mark.parametrize("mode", ["mesh", "groups"])
-def test_hybrid_2x2_matches_plain_data_parallelism_and_its_checkpoint_loads_without_replicas(tmp_path, mode):
+def test_hybrid_2x2_matches_plain_data_parallelism_and_its_checkpoint_loads_on_any_layout(tmp_path, mode):
     run_on_ranks(_hybrid, 4, mode, str(tmp_path))
-    run_on_ranks(_load_plain, 2, str(tmp_path / f"{mode}-ckpt"))
+    path = str(tmp_path / f"{mode}-ckpt")
+    run_on_ranks(_load_and_compare, 2, path, False)  # without replicas
+    run_on_ranks(_load_and_compare, 4, path, True)  # hybrid again, another bucket layout
+
+
+def test_a_plain_checkpoint_loads_into_a_hybrid_layout(tmp_path):
+    run_on_ranks(_plain_ranks, 2, str(tmp_path))
+    run_on_ranks(_load_and_compare, 4, str(tmp_path / "plain-ckpt"), True)
 
 
 def test_device_mesh_and_groups_are_exclusive():
