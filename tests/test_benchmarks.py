@@ -261,7 +261,10 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert "## Traced iteration (step 2), --overlap" in results, results
     assert "gpu_check/profile-overlap/tritonshard/profile_step2.json" in members, sorted(members)
     assert "tritonshard.update[group 0]" in results, results  # (one process: a range per param group)
-    assert "failed" not in results and "timed out" not in results, results
+    # (a CUDA build of torch on a machine without a GPU, e.g. torch 2.11 from PyPI as docs/testing.md installs it,
+    # makes its profiler log "gpuGetDeviceCount failed" into the host stage's output: the machine's, not a stage's)
+    stages = "\n".join(line for line in results.splitlines() if "gpuGetDeviceCount failed" not in line)
+    assert "failed" not in stages and "timed out" not in stages, results
 
 
 def test_gpu_check_reports_a_stage_that_times_out_and_runs_only_the_stages_asked_for(tmp_path):
