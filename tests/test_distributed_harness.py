@@ -17,11 +17,12 @@ def _leave_things_behind(rank, world_size, path):
     first_draw = torch.randn(4)
     torch.save(first_draw, os.path.join(path, f"draw-{rank}.pt"))
     os.environ["TESTS_DISTRIBUTED_LEFTOVER"] = "1"
+    warnings.simplefilter("error")  # (so the step below must warn of nothing, but for the environment's warning:
+    # Triton 3.6's interpreter, the GPU machine's version, warns under numpy >= 1.25 at launches with a 1-element
+    # array argument)
+    warnings.filterwarnings("ignore", "Conversion of an array with ndim > 0 to a scalar", DeprecationWarning)
     torch.set_grad_enabled(False)
     _optimizer_on_a_subgroup(rank, world_size)
-    # (last: Triton 3.6's interpreter, the GPU machine's version, warns under numpy >= 1.25 at every launch with a
-    # 1-element array argument, which "error" made the step above fail there)
-    warnings.simplefilter("error")
 
 
 def _optimizer_on_a_subgroup(rank, world_size):
